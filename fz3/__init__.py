@@ -1,0 +1,22 @@
+"""fz3: ZeRO-3 training as pure functions over a sharded parameter pytree.
+
+    model, params = fz3.shard(module, layers="blocks", pre=pre_fn, post=post_fn)
+    loss, grads = fz3.value_and_grad(model)(params, batch)
+"""
+
+from . import optim
+from .executor import Frame, Result
+from .layout import FlatLayout, Slot
+from .masks import decay_mask
+from .model import Params, ShardedModel, shard
+from .precision import Precision
+from .record import Event, Recorder
+from .schedule import OUTER, Op, Policy, Schedule, ScheduleError, plan, validate
+from .state_dict import full_state_dict
+from .step import ValueAndGrad, apply, value_and_grad
+
+__all__ = [
+    "OUTER", "Event", "FlatLayout", "Frame", "Op", "Params", "Policy", "Precision", "Recorder", "Result",
+    "Schedule", "ScheduleError", "ShardedModel", "Slot", "ValueAndGrad", "apply", "decay_mask",
+    "full_state_dict", "optim", "plan", "shard", "validate", "value_and_grad",
+]

@@ -1,0 +1,83 @@
+"""Collectives as plain functions: each issues one asynchronous collective and returns a
+``Pending``; ``wait`` is a separate call, placed where the data is needed.
+
+[Note: streams and lifetimes]
+On CUDA (NCCL) an ``async_op=True`` collective runs on the process group's own NCCL stream,
+which first waits for the work already queued on the current (compute) stream; ``wait``
+makes the current stream wait for the collective, without blocking the host. So a gather
+issued before layer i computes runs concurrently with it, and nothing here calls
+``torch.cuda.synchronize``. The tensors a collective reads or writes are kept alive by the
+``Pending`` until its ``wait``: after that every later use on the compute stream is ordered
+after the collective, so dropping them is safe. On gloo the collective runs on gloo's
+threads and ``wait`` blocks the host: the same code, the same order.
+
+All-gathers and reduce-scatters use two process groups over the same ranks where the
+backend serializes one group's collectives (NCCL): a reduce-scatter of layer i+1 then does
+not queue behind the all-gather of layer i-1 in backward.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+# torch >= 2.13 names them *_single and deprecates the old names with a warning on every call;
+# older torch (2.11 on the GPU machine) only has the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True, eq=False)
+class Comm:
+    """The sharding group and how to talk to it. Built once by ``fz3.shard``."""
+
+    group: dist.ProcessGroup  # all-gathers (and the loss mean)
+    reduce_group: dist.ProcessGroup  # reduce-scatters / all-reduces of gradients
+    rank: int
+    world_size: int
+    replicate_group: dist.ProcessGroup | None = None  # hybrid sharding: all-reduce across replicas
+    delay_s: float = 0.0  # debug: rank r sleeps r*delay_s before each collective (catches missing waits)
+
+    def _delay(self) -> None:
+        if self.delay_s:
+            time.sleep(self.delay_s * self.rank)
+
+
+class Pending(NamedTuple):
+    """An issued collective. ``out`` is valid only after ``wait``; ``keep`` stays alive until then."""
+
+    work: object  # torch.distributed Work, or None when it ran synchronously
+    out: torch.Tensor
+    keep: torch.Tensor | None
+
+
+def all_gather(comm: Comm, out: torch.Tensor, shard: torch.Tensor) -> Pending:
+    """Issue ``out (world*n,) <- concat over ranks of shard (n,)``."""
+    comm._delay()
+    work = _all_gather(out, shard, group=comm.group, async_op=True)
+    return Pending(work, out, shard)
+
+
+def reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor) -> Pending:
+    """Issue ``out (n,) <- sum over ranks of full[rank*n:(rank+1)*n]`` (full: (world*n,))."""
+    comm._delay()
+    work = _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=comm.reduce_group, async_op=True)
+    return Pending(work, out, full)
+
+
+def all_reduce(comm: Comm, t: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> Pending:
+    """Issue an in-place sum of ``t`` over ``group`` (default: the gradient group)."""
+    comm._delay()
+    work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group or comm.reduce_group, async_op=True)
+    return Pending(work, t, None)
+
+
+def wait(p: Pending) -> torch.Tensor:
+    """Block (gloo) or make the current stream wait (NCCL) until ``p`` is done; return its output."""
+    if p.work is not None:
+        p.work.wait()
+    return p.out

@@ -1,0 +1,279 @@
+"""The layer-scan executor: one training step, top to bottom, as an interpreter of a Schedule.
+
+``execute`` is a generator: it runs the schedule's ops in order and yields a ``Frame``
+after every compute op; its return value is the ``Result``. ``fz3.value_and_grad`` drains
+it, ``fz3.step_through`` hands the frames to the user. Closing it early drains every
+collective still in flight, so no rank is left inside one.
+
+Per unit, the buffers and their lifetimes:
+- gather: a ``(world*n,)`` buffer in the compute dtype, alive until ``free``; a unit of k>1
+  layers is copied once into ``(k, full)`` layer order (rank-major gather order otherwise).
+- forward: keeps the unit's input (``forward``: recompute in backward) or its autograd
+  graph (``forward_save``). A unit freed while its graph is alive keeps its buffer object
+  with zero-sized storage (``released``) and is re-gathered into that same storage before
+  its backward, as FSDP2 does with ``untyped_storage().resize_()``: the graph's saved views
+  then see the re-gathered values.
+- backward: one flat gradient ``(world, k, n)`` in rank-major order, alive until its reduce
+  is waited; the gradient shards land in the step's fp32 gradient pytree.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Generator, NamedTuple
+
+import torch
+
+from . import units
+from .comm import Pending, all_gather, all_reduce, reduce_scatter, wait
+from .model import Params, ShardedModel
+from .record import Recorder
+from .schedule import OUTER, Op, Schedule
+
+
+class Frame(NamedTuple):
+    """Yielded after each compute op. References only: building it costs nothing."""
+
+    index: int  # position of the op in the schedule
+    op: Op
+    params: torch.Tensor  # the unit's gathered parameters: (outer.padded,) or (k, layer.padded)
+    inputs: Any  # forward: the unit's input (the batch for outer); backward: gradient w.r.t. its output
+    outputs: Any  # forward: its output (h, or (h, *extra) for pre; the loss for `loss`); backward: grad w.r.t. its input
+    grad: torch.Tensor | None  # backward: the unit's full flat gradient before reduction, (world, k, n) or (padded,)
+
+
+class Result(NamedTuple):
+    loss: torch.Tensor  # () fp32, mean over ranks
+    grads: Params | None  # shards of the gradient of the mean loss (None for forward-only)
+
+
+class _Saved(NamedTuple):
+    graph: bool  # True: out/leaves hold the forward graph; False: recompute from x with rng
+    x: Any  # the unit's input: h (its autograd leaf for a graph), or the batch for outer
+    out: Any  # graph only: the unit's output
+    leaves: list  # graph only: parameter leaves (per layer for layer units)
+    extras: tuple  # the extras the unit was called with (leaves at differentiable positions, graph only)
+    rng: torch.Tensor | None  # recompute only: RNG state before the forward (dropout masks repeat)
+
+
+def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
+            recorder: Recorder | None = None) -> Generator[Frame, None, Result]:
+    comm, dev = model.comm, model.device
+    world, rank = comm.world_size, comm.rank
+    cdt, rdt = model.precision.compute, model.precision.reduce
+    grad = schedule.grad
+    num_layers = schedule.num_layers
+
+    gathering: dict[int, Pending] = {}
+    gathered: dict[int, torch.Tensor] = {}
+    released: dict[int, tuple[torch.Tensor, Any]] = {}  # unit -> (buffer with empty storage, its version)
+    saved: dict[int, _Saved] = {}
+    flat_grads: dict[int, torch.Tensor] = {}
+    reducing: dict[int, tuple[Pending, torch.Tensor]] = {}
+    if grad:
+        grads = Params(torch.zeros(model.outer.shard_numel, dtype=torch.float32, device=dev),
+                       torch.zeros(num_layers, model.layer.shard_numel, dtype=torch.float32, device=dev))
+    h: torch.Tensor | None = None  # activation flowing forward
+    extras: tuple = ()  # pre's extra outputs, passed to every layer
+    dpos: list[int] = []  # which extras carry gradient
+    g_h: torch.Tensor | None = None  # gradient flowing backward (w.r.t. h)
+    g_extras: dict[int, torch.Tensor] = {}  # summed gradients w.r.t. differentiable extras
+    post_grads: tuple = ()
+    loss_pending: Pending | None = None
+    rng_end = None
+    if recorder is not None:
+        recorder.begin_step(schedule)
+
+    try:
+        for i, op in enumerate(schedule.ops):
+            if recorder is not None:
+                t0 = time.perf_counter_ns()
+            kind, u = op
+            frame = None
+            rows = None if u == OUTER else schedule.layer_range(u)
+
+            if kind == "gather":
+                # Cast before the gather: bf16 moves half the bytes (no-op in fp32).
+                src = (params.outer if rows is None else params.layers[rows.start:rows.stop]).to(cdt)
+                direct = rows is None or len(rows) == 1  # the gather buffer is the parameter buffer
+                if direct and u in released:  # back into the storage the live graph saved views of
+                    out = _regrow(released[u][0]).view(-1)
+                else:
+                    out = torch.empty(world * src.numel(), dtype=cdt, device=dev)
+                gathering[u] = all_gather(comm, out, src.reshape(-1))
+
+            elif kind == "wait":
+                out = wait(gathering.pop(u))
+                if rows is None:
+                    buf = out
+                elif len(rows) == 1:
+                    buf = out.view(1, -1)
+                elif u in released:  # rank-major (world, k, n) -> layer-major (k, world*n), in place
+                    buf = _regrow(released[u][0])
+                    buf.copy_(out.view(world, len(rows), -1).transpose(0, 1).reshape(buf.shape))
+                else:
+                    buf = out.view(world, len(rows), -1).transpose(0, 1).reshape(len(rows), -1)
+                if u in released:
+                    # The graph's saved views now hold the same values again; collectives and
+                    # the copy bumped the version counter (gloo: when the work completes), which
+                    # autograd would take for an in-place change. Restore it.
+                    with released.pop(u)[1]:
+                        pass
+                gathered[u] = buf
+
+            elif kind == "free":
+                buf = gathered.pop(u)
+                if u in saved and saved[u].graph:  # a live graph holds views of buf: free the storage only
+                    released[u] = (_release(buf), torch.autograd._unsafe_preserve_version_counter(buf))
+
+            elif kind in ("forward", "forward_save") and u == OUTER:
+                # pre's graph is kept whenever gradients are wanted: it decides which extras
+                # (rotary tables, masks, ...) carry gradient, and costs one activation.
+                views = model.outer.views(gathered[u])
+                lv = units.leaves(views) if grad else views
+                with torch.set_grad_enabled(grad):
+                    h0, ex0 = units.pre(model, lv, batch)
+                dpos = units.differentiable(ex0)
+                if grad:
+                    saved[u] = _Saved(True, batch, (h0, ex0), lv, (), None)
+                h, extras = h0.detach(), tuple(e.detach() if j in dpos else e for j, e in enumerate(ex0))
+                frame = Frame(i, op, gathered[u], batch, (h, *extras), None)
+
+            elif kind in ("forward", "forward_save"):
+                x, views = h, units.layer_views(model.layer, gathered[u])
+                if kind == "forward_save":
+                    lv, xl, el = _layer_leaves(views, x, extras, dpos)
+                    with torch.enable_grad():
+                        out = units.layers(model, rows.start, lv, xl, el)
+                    saved[u] = _Saved(True, xl, out, lv, el, None)
+                    h = out.detach()
+                else:
+                    rng = _rng_state(dev) if grad else None
+                    with torch.no_grad():
+                        h = units.layers(model, rows.start, views, x, extras)
+                    if grad:
+                        saved[u] = _Saved(False, x, None, [], (), rng)
+                frame = Frame(i, op, gathered[u], x, h, None)
+
+            elif kind == "loss":
+                views = model.outer.views(gathered[OUTER])
+                if grad:
+                    lv, hl = units.leaves(views), h.detach().requires_grad_()
+                    with torch.enable_grad():
+                        loss = units.post(model, lv, hl, batch)
+                    # Seed 1/world: the reduce is a sum over ranks, the loss a mean.
+                    g = torch.autograd.grad(loss, [hl, *lv], torch.full_like(loss, 1.0 / world), allow_unused=True)
+                    g_h, post_grads = _or_zeros(g[0], hl), g[1:]
+                    rng_end = _rng_state(dev)
+                else:
+                    with torch.no_grad():
+                        loss = units.post(model, views, h, batch)
+                loss_pending = all_reduce(comm, loss.detach().float() / world, group=comm.group)
+                frame = Frame(i, op, gathered[OUTER], h, loss, None)
+
+            elif kind == "backward" and u == OUTER:
+                s = saved.pop(u)
+                (h0, ex0), lv = s.out, s.leaves
+                outs = [(t, g) for t, g in [(h0, g_h)] + [(ex0[j], g_extras.get(j)) for j in dpos]
+                        if t.requires_grad and g is not None]
+                gs = (torch.autograd.grad([t for t, _ in outs], lv, [g for _, g in outs], allow_unused=True)
+                      if outs else [None] * len(lv))
+                total = [a if b is None else b if a is None else a + b for a, b in zip(gs, post_grads)]
+                flat_grads[u] = units.flat_grad(model.outer, total, h0).to(rdt)
+                frame = Frame(i, op, gathered[u], g_h, None, flat_grads[u])
+
+            elif kind == "backward":
+                s = saved.pop(u)
+                if s.graph:
+                    out, lv, xl, el = s.out, s.leaves, s.x, s.extras
+                else:
+                    views = units.layer_views(model.layer, gathered[u])
+                    lv, xl, el = _layer_leaves(views, s.x, extras, dpos)
+                    rng_now = _set_rng(dev, s.rng)
+                    with torch.enable_grad():
+                        out = units.layers(model, rows.start, lv, xl, el)
+                    _set_rng(dev, rng_now)
+                flat_params = [p for layer in lv for p in layer]
+                g = torch.autograd.grad(out, [*flat_params, xl, *(el[j] for j in dpos)], g_h,
+                                        allow_unused=True)
+                n = len(flat_params)
+                g_out = g_h
+                g_h = _or_zeros(g[n], xl)
+                for j, ge in zip(dpos, g[n + 1:]):
+                    if ge is not None:
+                        g_extras[j] = ge if j not in g_extras else g_extras[j] + ge
+                per = len(model.layer.slots)
+                per_layer = [units.flat_grad(model.layer, g[j * per:(j + 1) * per], out) for j in range(len(lv))]
+                # (world, k, n): each layer's flat gradient is (world, n) in rank order.
+                flat_grads[u] = torch.stack([f.view(world, -1) for f in per_layer], dim=1).to(rdt)
+                frame = Frame(i, op, gathered[u], g_out, g_h, flat_grads[u])
+
+            elif kind == "reduce":
+                g = flat_grads.pop(u)
+                dest = grads.outer if rows is None else grads.layers[rows.start:rows.stop]
+                if schedule.reduce == "all_reduce":
+                    reducing[u] = (all_reduce(comm, g), dest)
+                else:
+                    out = dest.view(-1) if rdt == torch.float32 else torch.empty(dest.numel(), dtype=rdt, device=dev)
+                    reducing[u] = (reduce_scatter(comm, out, g.view(-1)), dest)
+
+            elif kind == "wait_reduce":
+                p, dest = reducing.pop(u)
+                out = wait(p)
+                if schedule.reduce == "all_reduce":
+                    dest.copy_(out.view(world, -1)[rank].view(dest.shape))
+                elif out.data_ptr() != dest.data_ptr():
+                    dest.copy_(out.view(dest.shape))
+
+            if recorder is not None:
+                recorder.record(i, t0, time.perf_counter_ns(), len(gathering) + len(gathered))
+            if frame is not None:
+                yield frame
+
+        loss = wait(loss_pending)
+        loss_pending = None
+        if grad:
+            _set_rng(dev, rng_end)  # as after plain autograd: the forward consumed the RNG, backward none
+        return Result(loss, grads if grad else None)
+    finally:
+        # Normal end: nothing is left. Early close (step_through stopped, an error): finish what
+        # this rank issued, so the collective sequence stays the same on every rank.
+        for p in list(gathering.values()) + [p for p, _ in reducing.values()] + \
+                ([loss_pending] if loss_pending is not None else []):
+            wait(p)
+
+
+def _layer_leaves(views, x, extras, dpos):
+    """Autograd leaves for a layer unit: parameters (per layer), input, differentiable extras."""
+    lv = [units.leaves(v) for v in views]
+    xl = x.detach().requires_grad_()
+    el = tuple(e.detach().requires_grad_() if j in dpos else e for j, e in enumerate(extras))
+    return lv, xl, el
+
+
+def _or_zeros(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like) if g is None else g
+
+
+def _release(buf: torch.Tensor) -> torch.Tensor:
+    buf.untyped_storage().resize_(0)
+    return buf
+
+
+def _regrow(buf: torch.Tensor) -> torch.Tensor:
+    buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+    return buf
+
+
+def _rng_state(dev: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(dev) if dev.type == "cuda" else torch.get_rng_state()
+
+
+def _set_rng(dev: torch.device, state: torch.Tensor) -> torch.Tensor:
+    """Set the device's RNG state; return the state it replaces."""
+    now = _rng_state(dev)
+    if dev.type == "cuda":
+        torch.cuda.set_rng_state(state, dev)
+    else:
+        torch.set_rng_state(state)
+    return now

@@ -1,0 +1,69 @@
+"""AdamW (Loshchilov & Hutter) on flat shards, matching ``torch.optim.AdamW``'s equations.
+
+    m_t = b1 m + (1 - b1) g                  v_t = b2 v + (1 - b2) g^2
+    p  <- p - lr wd mask p - (lr / (1 - b1^t)) m_t / (sqrt(v_t) / sqrt(1 - b2^t) + eps)
+
+Elementwise, so it needs no communication: each rank updates its own shards. Padding stays
+zero: its gradient, moments and parameters are all zero, so its update is zero.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import optree
+import torch
+
+from .base import GradientTransformation, Tree
+
+
+class AdamWState(NamedTuple):
+    count: torch.Tensor  # () int64 on the CPU: steps taken (read without a device sync)
+    mu: Tree  # first moments, shaped like params, fp32
+    nu: Tree  # second moments
+
+
+def adamw(lr: float | Callable[[int], float] = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+          weight_decay: float = 1e-2, mask: Tree | None = None) -> GradientTransformation:
+    """``lr`` may be a schedule ``step -> lr`` (step counts from 1). ``mask``: a pytree shaped like
+    params of bool tensors, True where weight decay applies (see ``fz3.decay_mask``); None
+    decays everything, as ``torch.optim.AdamW`` does."""
+    b1, b2 = betas
+    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+        raise ValueError(f"betas={betas} must lie in [0, 1)")
+    if lr_is_bad(lr) or eps < 0 or weight_decay < 0:
+        raise ValueError(f"lr={lr}, eps={eps}, weight_decay={weight_decay} must be >= 0")
+
+    def init(params: Tree) -> AdamWState:
+        zeros = optree.tree_map(torch.zeros_like, params)
+        return AdamWState(torch.zeros((), dtype=torch.int64), zeros, optree.tree_map(torch.zeros_like, params))
+
+    def update(grads: Tree, state: AdamWState, params: Tree | None = None) -> tuple[Tree, AdamWState]:
+        if params is None and weight_decay:
+            raise ValueError("adamw with weight_decay needs params: opt.update(grads, state, params)")
+        count = state.count + 1
+        t = int(count)
+        rate = lr(t) if callable(lr) else lr
+        step_size = rate / (1 - b1**t)
+        bc2_sqrt = math.sqrt(1 - b2**t)
+        mu = optree.tree_map(lambda m, g: torch.lerp(m, g, 1 - b1), state.mu, grads)
+        nu = optree.tree_map(lambda v, g: torch.addcmul(v * b2, g, g, value=1 - b2), state.nu, grads)
+
+        def leaf(m: torch.Tensor, v: torch.Tensor, p: torch.Tensor | None, keep: torch.Tensor | None) -> torch.Tensor:
+            u = m / (v.sqrt() / bc2_sqrt).add_(eps)
+            u.mul_(-step_size)
+            if weight_decay:
+                decay = p if keep is None else p * keep
+                u.add_(decay, alpha=-rate * weight_decay)
+            return u
+
+        masks = mask if mask is not None else optree.tree_map(lambda _: None, mu, none_is_leaf=True)
+        updates = optree.tree_map(leaf, mu, nu, params if params is not None else mu, masks, none_is_leaf=True)
+        return updates, AdamWState(count, mu, nu)
+
+    return GradientTransformation(init, update)
+
+
+def lr_is_bad(lr: float | Callable[[int], float]) -> bool:
+    return not callable(lr) and lr < 0

@@ -1,0 +1,24 @@
+"""Mixed precision: which dtype parameters are gathered and computed in, and gradients reduced in."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class Precision(NamedTuple):
+    """fp32 master shards always; ``param_dtype`` is cast to *before* the all-gather (half the
+    bytes in bf16) and used for compute; gradients are reduced in ``reduce_dtype`` and land
+    in fp32 gradient shards. ``None`` means fp32."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+    @property
+    def compute(self) -> torch.dtype:
+        return self.param_dtype or torch.float32
+
+    @property
+    def reduce(self) -> torch.dtype:
+        return self.reduce_dtype or self.compute

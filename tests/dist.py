@@ -1,0 +1,66 @@
+"""Run a function on N real processes joined by a gloo process group on 127.0.0.1.
+
+Each rank runs ``fn(rank, world_size, *args)`` with one thread; what it returns travels back
+pickled as plain Python/numpy values (tensors through a multiprocessing queue travel as
+shared-memory handles that die with the child, so ranks return numbers or bytes). The first
+failing rank's traceback is raised in the test process; a rank that hangs is killed at the
+timeout and reported as such.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+
+def _child(fn: Callable, rank: int, world: int, store: str, q: Any, args: tuple, env: dict) -> None:
+    os.environ.update(env)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+        try:
+            out = fn(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+        q.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        q.put((rank, False, traceback.format_exc()))
+
+
+def run(world: int, fn: Callable, *args: Any, timeout: float = 180.0, env: dict | None = None) -> list[Any]:
+    """Run ``fn`` on ``world`` ranks; return the list of results, by rank."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_child, args=(fn, r, world, store, q, args, env or {}), daemon=True)
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        try:
+            while len(results) < world:
+                try:
+                    rank, ok, out = q.get(timeout=max(0.1, deadline - time.monotonic()))
+                except queue.Empty:
+                    missing = sorted(set(range(world)) - set(results))
+                    raise TimeoutError(f"ranks {missing} of {world} did not finish within {timeout}s (hang?)") from None
+                if not ok:
+                    raise AssertionError(f"rank {rank} of {world} failed:\n{out}")
+                results[rank] = out
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    return [results[r] for r in range(world)]

@@ -1,0 +1,50 @@
+"""Plain PyTorch references and comparisons used inside ranks."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import fz3
+from fz3.models.gpt import GPT, GPTConfig, synthetic_batch
+
+RTOL, ATOL = 1e-5, 1e-6  # fp32 equality (DEVELOPERS.md)
+
+
+def gpt(cfg: GPTConfig, seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(cfg)
+
+
+def batches(cfg: GPTConfig, world: int, per_rank: int = 2, step: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One batch per rank; the reference sees their concatenation."""
+    return [synthetic_batch(cfg, per_rank, seed=1000 * step + r) for r in range(world)]
+
+
+def concat(bs):
+    return tuple(torch.cat(parts) for parts in zip(*bs))
+
+
+def reference_grads(module: torch.nn.Module, bs) -> tuple[float, dict[str, torch.Tensor]]:
+    """Loss and gradients of plain autograd on the unsharded module over all ranks' batches."""
+    m = copy.deepcopy(module)
+    loss = m(*concat(bs))
+    loss.backward()
+    return float(loss.detach()), {n: p.grad for n, p in m.named_parameters(remove_duplicate=False)}
+
+
+def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rtol=RTOL, atol=ATOL, what="") -> None:
+    assert set(got) == set(want), f"{what}: names differ: {sorted(set(got) ^ set(want))}"
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=rtol, atol=atol, msg=lambda m: f"{what} {n}: {m}")
+
+
+def assert_rel_norm(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol: float, what="") -> None:
+    for n in want:
+        rel = float((got[n] - want[n]).norm() / want[n].norm().clamp_min(1e-30))
+        assert rel <= tol, f"{what} {n}: relative norm error {rel:.3g} > {tol}"
+
+
+def sharded_grads(model, grads) -> dict[str, torch.Tensor] | None:
+    return fz3.full_state_dict(model, grads, buffers=False)
