@@ -16,14 +16,15 @@ def no_decay_for_vectors(name: str, shape: tuple[int, ...]) -> bool:
 
 
 def decay_mask(model: ShardedModel, decay: Callable[[str, tuple[int, ...]], bool] = no_decay_for_vectors) -> Params:
-    """Bool shards shaped like params, True where ``decay(name, shape)`` holds.
+    """Bool shards broadcastable to params, True where ``decay(name, shape)`` holds.
 
     Names are the module's own; every layer shares one mask, so layers are asked about as
-    ``<layers>.0.<name>``. Padding is False.
+    ``<layers>.0.<name>`` and ``layers`` is one ``(1, shard)`` row that broadcasts over the
+    stack. Padding is False.
     """
     outer = _unit_mask(model, model.outer, decay, "")
     layer = _unit_mask(model, model.layer, decay, f"{model.layers_path}.0.")
-    return Params(outer, layer.expand(model.num_layers, -1))
+    return Params(outer, layer.view(1, -1))
 
 
 def _unit_mask(model: ShardedModel, layout: FlatLayout, decay, prefix: str) -> torch.Tensor:

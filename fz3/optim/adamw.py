@@ -27,13 +27,16 @@ class AdamWState(NamedTuple):
 def adamw(lr: float | Callable[[int], float] = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
           weight_decay: float = 1e-2, mask: Tree | None = None) -> GradientTransformation:
     """``lr`` may be a schedule ``step -> lr`` (step counts from 1). ``mask``: a pytree shaped like
-    params of bool tensors, True where weight decay applies (see ``fz3.decay_mask``); None
-    decays everything, as ``torch.optim.AdamW`` does."""
+    params of bool tensors (broadcasting against params' leaves), True where weight decay
+    applies (see ``fz3.decay_mask``); None decays everything, as ``torch.optim.AdamW`` does."""
     b1, b2 = betas
     if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
         raise ValueError(f"betas={betas} must lie in [0, 1)")
-    if lr_is_bad(lr) or eps < 0 or weight_decay < 0:
+    if (not callable(lr) and lr < 0) or eps < 0 or weight_decay < 0:
         raise ValueError(f"lr={lr}, eps={eps}, weight_decay={weight_decay} must be >= 0")
+    # Masks as 0/1 floats, once; they broadcast against the leaves (fz3.decay_mask gives the
+    # layers' mask as one (1, shard) row shared by every layer).
+    masks = None if mask is None else optree.tree_map(lambda m: m.to(torch.float32), mask)
 
     def init(params: Tree) -> AdamWState:
         zeros = optree.tree_map(torch.zeros_like, params)
@@ -43,27 +46,31 @@ def adamw(lr: float | Callable[[int], float] = 1e-3, betas: tuple[float, float] 
         if params is None and weight_decay:
             raise ValueError("adamw with weight_decay needs params: opt.update(grads, state, params)")
         count = state.count + 1
-        t = int(count)
+        t = int(count)  # a CPU tensor: no device sync
         rate = lr(t) if callable(lr) else lr
         step_size = rate / (1 - b1**t)
         bc2_sqrt = math.sqrt(1 - b2**t)
-        mu = optree.tree_map(lambda m, g: torch.lerp(m, g, 1 - b1), state.mu, grads)
-        nu = optree.tree_map(lambda v, g: torch.addcmul(v * b2, g, g, value=1 - b2), state.nu, grads)
 
-        def leaf(m: torch.Tensor, v: torch.Tensor, p: torch.Tensor | None, keep: torch.Tensor | None) -> torch.Tensor:
-            u = m / (v.sqrt() / bc2_sqrt).add_(eps)
-            u.mul_(-step_size)
-            if weight_decay:
-                decay = p if keep is None else p * keep
-                u.add_(decay, alpha=-rate * weight_decay)
-            return u
+        def leaf(m, v, g, p, keep):
+            # In-place only on tensors allocated here; the same operation order as
+            # torch.optim.AdamW's single-tensor path.
+            mu = torch.lerp(m, g, 1 - b1)
+            nu = torch.mul(v, b2).addcmul_(g, g, value=1 - b2)
+            u = nu.sqrt().div_(bc2_sqrt).add_(eps)
+            torch.div(mu, u, out=u).mul_(-step_size)
+            if weight_decay:  # decoupled: -lr * wd * p, where the mask allows it
+                if keep is None:
+                    u.add_(p, alpha=-rate * weight_decay)
+                else:
+                    u.addcmul_(p, keep, value=-rate * weight_decay)
+            return mu, nu, u
 
-        masks = mask if mask is not None else optree.tree_map(lambda _: None, mu, none_is_leaf=True)
-        updates = optree.tree_map(leaf, mu, nu, params if params is not None else mu, masks, none_is_leaf=True)
+        mus, treedef = optree.tree_flatten(state.mu)
+        nus, gs = treedef.flatten_up_to(state.nu), treedef.flatten_up_to(grads)
+        ps = treedef.flatten_up_to(params) if params is not None else [None] * len(mus)
+        ks = treedef.flatten_up_to(masks) if masks is not None else [None] * len(mus)
+        out = [leaf(*args) for args in zip(mus, nus, gs, ps, ks)]
+        mu, nu, updates = (treedef.unflatten([o[i] for o in out]) for i in range(3))
         return updates, AdamWState(count, mu, nu)
 
     return GradientTransformation(init, update)
-
-
-def lr_is_bad(lr: float | Callable[[int], float]) -> bool:
-    return not callable(lr) and lr < 0

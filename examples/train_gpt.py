@@ -1,0 +1,90 @@
+"""Train a small GPT with fz3 on CPU ranks (gloo), character by character, on the Zen of Python.
+
+    python examples/train_gpt.py                 # launches itself on 2 ranks via torch.distributed.run
+    torchrun --nproc-per-node 2 examples/train_gpt.py --steps 300
+
+Every rank holds 1/N of each unit's parameters, gradients and AdamW moments; the step is
+``fz3.value_and_grad`` + ``fz3.optim.adamw``, all pure functions of (params, state, batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import fz3
+from fz3.models.gpt import GPT, GPTConfig, shard_gpt
+
+
+def corpus() -> torch.Tensor:
+    """The Zen of Python (shipped with CPython, ROT13 in ``this.s``) as bytes, repeated."""
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        import this  # noqa: F401  (prints the poem on import)
+    text = codecs.decode(this.s, "rot13")
+    return torch.tensor(list(text.encode()) * 4, dtype=torch.int64)
+
+
+def batch_for(data: torch.Tensor, step: int, rank: int, per_rank: int, seq: int):
+    g = torch.Generator().manual_seed(step * 1000 + rank)  # each rank its own samples
+    starts = torch.randint(0, len(data) - seq - 1, (per_rank,), generator=g)
+    window = torch.stack([data[s : s + seq + 1] for s in starts.tolist()])
+    return window[:, :-1], window[:, 1:]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--log-every", type=int, default=25)
+    ap.add_argument("--nproc", type=int, default=2, help="ranks to launch when started without torchrun")
+    args = ap.parse_args()
+
+    if "LOCAL_RANK" not in os.environ:  # started plainly: become torchrun
+        from torch.distributed.run import main as torchrun
+
+        torchrun(["--standalone", f"--nproc-per-node={args.nproc}", __file__, *sys.argv[1:]])
+        return
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=256, seq=args.seq, dim=args.dim, heads=4, layers=args.layers)
+    model, params = shard_gpt(GPT(cfg))
+    opt = fz3.optim.adamw(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, mask=fz3.decay_mask(model))
+    state = opt.init(params)
+    step_fn = fz3.value_and_grad(model)
+    data = corpus()
+    if rank == 0:
+        n = model.outer.numel + model.num_layers * model.layer.numel
+        print(f"fz3: {n / 1e6:.2f}M parameters, {world} ranks, {model.num_layers} layers; "
+              f"each rank holds {params.outer.numel() + params.layers.numel()} of them", flush=True)
+
+    t0, tokens = time.perf_counter(), 0
+    for step in range(1, args.steps + 1):
+        batch = batch_for(data, step, rank, args.batch, args.seq)
+        loss, grads = step_fn(params, batch)
+        updates, state = opt.update(grads, state, params)
+        params = fz3.optim.apply_updates(params, updates)
+        tokens += args.batch * args.seq * world
+        if rank == 0 and (step % args.log_every == 0 or step == 1):
+            dt = time.perf_counter() - t0
+            print(f"step {step:5d}  loss {float(loss):.4f}  {tokens / dt:9.0f} tokens/s", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
