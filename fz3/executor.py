@@ -205,7 +205,9 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
                 per = len(model.layer.slots)
                 per_layer = [units.flat_grad(model.layer, g[j * per:(j + 1) * per], out) for j in range(len(lv))]
                 # (world, k, n): each layer's flat gradient is (world, n) in rank order.
-                flat_grads[u] = torch.stack([f.view(world, -1) for f in per_layer], dim=1).to(rdt)
+                flat = (per_layer[0].view(world, 1, -1) if len(per_layer) == 1
+                        else torch.stack([f.view(world, -1) for f in per_layer], dim=1))
+                flat_grads[u] = flat.to(rdt)
                 frame = Frame(i, op, gathered[u], g_out, g_h, flat_grads[u])
 
             elif kind == "reduce":

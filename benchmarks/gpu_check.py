@@ -1,0 +1,195 @@
+"""GPU check for a session lent one GPU (world size 1, NCCL): correctness, then speed.
+
+    python benchmarks/gpu_check.py                      # on the GPU machine (~3-5 minutes on one H200)
+    python benchmarks/gpu_check.py --device cpu --quick # dry run here: same code paths, tiny model
+
+1. Correctness on the device: fz3's loss and gradients against plain autograd on the
+   unsharded model, fp32 for several schedules (rtol 1e-5 / atol 1e-5: one device, one
+   batch, the same kernels), and bf16 compute (fp32 master, fp32 reduce) against the fp32
+   reference (bf16 keeps 8 mantissa bits: ~0.4% per rounding, so ~1% on the loss and a few
+   % on gradient norms is expected).
+2. Speed on a ~1.2B-parameter GPT in bf16 at seq 2048: tokens/s, peak CUDA memory and MFU
+   of fz3, plain PyTorch (autocast, fused AdamW) and FSDP2 (bf16 params, fp32 reduce), each
+   with and without activation checkpointing (fz3: ``recompute`` vs ``save``). The table
+   comes last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import fz3  # noqa: E402
+import systems  # noqa: E402
+from fz3.models.gpt import GPTConfig, shard_gpt  # noqa: E402
+
+PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, datasheet
+
+
+def init(device: str) -> torch.device:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    if device == "cuda":
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 checks mean fp32
+        return torch.device("cuda", 0)
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
+def correctness(device: torch.device) -> list[dict]:
+    cfg = GPTConfig(vocab=101, seq=32, dim=72, heads=4, layers=3)
+    batch = systems.rank_batch(cfg, 4, 0, 0, device)
+    ref = systems.build(cfg, device)
+    ref_loss = ref(*batch)
+    ref_loss.backward()
+    want = {n: p.grad.float() for n, p in ref.named_parameters()}
+    rows = []
+    for name, policy, dtype in [
+        ("fp32 recompute", fz3.Policy(), None),
+        ("fp32 save", fz3.Policy(activations="save"), None),
+        ("fp32 save_unsharded", fz3.Policy(activations="save_unsharded"), None),
+        ("fp32 2 layers/unit", fz3.Policy(layers_per_unit=2, prefetch=2), None),
+        ("bf16 recompute", fz3.Policy(), torch.bfloat16),
+        ("bf16 save", fz3.Policy(activations="save"), torch.bfloat16),
+    ]:
+        model, params = shard_gpt(systems.build(cfg, device), device=device,
+                                  precision=fz3.Precision(dtype, torch.float32 if dtype else None))
+        loss, grads = fz3.value_and_grad(model, policy)(params, batch)
+        got = fz3.full_state_dict(model, grads, buffers=False)
+        loss_rel = abs(float(loss) - float(ref_loss.detach())) / abs(float(ref_loss.detach()))
+        # worst |a-b| / (atol + rtol |b|) over all elements (<= 1 means allclose)
+        closeness = max(float(((got[n].to(device) - w).abs() / (1e-5 + 1e-5 * w.abs())).max()) for n, w in want.items())
+        rel_norm = max(float((got[n].to(device) - w).norm() / w.norm()) for n, w in want.items())
+        ok = (loss_rel <= 1e-5 and closeness <= 1.0) if dtype is None else (loss_rel <= 3e-2 and rel_norm <= 1e-1)
+        rows.append(dict(check=name, loss_rel_err=loss_rel, grad_allclose_ratio=closeness,
+                         grad_rel_norm_err=rel_norm, ok=ok))
+        print(f"correctness {name:22s} loss rel {loss_rel:.2e}  grad closeness {closeness:.2e}  "
+              f"grad rel-norm {rel_norm:.2e}  {'OK' if ok else 'FAIL'}", flush=True)
+    return rows
+
+
+def flops_per_token(cfg: GPTConfig) -> float:
+    """Model FLOPs (PaLM appendix B): 6 x matmul parameters + 12 L T d for attention scores."""
+    matmul = cfg.layers * (4 + 2 * cfg.mlp_ratio) * cfg.dim ** 2 + cfg.vocab * cfg.dim
+    return 6 * matmul + 12 * cfg.layers * cfg.seq * cfg.dim
+
+
+def speed(device: torch.device, cfg: GPTConfig, batch: int, steps: int, warmup: int, deadline: float) -> list[dict]:
+    dtype = torch.bfloat16
+    runs = [
+        ("plain", "no AC", lambda: systems.plain(cfg, device, dtype=dtype)),
+        ("fz3", "save", lambda: systems.fz3_system(cfg, device, dtype=dtype, policy=fz3.Policy(activations="save"))),
+        ("fz3", "save_unsharded",
+         lambda: systems.fz3_system(cfg, device, dtype=dtype, policy=fz3.Policy(activations="save_unsharded"))),
+        ("fsdp2", "no AC", lambda: systems.fsdp2(cfg, device, dtype=dtype)),
+        ("plain", "AC", lambda: systems.plain(cfg, device, dtype=dtype, ac=True)),
+        ("fz3", "recompute", lambda: systems.fz3_system(cfg, device, dtype=dtype)),
+        ("fsdp2", "AC", lambda: systems.fsdp2(cfg, device, dtype=dtype, ac=True)),
+    ]
+    rows = []
+    for system, policy, make in runs:
+        if time.monotonic() > deadline:
+            print(f"speed {system} {policy}: skipped (time budget)", flush=True)
+            continue
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        t_build = time.perf_counter()
+        step = make()
+        t_build = time.perf_counter() - t_build
+        times, host, loss = [], [], None
+        for s in range(warmup + steps):
+            b = systems.rank_batch(cfg, batch, s, 0, device)
+            _sync(device)
+            t0 = time.perf_counter()
+            loss = step(b)
+            t_host = time.perf_counter() - t0  # the host returned: it issued the whole step
+            _sync(device)
+            if s >= warmup:
+                times.append(time.perf_counter() - t0)
+                host.append(t_host)
+        med = statistics.median(times)
+        tps = batch * cfg.seq / med
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+        mfu = tps * flops_per_token(cfg) / PEAK_BF16 if device.type == "cuda" else float("nan")
+        rows.append(dict(system=system, policy=policy, step_s=med, tokens_per_s=tps, peak_gib=peak, mfu=mfu,
+                         loss=float(loss), build_s=t_build, steps=steps, host_s=statistics.median(host)))
+        print(f"speed {system:6s} {policy:10s} {med * 1e3:8.1f} ms/step  {tps:9.0f} tok/s  "
+              f"peak {peak:6.1f} GiB  MFU {mfu:.3f}  loss {float(loss):.4f}  host {statistics.median(host) * 1e3:.1f} ms",
+              flush=True)
+        del step
+    return rows
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def table(rows: list[dict]) -> str:
+    no_ac = ("no AC", "save", "save_unsharded")
+    base = {r["policy"] in no_ac: r for r in rows if r["system"] == "plain"}
+    fsdp = {r["policy"] in no_ac: r for r in rows if r["system"] == "fsdp2"}
+    out = ["| system | activations | ms/step | tokens/s | peak GiB | MFU | vs plain | vs FSDP2 | loss |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        key = r["policy"] in no_ac
+        vs_plain = r["tokens_per_s"] / base[key]["tokens_per_s"] if key in base else float("nan")
+        vs_fsdp = r["tokens_per_s"] / fsdp[key]["tokens_per_s"] if key in fsdp else float("nan")
+        out.append(f"| {r['system']} | {r['policy']} | {r['step_s'] * 1e3:.1f} | {r['tokens_per_s']:.0f} | "
+                   f"{r['peak_gib']:.1f} | {r['mfu']:.3f} | {vs_plain:.3f} | {vs_fsdp:.3f} | {r['loss']:.4f} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--quick", action="store_true", help="tiny model (a CPU dry run of every code path)")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--budget-s", type=float, default=420, help="skip remaining speed runs after this")
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.json")
+    args = ap.parse_args()
+    t_start = time.monotonic()
+    device = init(args.device)
+    if args.quick:
+        cfg, batch, args.steps, args.warmup = GPTConfig(vocab=256, seq=64, dim=64, heads=4, layers=4), 2, 2, 1
+    else:
+        cfg, batch = GPTConfig(vocab=32768, seq=2048, dim=2048, heads=16, layers=20), 4
+    env = dict(torch=torch.__version__, cuda=torch.version.cuda,
+               gpu=torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+               config=str(cfg), micro_batch=batch, date=time.strftime("%Y-%m-%d"))
+    print(json.dumps(env), flush=True)
+    checks = correctness(device)
+    rows = speed(device, cfg, batch, args.steps, args.warmup, t_start + args.budget_s)
+    result = dict(env=env, correctness=checks, speed=rows)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    print(f"\nGPU check ({env['gpu']}, torch {env['torch']}, {cfg}, micro-batch {batch}), "
+          f"{time.monotonic() - t_start:.0f}s:")
+    print("correctness: " + ", ".join(f"{c['check']} {'OK' if c['ok'] else 'FAIL'}" for c in checks))
+    print(table(rows))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
