@@ -139,8 +139,7 @@ def fz3_system(cfg: GPTConfig, device: torch.device, *, policy: fz3.Policy = fz3
     def step(batch):
         params, state = carry
         loss, grads = value_and_grad(params, batch)
-        updates, state = opt.update(grads, state, params)
-        carry[:] = [fz3.optim.apply_updates(params, updates), state]
+        carry[:] = fz3.optim.step(opt, grads, state, params, donate=True)  # fused, in place
         return loss
 
     return step

@@ -71,8 +71,9 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
     flat_grads: dict[int, torch.Tensor] = {}
     reducing: dict[int, tuple[Pending, torch.Tensor]] = {}
     if grad:
-        grads = Params(torch.zeros(model.outer.shard_numel, dtype=torch.float32, device=dev),
-                       torch.zeros(num_layers, model.layer.shard_numel, dtype=torch.float32, device=dev))
+        # Every element (padding too) is written by a reduce: the validator checks each unit is reduced.
+        grads = Params(torch.empty(model.outer.shard_numel, dtype=torch.float32, device=dev),
+                       torch.empty(num_layers, model.layer.shard_numel, dtype=torch.float32, device=dev))
     h: torch.Tensor | None = None  # activation flowing forward
     extras: tuple = ()  # pre's extra outputs, passed to every layer
     dpos: list[int] = []  # which extras carry gradient

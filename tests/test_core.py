@@ -61,7 +61,8 @@ def check_equal_to_reference(rank, world, delay, cfg, policies):
 
 
 def check_adamw(rank, world, delay, steps=10):
-    """10 fz3 AdamW steps vs torch.optim.AdamW (decay on matrices only) on the plain model."""
+    """10 fz3 AdamW steps vs torch.optim.AdamW (decay on matrices only) on the plain model,
+    through the pure path (update + apply_updates) and the donating fused path side by side."""
     cfg = UNEVEN
     module = gpt(cfg)
     model, params = shard_gpt(module)
@@ -74,6 +75,8 @@ def check_adamw(rank, world, delay, steps=10):
                                    {"params": no_decay, "weight_decay": 0.0}], **hp)
     opt = fz3.optim.adamw(**hp, weight_decay=0.1, mask=fz3.decay_mask(model))
     state = opt.init(params)
+    fused_params = fz3.Params(*(t.clone() for t in params))
+    fused_state = opt.init(fused_params)
     step = fz3.value_and_grad(model)
     for s in range(steps):
         bs = batches(cfg, world, step=s)
@@ -83,19 +86,26 @@ def check_adamw(rank, world, delay, steps=10):
         new_params = fz3.optim.apply_updates(params, updates)
         assert all(torch.equal(a, b) for a, b in zip(before, params)), "update mutated params"
         params, state = new_params, new_state
+        _, fused_grads = step(fused_params, bs[rank])
+        fused_params, fused_state = fz3.optim.step(opt, fused_grads, fused_state, fused_params, donate=True)
         torch_opt.zero_grad()
         ref(*concat(bs)).backward()
         torch_opt.step()
-    got = fz3.full_state_dict(model, params, buffers=False)
-    if rank == 0:
-        want = {n: p.detach() for n, p in ref.named_parameters()}
-        if world == 1:
-            assert_close(got, want, what="adamw world=1")
-        else:
-            # Adam turns sign flips of near-zero gradient elements (summation order differs
-            # with the world size) into lr-sized elementwise differences: compare norms.
-            assert_rel_norm(got, want, 1e-5, what=f"adamw world={world}")
-    assert int(state.count) == steps
+    want = {n: p.detach() for n, p in ref.named_parameters()}
+    for what, p in (("pure", params), ("fused", fused_params)):
+        got = fz3.full_state_dict(model, p, buffers=False)
+        if rank == 0:
+            if world == 1:
+                assert_close(got, want, what=f"adamw {what} world=1")
+            else:
+                # Adam turns sign flips of near-zero gradient elements (summation order differs
+                # with the world size) into lr-sized elementwise differences: compare norms.
+                assert_rel_norm(got, want, 1e-5, what=f"adamw {what} world={world}")
+    assert int(state.count) == steps and int(fused_state.count) == steps
+    for layout, p in ((model.outer, fused_params.outer.reshape(1, -1)), (model.layer, fused_params.layers)):
+        start = layout.numel - rank * layout.shard_numel
+        if start < layout.shard_numel:
+            assert not p[:, max(start, 0):].any(), "parameter padding is not zero after fused steps"
 
 
 def check_state_dict_roundtrip(rank, world):

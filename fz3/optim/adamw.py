@@ -9,13 +9,19 @@ zero: its gradient, moments and parameters are all zero, so its update is zero.
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Callable, NamedTuple
 
 import optree
 import torch
+from torch.optim.adam import adam as _torch_adam
 
 from .base import GradientTransformation, Tree
+
+
+# torch >= 2.6 runs AdamW as Adam with decoupled weight decay; older torch has adamw's own functional.
+_ADAM_HAS_DECOUPLED = "decoupled_weight_decay" in inspect.signature(_torch_adam).parameters
 
 
 class AdamWState(NamedTuple):
@@ -73,4 +79,32 @@ def adamw(lr: float | Callable[[int], float] = 1e-3, betas: tuple[float, float] 
         mu, nu, updates = (treedef.unflatten([o[i] for o in out]) for i in range(3))
         return updates, AdamWState(count, mu, nu)
 
-    return GradientTransformation(init, update)
+    def update_inplace(grads: Tree, state: AdamWState, params: Tree) -> tuple[Tree, AdamWState]:
+        """The same step through torch's fused Adam kernel, in place on params and moments."""
+        count = state.count + 1
+        t = int(count)
+        rate = lr(t) if callable(lr) else lr
+        ps, treedef = optree.tree_flatten(params)
+        gs, mus, nus = (treedef.flatten_up_to(x) for x in (grads, state.mu, state.nu))
+        decay = weight_decay
+        if weight_decay and masks is not None:  # masked decoupled decay first, as AdamW does
+            for p, keep in zip(ps, treedef.flatten_up_to(masks)):
+                p.addcmul_(p, keep, value=-rate * weight_decay)
+            decay = 0.0
+        steps = [torch.full((), float(t - 1), device=p.device) for p in ps]  # the kernel adds 1
+        fused_adamw(ps, gs, mus, nus, steps, lr=rate, beta1=b1, beta2=b2, weight_decay=decay, eps=eps)
+        return params, AdamWState(count, state.mu, state.nu)
+
+    return GradientTransformation(init, update, update_inplace)
+
+
+def fused_adamw(params, grads, mus, nus, steps, *, lr, beta1, beta2, weight_decay, eps) -> None:
+    """torch's fused AdamW kernel through its functional API (CPU and CUDA)."""
+    kw = dict(fused=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay,
+              eps=eps, maximize=False)
+    if _ADAM_HAS_DECOUPLED:
+        _torch_adam(params, grads, mus, nus, [], steps, decoupled_weight_decay=True, **kw)
+    else:  # torch < 2.6: AdamW's own functional
+        from torch.optim.adamw import adamw as _torch_adamw
+
+        _torch_adamw(params, grads, mus, nus, [], steps, **kw)
