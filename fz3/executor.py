@@ -229,7 +229,8 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
                     dest.copy_(out.view(dest.shape))
 
             if recorder is not None:
-                recorder.record(i, t0, time.perf_counter_ns(), len(gathering) + len(gathered))
+                live = len(gathering) + len(gathered) - (OUTER in gathering or OUTER in gathered)
+                recorder.record(i, t0, time.perf_counter_ns(), live)
             if frame is not None:
                 yield frame
 

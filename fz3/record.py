@@ -1,7 +1,7 @@
 """What the executor did, op by op, recorded only when asked.
 
 The executor calls ``record`` once per op with two ``perf_counter_ns`` stamps and the number
-of gathered units alive after it: no string formatting, no device synchronisation.
+of layer units gathered or in flight after it: no string formatting, no device synchronisation.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ class Event(NamedTuple):
     op: Op
     t_begin_ns: int  # host time the op began (issue time for collectives)
     t_end_ns: int
-    live_units: int  # gathered or in-flight units after the op
+    live_units: int  # layer units gathered or in flight after the op (the outer unit is resident)
 
 
 class Recorder:

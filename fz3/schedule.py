@@ -81,7 +81,7 @@ class Schedule:
     layers_per_unit: int = 1
     reduce: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"
     grad: bool = True  # False: a forward-only schedule (fz3.apply)
-    max_live_units: int = field(default=0, compare=False)  # filled in by validate
+    max_live_units: int = field(default=0, compare=False)  # layer units gathered at once (validate fills it)
 
     @property
     def num_units(self) -> int:
@@ -98,7 +98,7 @@ class Schedule:
     def __str__(self) -> str:
         live = _simulate(self)
         head = (f"Schedule: {len(self.ops)} ops, {self.num_layers} layers in {self.num_units} units "
-                f"of {self.layers_per_unit}, reduce={self.reduce}, max {self.max_live_units} units gathered")
+                f"of {self.layers_per_unit}, reduce={self.reduce}, at most {max(live, default=0)} layer units gathered")
         rows = [head, f"{'#':>4}  {'op':<12} {'unit':<10} {'layers':<9} gathered"]
         for i, (op, n) in enumerate(zip(self.ops, live)):
             r = self.layer_range(op.unit) if op.unit != OUTER and op.kind != "loss" else None
@@ -181,7 +181,8 @@ def validate(schedule: Schedule) -> Schedule:
 
 
 def _simulate(s: Schedule) -> list[int]:
-    """Run the schedule's state machine; return the gathered-unit count after each op."""
+    """Run the schedule's state machine; return the number of layer units gathered (or in
+    flight) after each op. The outer unit is resident, gathered for the whole step."""
     units = s.num_units
     if s.reduce not in ("reduce_scatter", "all_reduce"):
         raise ScheduleError(0, None, f"reduce={s.reduce!r}: use 'reduce_scatter' or 'all_reduce'")
@@ -257,7 +258,7 @@ def _simulate(s: Schedule) -> list[int]:
                 fail(f"no reduce of {unit_name(u)} is in flight")
             reducing.remove(u)
             reduced.add(u)
-        live.append(len(gathering) + len(gathered))
+        live.append(len((gathering | gathered) - {OUTER}))
 
     end = len(s.ops)
     if done < len(order):

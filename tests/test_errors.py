@@ -1,0 +1,79 @@
+"""Bad input fails at fz3.shard / before any collective, with the value and the fix named."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import dist
+import fz3
+from fz3.models.gpt import GPT, GPTConfig, post, pre, shard_gpt
+
+CFG = GPTConfig(vocab=31, seq=8, dim=16, heads=2, layers=2)
+
+
+def _raises(exc, match, fn, *args, **kw):
+    with pytest.raises(exc, match=match):
+        fn(*args, **kw)
+
+
+def error_ranks(rank, world):
+    torch.manual_seed(0)
+    m = GPT(CFG)
+    _raises(ValueError, r"layers='stack' does not name a submodule.*ModuleLists in it: \['blocks'\]",
+            fz3.shard, m, "stack", pre, post)
+    _raises(TypeError, r"layers='norm' is a LayerNorm, not an nn.ModuleList", fz3.shard, m, "norm", pre, post)
+    _raises(TypeError, "needs pre= and post=", fz3.shard, m, "blocks")
+
+    odd = GPT(CFG)
+    odd.blocks[1].fc = nn.Linear(CFG.dim, 3 * CFG.dim)
+    _raises(ValueError, r"blocks.1 differs from blocks.0 at parameter #7: blocks.0 has fc.weight \[64, 16\].*"
+            r"blocks.1 has fc.weight \[48, 16\]", fz3.shard, odd, "blocks", pre, post)
+
+    shared = GPT(CFG)
+    shared.blocks[0].fc.weight = shared.blocks[1].fc.weight
+    _raises(ValueError, "blocks.1.fc.weight is the same Parameter as blocks.0.fc.weight; blocks of the stack must not share", fz3.shard, shared, "blocks", pre, post)
+
+    cross = GPT(CFG)
+    cross.alias = cross.blocks[0].fc  # a layer's weight now also lives outside the stack
+    _raises(ValueError, r"parameter \('blocks.0.fc.weight', 'alias.weight'\) is used both inside 'blocks' and outside",
+            fz3.shard, cross, "blocks", pre, post)
+
+    frozen = GPT(CFG)
+    frozen.pos.weight.requires_grad_(False)
+    _raises(ValueError, r"pos.weight has requires_grad=False", fz3.shard, frozen, "blocks", pre, post)
+
+    model, params = shard_gpt(m)
+    x = torch.randint(0, CFG.vocab, (2, CFG.seq))
+    step = fz3.value_and_grad(model)
+    wrong = fz3.Params(params.outer, params.layers[:1])
+    _raises(ValueError, r"params.layers is \[1, \d+\] torch.float32 on cpu; this model's shards are \[2, \d+\]",
+            step, wrong, (x, x))
+    _raises(ValueError, r"params.outer is .* torch.float64", step,
+            fz3.Params(params.outer.double(), params.layers), (x, x))
+
+    bad_post, _ = fz3.shard(m, "blocks", pre, lambda m_, h, b: h.sum(-1))
+    _raises(TypeError, r"post must return a scalar loss tensor, got Tensor of shape \[2, 8\]",
+            fz3.value_and_grad(bad_post), params, (x, x))
+
+    class Tupled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.GRU(4, 4, batch_first=True) for _ in range(2))
+
+    tupled, tparams = fz3.shard(Tupled(), "blocks", lambda m_, b: b, lambda m_, h, b: h.sum())
+    _raises(TypeError, r"layer 0 returned tuple, not a tensor; pass layer=lambda block, h, \*extra: block",
+            fz3.value_and_grad(tupled), tparams, torch.zeros(1, 3, 4))
+    return "ok"
+
+
+def test_bad_input_raises_with_the_fix():
+    assert dist.run(1, error_ranks) == ["ok"]
+
+
+def test_policy_and_schedule_types():
+    with pytest.raises(TypeError, match="schedule must be an fz3.Schedule or fz3.Policy, got str"):
+        fz3.step.check_schedule(dataclasses.make_dataclass("M", [("num_layers", int)])(1), "fast", grad=True)
