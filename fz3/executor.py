@@ -19,7 +19,6 @@ Per unit, the buffers and their lifetimes:
 
 from __future__ import annotations
 
-import time
 from typing import Any, Generator, NamedTuple
 
 import torch
@@ -57,7 +56,11 @@ class _Saved(NamedTuple):
 
 
 def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
-            recorder: Recorder | None = None) -> Generator[Frame, None, Result]:
+            recorder: Recorder | None = None, *, loss_scale: float | torch.Tensor = 1.0,
+            carry: dict[int, torch.Tensor] | None = None) -> Generator[Frame, None, Result]:
+    """Run ``schedule`` on ``batch``. ``loss_scale`` multiplies the backward's seed (fp16
+    loss scaling; 1/k for k accumulated micro-batches). ``carry``: unsharded flat gradients
+    accumulated by ``accumulate`` ops, added in at the next ``reduce`` of each unit."""
     comm, dev = model.comm, model.device
     world, rank = comm.world_size, comm.rank
     cdt, rdt = model.precision.compute, model.precision.reduce
@@ -70,7 +73,8 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
     saved: dict[int, _Saved] = {}
     flat_grads: dict[int, torch.Tensor] = {}
     reducing: dict[int, tuple[Pending, torch.Tensor]] = {}
-    if grad:
+    reduces = grad and any(k == "reduce" for k, _ in schedule.ops)  # False: a deferred micro-batch
+    if reduces:
         # Every element (padding too) is written by a reduce: the validator checks each unit is reduced.
         grads = Params(torch.empty(model.outer.shard_numel, dtype=torch.float32, device=dev),
                        torch.empty(num_layers, model.layer.shard_numel, dtype=torch.float32, device=dev))
@@ -83,12 +87,12 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
     loss_pending: Pending | None = None
     rng_end = None
     if recorder is not None:
-        recorder.begin_step(schedule)
+        recorder.begin_step(schedule, dev)
 
     try:
         for i, op in enumerate(schedule.ops):
             if recorder is not None:
-                t0 = time.perf_counter_ns()
+                start = recorder.start()
             kind, u = op
             frame = None
             rows = None if u == OUTER else schedule.layer_range(u)
@@ -163,7 +167,8 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
                     with torch.enable_grad():
                         loss = units.post(model, lv, hl, batch)
                     # Seed 1/world: the reduce is a sum over ranks, the loss a mean.
-                    g = torch.autograd.grad(loss, [hl, *lv], torch.full_like(loss, 1.0 / world), allow_unused=True)
+                    g = torch.autograd.grad(loss, [hl, *lv], torch.full_like(loss, 1.0 / world) * loss_scale,
+                                            allow_unused=True)
                     g_h, post_grads = _or_zeros(g[0], hl), g[1:]
                     rng_end = _rng_state(dev)
                 else:
@@ -211,8 +216,14 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
                 flat_grads[u] = flat.to(rdt)
                 frame = Frame(i, op, gathered[u], g_out, g_h, flat_grads[u])
 
+            elif kind == "accumulate":
+                g = flat_grads.pop(u)
+                carry[u] = g if u not in carry else carry[u].add_(g)
+
             elif kind == "reduce":
                 g = flat_grads.pop(u)
+                if carry and u in carry:  # gradients deferred from earlier micro-batches
+                    g = carry.pop(u).add_(g)
                 dest = grads.outer if rows is None else grads.layers[rows.start:rows.stop]
                 if schedule.reduce == "all_reduce":
                     reducing[u] = (all_reduce(comm, g), dest)
@@ -230,7 +241,10 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
 
             if recorder is not None:
                 live = len(gathering) + len(gathered) - (OUTER in gathering or OUTER in gathered)
-                recorder.record(i, t0, time.perf_counter_ns(), live)
+                moved = (_nbytes(gathering[u].out) if kind == "gather" else
+                         _pending_bytes(reducing[u][0]) if kind == "reduce" else 0)
+                owned = _owned(gathering, gathered, flat_grads, reducing, saved)
+                recorder.record(i, start, live, moved, owned)
             if frame is not None:
                 yield frame
 
@@ -238,7 +252,7 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
         loss_pending = None
         if grad:
             _set_rng(dev, rng_end)  # as after plain autograd: the forward consumed the RNG, backward none
-        return Result(loss, grads if grad else None)
+        return Result(loss, grads if reduces else None)
     finally:
         # Normal end: nothing is left. Early close (step_through stopped, an error): finish what
         # this rank issued, so the collective sequence stays the same on every rank.
@@ -253,6 +267,24 @@ def _layer_leaves(views, x, extras, dpos):
     xl = x.detach().requires_grad_()
     el = tuple(e.detach().requires_grad_() if j in dpos else e for j, e in enumerate(extras))
     return lv, xl, el
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _pending_bytes(p: Pending) -> int:
+    """A reduce's full gradient: the reduce-scatter's input, or the all-reduce's buffer."""
+    return _nbytes(p.keep if p.keep is not None else p.out)
+
+
+def _owned(gathering, gathered, flat_grads, reducing, saved) -> tuple[int, int, int]:
+    """Bytes of the buffers the executor holds: gathered parameters, unreduced gradients,
+    inputs saved for recompute. Computed only when recording."""
+    params = sum(_nbytes(p.out) for p in gathering.values()) + sum(_nbytes(b) for b in gathered.values())
+    grads = sum(_nbytes(g) for g in flat_grads.values()) + sum(_pending_bytes(p) for p, _ in reducing.values())
+    inputs = sum(_nbytes(s.x) for s in saved.values() if not s.graph and isinstance(s.x, torch.Tensor))
+    return params, grads, inputs
 
 
 def _or_zeros(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,18 @@
 """What the executor did, op by op, recorded only when asked.
 
-The executor calls ``record`` once per op with two ``perf_counter_ns`` stamps and the number
-of layer units gathered or in flight after it: no string formatting, no device synchronisation.
+The executor calls ``start`` before and ``record`` after each op: host ``perf_counter_ns``
+stamps, the number of layer units gathered, the bytes a collective moves and the bytes of
+the buffers the executor owns. No string formatting and no device synchronisation: on CUDA
+a timing event is recorded on the current stream per op boundary and read only when
+``device_times`` is called, after the step.
 """
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple
+
+import torch
 
 from .schedule import Op, Schedule
 
@@ -18,6 +24,10 @@ class Event(NamedTuple):
     t_begin_ns: int  # host time the op began (issue time for collectives)
     t_end_ns: int
     live_units: int  # layer units gathered or in flight after the op (the outer unit is resident)
+    nbytes: int  # gather / reduce: bytes of the full (unsharded) buffer; 0 otherwise
+    gathered_bytes: int  # owned by the executor after the op: gathered parameter buffers
+    grad_bytes: int  # unsharded flat gradients not yet reduced
+    saved_bytes: int  # layer inputs kept for recompute
 
 
 class Recorder:
@@ -26,14 +36,40 @@ class Recorder:
     def __init__(self) -> None:
         self.events: list[Event] = []
         self._schedules: list[Schedule] = []
+        self._cuda: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._device = torch.device("cpu")
 
-    def begin_step(self, schedule: Schedule) -> None:
+    def begin_step(self, schedule: Schedule, device: torch.device) -> None:
         self._schedules.append(schedule)
+        self._device = device
 
-    def record(self, index: int, t0: int, t1: int, live: int) -> None:
+    def start(self) -> tuple[int, object]:
+        ev = None
+        if self._device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+        return time.perf_counter_ns(), ev
+
+    def record(self, index: int, start: tuple[int, object], live: int, nbytes: int,
+               owned: tuple[int, int, int]) -> None:
+        t0, ev0 = start
+        t1 = time.perf_counter_ns()
         step = len(self._schedules) - 1
-        self.events.append(Event(step, index, self._schedules[step].ops[index], t0, t1, live))
+        self.events.append(Event(step, index, self._schedules[step].ops[index], t0, t1, live, nbytes, *owned))
+        if ev0 is not None:
+            ev1 = torch.cuda.Event(enable_timing=True)
+            ev1.record()
+            self._cuda.append((ev0, ev1))
 
     def step_events(self, step: int = -1) -> list[Event]:
         step = step % len(self._schedules)
         return [e for e in self.events if e.step == step]
+
+    def device_times(self) -> list[tuple[float, float]] | None:
+        """Per event, (begin, end) in ms on the device stream, relative to the first event;
+        None on CPU. Synchronizes with the last event: call it after the step."""
+        if not self._cuda:
+            return None
+        self._cuda[-1][1].synchronize()
+        first = self._cuda[0][0]
+        return [(first.elapsed_time(a), first.elapsed_time(b)) for a, b in self._cuda]

@@ -16,6 +16,8 @@ layers each). A schedule is a flat tuple of ``Op(kind, unit)``:
 ``free u``      release u's gathered parameters
 ``reduce u``    issue the reduce-scatter (or all-reduce) of u's flat gradient
 ``wait_reduce u`` block until u's gradient shard is ready
+``accumulate u`` add u's flat gradient into a carried unsharded buffer instead of
+                reducing it (gradient accumulation, ``defer`` policy)
 ==============  ==============================================================
 
 ``plan`` builds a schedule from a ``Policy``; ``validate`` checks any schedule, hand-made
@@ -29,7 +31,8 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 OUTER = -1
-KINDS = ("gather", "wait", "forward", "forward_save", "loss", "backward", "free", "reduce", "wait_reduce")
+KINDS = ("gather", "wait", "forward", "forward_save", "loss", "backward", "free", "reduce", "wait_reduce",
+         "accumulate")
 
 
 class Op(NamedTuple):
@@ -169,6 +172,14 @@ def plan(num_layers: int, policy: Policy = Policy(), *, grad: bool = True) -> Sc
     return validate(Schedule(tuple(ops), num_layers, k, policy.reduce, grad))
 
 
+def deferred(schedule: Schedule) -> Schedule:
+    """``schedule`` with every reduce replaced by an ``accumulate``: the micro-batches before
+    the last of a gradient accumulation with the ``defer`` policy (see ``fz3.accumulate``)."""
+    ops = tuple(Op("accumulate", op.unit) if op.kind == "reduce" else op
+                for op in schedule.ops if op.kind != "wait_reduce")
+    return validate(Schedule(ops, schedule.num_layers, schedule.layers_per_unit, schedule.reduce, schedule.grad))
+
+
 def validate(schedule: Schedule) -> Schedule:
     """Check that ``schedule`` can run; return it with ``max_live_units`` filled in.
 
@@ -257,6 +268,12 @@ def _simulate(s: Schedule) -> list[int]:
             if u not in reducing:
                 fail(f"no reduce of {unit_name(u)} is in flight")
             reducing.remove(u)
+            reduced.add(u)
+        elif kind == "accumulate":
+            if u not in backed:
+                fail(f"the gradient of {unit_name(u)} does not exist yet (its backward has not run)")
+            if u in reducing or u in reduced:
+                fail(f"the gradient of {unit_name(u)} is reduced or accumulated twice")
             reduced.add(u)
         live.append(len((gathering | gathered) - {OUTER}))
 

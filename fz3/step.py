@@ -15,24 +15,34 @@ from .schedule import Policy, Schedule, plan, validate
 class ValueAndGrad:
     """``f(params, batch) -> (loss, grads)``; ``f.schedule`` is the schedule it runs."""
 
-    def __init__(self, model: ShardedModel, schedule: Schedule, recorder: Recorder | None):
-        self.model, self.schedule, self.recorder = model, schedule, recorder
+    def __init__(self, model: ShardedModel, schedule: Schedule, recorder: Recorder | None, check_finite: bool):
+        self.model, self.schedule, self.recorder, self.check_finite = model, schedule, recorder, check_finite
 
-    def __call__(self, params: Params, batch: Any) -> tuple[torch.Tensor, Params]:
+    def __call__(self, params: Params, batch: Any, *, loss_scale: float | torch.Tensor = 1.0) -> tuple[torch.Tensor, Params]:
+        """``loss_scale`` multiplies the gradients, not the loss (fp16 loss scaling)."""
         check_params(self.model, params)
-        loss, grads = drain(execute(self.model, self.schedule, params, batch, self.recorder))
+        gen = execute(self.model, self.schedule, params, batch, self.recorder, loss_scale=loss_scale)
+        if self.check_finite:
+            from .debug import drain_checking_finite
+
+            loss, grads = drain_checking_finite(self.model, self.schedule, gen)
+        else:
+            loss, grads = drain(gen)
         return loss, grads
 
 
 def value_and_grad(model: ShardedModel, schedule: Schedule | Policy | None = None, *,
-                   recorder: Recorder | None = None) -> ValueAndGrad:
+                   recorder: Recorder | None = None, check_finite: bool = False) -> ValueAndGrad:
     """``f(params, batch) -> (loss, grads)``: the mean loss over ranks and this rank's shards
     of its gradient, same pytree structure as ``params``.
 
     ``schedule``: a ``Schedule`` (validated here, before anything runs), a ``Policy`` to
     plan one from, or None for the default policy. The schedule is computed once, here.
+    ``recorder``: collects every op's timestamps (``fz3.Recorder``). ``check_finite``: raise
+    ``fz3.NonFiniteError`` on every rank, naming the first unit and phase where activations
+    or gradients stopped being finite (one extra read per activation, one collective per step).
     """
-    return ValueAndGrad(model, check_schedule(model, schedule, grad=True), recorder)
+    return ValueAndGrad(model, check_schedule(model, schedule, grad=True), recorder, check_finite)
 
 
 def apply(model: ShardedModel, params: Params, batch: Any, *, schedule: Schedule | Policy | None = None,

@@ -26,13 +26,12 @@ def _child(fn: Callable, rank: int, world: int, store: str, q: Any, args: tuple,
 
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-        try:
-            out = fn(rank, world, *args)
-        finally:
-            dist.destroy_process_group()
+        out = fn(rank, world, *args)
         q.put((rank, True, out))
-    except BaseException:  # noqa: BLE001 - report everything to the parent
+    except BaseException:  # noqa: BLE001 - report everything to the parent, before any teardown
         q.put((rank, False, traceback.format_exc()))
+        return
+    dist.destroy_process_group()
 
 
 def run(world: int, fn: Callable, *args: Any, timeout: float = 180.0, env: dict | None = None) -> list[Any]:
@@ -55,7 +54,10 @@ def run(world: int, fn: Callable, *args: Any, timeout: float = 180.0, env: dict 
                     missing = sorted(set(range(world)) - set(results))
                     raise TimeoutError(f"ranks {missing} of {world} did not finish within {timeout}s (hang?)") from None
                 if not ok:
-                    raise AssertionError(f"rank {rank} of {world} failed:\n{out}")
+                    failed = _failures(q, world, {rank: out})
+                    dead = [f"rank {r} exited with code {p.exitcode} without a report"
+                            for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in failed]
+                    raise AssertionError("\n".join(dead + [failed[r] for r in sorted(failed)]))
                 results[rank] = out
         finally:
             for p in procs:
@@ -64,3 +66,16 @@ def run(world: int, fn: Callable, *args: Any, timeout: float = 180.0, env: dict 
                     p.kill()
                     p.join()
     return [results[r] for r in range(world)]
+
+
+def _failures(q: Any, world: int, failed: dict[int, str]) -> dict[int, str]:
+    """Every rank's failure (the first one to arrive is often a consequence of another's)."""
+    end = time.monotonic() + 3.0
+    while time.monotonic() < end:
+        try:
+            rank, ok, out = q.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        if not ok:
+            failed[rank] = out
+    return {r: f"rank {r} of {world} failed:\n{msg}" for r, msg in failed.items()}

@@ -1,0 +1,224 @@
+"""fz3 vs FSDP2 vs DeepSpeed ZeRO-3 vs DDP vs the no-communication limit, on CPU gloo.
+
+    python benchmarks/compare.py --quick          # thin config, fz3/FSDP2/limit, ~2 minutes
+    python benchmarks/compare.py                  # everything; results into benchmarks/results/
+
+Every system trains the same GPT (same seed, same synthetic batches, AdamW lr 1e-3, betas
+(0.9, 0.95), weight decay 0.1 on matrices) for ``--steps`` steps at world size 2 (one
+thread per rank) and reports the median step time after ``--warmup`` steps, tokens/s, peak
+RSS per rank and the final loss. The limit is one process with the per-rank batch and no
+communication. Each (system, repeat) is a fresh ``torchrun`` job and repeats are
+interleaved across systems, so machine drift hits every system alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+CONFIGS = {
+    # framework overhead dominates: many thin layers
+    "thin": dict(vocab=256, seq=64, dim=64, heads=4, layers=24, batch=4),
+    # compute dominates
+    "fat": dict(vocab=256, seq=256, dim=512, heads=8, layers=4, batch=4),
+}
+
+
+def systems_for(config: str, layers: int) -> dict[str, tuple[str, dict]]:
+    """name -> (builder in systems.py, kwargs). Policies are fz3 schedule knobs, nothing else."""
+    tuned = {  # the schedule that fits each regime (see benchmarks/README.md for why)
+        "thin": dict(layers_per_unit=layers, activations="save_unsharded", reduce="all_reduce"),
+        "fat": dict(activations="save"),
+    }[config]
+    return {
+        "limit": ("plain", {}),
+        "fz3": ("fz3_system", {"policy": dict(tuned)}),
+        "fz3 default": ("fz3_system", {"policy": {}}),
+        "fz3 recompute": ("fz3_system", {"policy": {"activations": "recompute"}}) if config == "fat" else None,
+        "FSDP2": ("fsdp2", {}),
+        "FSDP2 prefetch": ("fsdp2", {"prefetch": True}),
+        "FSDP2 AC": ("fsdp2", {"ac": True}) if config == "fat" else None,
+        "DeepSpeed ZeRO-3": ("deepspeed_zero3", {}),
+        "DDP": ("ddp", {}),
+    }
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank of one run: build the system, time the steps, write a JSON line (rank 0)."""
+    import torch
+    import torch.distributed as dist
+
+    import fz3
+    import systems
+    from fz3.models.gpt import GPTConfig
+
+    torch.set_num_threads(1)
+    spec = json.loads(args.worker)
+    if spec["builder"] == "deepspeed_zero3":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+    else:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    c = dict(CONFIGS[spec["config"]])
+    batch = c.pop("batch")
+    cfg = GPTConfig(**c)
+    kw = dict(spec["kwargs"])
+    if "policy" in kw:
+        kw["policy"] = fz3.Policy(**kw["policy"])
+    step = getattr(systems, spec["builder"])(cfg, torch.device("cpu"), **kw)
+    times, loss = [], None
+    for s in range(spec["warmup"] + spec["steps"]):
+        b = systems.rank_batch(cfg, batch, s, rank, torch.device("cpu"))
+        t0 = time.perf_counter()
+        loss = step(b)
+        if s >= spec["warmup"]:
+            times.append(time.perf_counter() - t0)
+    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])  # MiB
+    dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+    mean_loss = torch.tensor([float(loss)], dtype=torch.float64)  # fz3 returns it; others: rank-local
+    dist.all_reduce(mean_loss)
+    loss = float(mean_loss) / dist.get_world_size()
+    if rank == 0:
+        with open(spec["out"], "w") as f:
+            json.dump(dict(step_s=statistics.median(times), loss=float(loss), rss_mib=float(rss),
+                           tokens_per_step=batch * cfg.seq * dist.get_world_size()), f)
+    dist.destroy_process_group()
+
+
+def launch(config: str, name: str, builder: str, kwargs: dict, args: argparse.Namespace) -> dict:
+    nproc = 1 if name == "limit" else args.world
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "r.json")
+        spec = json.dumps(dict(config=config, builder=builder, kwargs=kwargs, steps=args.steps,
+                               warmup=args.warmup, out=out))
+        env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               os.path.abspath(__file__), "--worker", spec]
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        if p.returncode != 0 or not os.path.exists(out):
+            return dict(error=(p.stderr or p.stdout)[-2000:])
+        with open(out) as f:
+            return json.load(f)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--quick", action="store_true", help="thin only; limit, fz3, FSDP2; 1 repeat")
+    ap.add_argument("--configs", default="thin,fat")
+    ap.add_argument("--systems", default=None, help="comma-separated subset of system names")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 20 thin, 6 fat)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.quick:
+        args.configs, args.repeats = "thin", 1
+        args.systems = args.systems or "limit,fz3,fz3 default,FSDP2"
+        args.steps = args.steps or 10
+    want = set(args.systems.split(",")) if args.systems else None
+
+    results: dict[str, dict[str, list[dict]]] = {}
+    for config in args.configs.split(","):
+        steps = args.steps or (20 if config == "thin" else 6)
+        runs = {n: s for n, s in systems_for(config, CONFIGS[config]["layers"]).items()
+                if s is not None and (want is None or n in want)}
+        results[config] = {n: [] for n in runs}
+        for r in range(args.repeats):
+            for name, (builder, kwargs) in runs.items():
+                ns = argparse.Namespace(**{**vars(args), "steps": steps})
+                res = launch(config, name, builder, kwargs, ns)
+                results[config][name].append(res)
+                msg = res.get("error", "").splitlines()[-1:] if "error" in res else \
+                    [f"{res['step_s'] * 1e3:8.1f} ms/step  loss {res['loss']:.5f}  rss {res['rss_mib']:.0f} MiB"]
+                print(f"[{config} repeat {r + 1}/{args.repeats}] {name:18s} {msg[0] if msg else 'failed'}", flush=True)
+
+    report = summarize(results, args)
+    print("\n" + report)
+    if not args.quick:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "compare.json"), "w") as f:
+            json.dump(dict(results=results, argv=sys.argv[1:]), f, indent=1)
+        with open(os.path.join(args.out, "compare.md"), "w") as f:
+            f.write(report + "\n")
+        plot(results, os.path.join(args.out, "compare.png"))
+
+
+def summarize(results: dict, args: argparse.Namespace) -> str:
+    import torch
+
+    try:
+        import deepspeed
+
+        ds = deepspeed.__version__
+    except Exception:  # noqa: BLE001 - optional
+        ds = "not installed"
+    lines = [f"`python benchmarks/{os.path.basename(__file__)} {' '.join(sys.argv[1:])}` on "
+             f"{datetime.date.today()}, torch {torch.__version__}, deepspeed {ds}, world size {args.world} "
+             f"(gloo, 1 thread per rank), medians of {args.repeats} interleaved repeats", ""]
+    for config, by_system in results.items():
+        c = CONFIGS[config]
+        lines += [f"### {config}: {c['layers']} layers, hidden {c['dim']}, seq {c['seq']}, micro-batch {c['batch']}",
+                  "", "| system | s/step | tokens/s | x limit | peak RSS/rank MiB | final loss |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        limit = _median(by_system.get("limit", []), "step_s")
+        for name, runs in by_system.items():
+            ok = [r for r in runs if "error" not in r]
+            if not ok:
+                lines.append(f"| {name} | failed | | | | |")
+                continue
+            step = _median(ok, "step_s")
+            tps = ok[0]["tokens_per_step"] / step
+            ratio = step / limit if limit else float("nan")
+            lines.append(f"| {name} | {step:.4f} | {tps:.0f} | {ratio:.2f} | {_median(ok, 'rss_mib'):.0f} | "
+                         f"{ok[-1]['loss']:.5f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _median(runs: list[dict], key: str) -> float:
+    vals = [r[key] for r in runs if "error" not in r]
+    return statistics.median(vals) if vals else float("nan")
+
+
+def plot(results: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    for ax, (config, by_system) in zip(axes[0], results.items()):
+        limit = _median(by_system.get("limit", []), "step_s")
+        names = [n for n, runs in by_system.items() if any("error" not in r for r in runs)]
+        ratios = [_median(by_system[n], "step_s") / limit for n in names]
+        ax.barh(names, ratios, color=["tab:green" if n.startswith("fz3") else "tab:gray" for n in names])
+        ax.axvline(1.0, color="k", lw=0.8)
+        ax.set_title(f"{config}: step time / limit (lower is better)")
+        ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()

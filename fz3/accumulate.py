@@ -1,0 +1,61 @@
+"""Gradient accumulation over k micro-batches, as a wrapper around the step (not a flag).
+
+Two explicit policies, both equal to one step on the k micro-batches concatenated:
+
+- ``reduce`` (default, memory-lean): every micro-batch runs the normal schedule, reducing
+  its gradients; the shards are summed into an fp32 sharded accumulator. Extra memory: one
+  gradient shard, ``4 P / N`` bytes. Communication: k reduces per unit.
+- ``defer``: the first k-1 micro-batches replace each reduce with ``accumulate`` (the flat
+  unsharded gradient is summed into a buffer carried across micro-batches); the last one
+  adds the buffer in and reduces once. Extra memory: the whole unsharded gradient,
+  ``P * bytes(reduce_dtype)`` per rank (N times the ``reduce`` policy's); communication: one
+  reduce per unit, k times less.
+
+Each micro-batch's backward is seeded with 1/k, so the result is the mean, not the sum.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Sequence
+
+import optree
+import torch
+
+from .executor import execute
+from .model import Params, ShardedModel
+from .schedule import Policy, Schedule, deferred
+from .step import check_params, check_schedule, drain
+
+
+class Accumulate:
+    """``f(params, micro_batches) -> (mean loss, grads)``."""
+
+    def __init__(self, model: ShardedModel, schedule: Schedule, policy: Literal["reduce", "defer"]):
+        if policy not in ("reduce", "defer"):
+            raise ValueError(f"policy={policy!r}: use 'reduce' (sum reduced shards) or 'defer' (reduce once)")
+        self.model, self.schedule, self.policy = model, schedule, policy
+        self.deferred = deferred(schedule) if policy == "defer" else None
+
+    def __call__(self, params: Params, micro_batches: Sequence[Any]) -> tuple[torch.Tensor, Params]:
+        k = len(micro_batches)
+        if k == 0:
+            raise ValueError("micro_batches is empty; pass a sequence of k >= 1 batches")
+        check_params(self.model, params)
+        losses, acc = [], None
+        carry: dict[int, torch.Tensor] = {}
+        for i, mb in enumerate(micro_batches):
+            last = i == k - 1
+            sched = self.schedule if self.policy == "reduce" or last else self.deferred
+            loss, grads = drain(execute(self.model, sched, params, mb, loss_scale=1.0 / k, carry=carry))
+            losses.append(loss)
+            if self.policy == "reduce":  # acc holds buffers this function received and owns
+                acc = grads if acc is None else optree.tree_map(torch.Tensor.add_, acc, grads)
+            else:
+                acc = grads
+        return torch.stack(losses).mean(), acc
+
+
+def accumulate(model: ShardedModel, schedule: Schedule | Policy | None = None, *,
+               policy: Literal["reduce", "defer"] = "reduce") -> Accumulate:
+    """A step over k micro-batches: ``f(params, [batch_1, ..., batch_k]) -> (loss, grads)``."""
+    return Accumulate(model, check_schedule(model, schedule, grad=True), policy)

@@ -1,0 +1,132 @@
+"""Traces: a recorded step as Chrome-trace JSON (Perfetto, chrome://tracing), a per-unit text
+summary and an optional PNG timeline.
+
+    with fz3.trace("step-{rank}.json") as rec:
+        fz3.value_and_grad(model, recorder=rec)(params, batch)
+
+Lanes: ``compute`` (forward / loss / backward), ``waits`` (time blocked in ``wait`` and
+``wait_reduce``), ``issue`` (issuing collectives, freeing), and ``in flight`` (each
+collective from its issue to the end of its wait). One event per op in the first three. On
+CUDA a ``device`` lane shows each op's span on the stream, from timing events read after
+the step (no synchronisation inside it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections import defaultdict
+from typing import Iterator
+
+import torch.distributed as dist
+
+from .record import Event, Recorder
+from .schedule import OUTER, unit_name
+
+log = logging.getLogger(__name__)
+LANES = {"compute": 0, "waits": 1, "issue": 2, "in flight": 3, "device": 4}
+COMPUTE = ("forward", "forward_save", "loss", "backward")
+WAITS = ("wait", "wait_reduce")
+
+
+@contextlib.contextmanager
+def trace(path: str, *, png: str | None = None) -> Iterator[Recorder]:
+    """Record the steps run inside; on exit write the Chrome trace to ``path`` (``{rank}`` in
+    it is replaced by the rank; without it only rank 0 writes), the summary to ``path + .txt``
+    and, with matplotlib installed and ``png`` given, a timeline picture."""
+    rec = Recorder()
+    yield rec
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if "{rank}" not in path and rank != 0:
+        return
+    out = path.format(rank=rank)
+    with open(out, "w") as f:
+        json.dump(chrome_trace(rec, rank), f)
+    with open(out + ".txt", "w") as f:
+        f.write(trace_summary(rec) + "\n")
+    if png:
+        timeline_png(rec, png.format(rank=rank))
+    log.info("wrote trace %s", out)
+
+
+def chrome_trace(rec: Recorder, rank: int = 0) -> dict:
+    events = rec.events
+    if not events:
+        return {"traceEvents": [], "displayTimeUnit": "ms"}
+    t0 = events[0].t_begin_ns
+    us = lambda ns: (ns - t0) / 1e3  # noqa: E731
+    out = [{"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name}}
+           for name, tid in LANES.items()]
+    issued: dict[tuple[int, str, int], Event] = {}
+    for e in events:
+        kind, u = e.op
+        lane = "compute" if kind in COMPUTE else "waits" if kind in WAITS else "issue"
+        out.append({"name": str(e.op), "cat": "op", "ph": "X", "pid": rank, "tid": LANES[lane],
+                    "ts": us(e.t_begin_ns), "dur": max((e.t_end_ns - e.t_begin_ns) / 1e3, 0.001),
+                    "args": {"step": e.step, "index": e.index, "live_units": e.live_units, "bytes": e.nbytes,
+                             "gathered_bytes": e.gathered_bytes, "grad_bytes": e.grad_bytes,
+                             "saved_bytes": e.saved_bytes}})
+        if kind in ("gather", "reduce"):
+            issued[(e.step, kind, u)] = e
+        elif kind in WAITS:
+            start = issued.pop((e.step, "gather" if kind == "wait" else "reduce", u), None)
+            if start is not None:
+                out.append({"name": f"{start.op.kind} {unit_name(u)}", "cat": "inflight", "ph": "X", "pid": rank,
+                            "tid": LANES["in flight"], "ts": us(start.t_begin_ns),
+                            "dur": (e.t_end_ns - start.t_begin_ns) / 1e3, "args": {"bytes": start.nbytes}})
+    device = rec.device_times()
+    if device:
+        for e, (b, end) in zip(events, device):
+            out.append({"name": str(e.op), "cat": "device", "ph": "X", "pid": rank, "tid": LANES["device"],
+                        "ts": b * 1e3, "dur": (end - b) * 1e3})
+    return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+
+def trace_summary(rec: Recorder) -> str:
+    """Per unit: host time computing, time blocked waiting for its collectives, bytes moved."""
+    rows: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+    for e in rec.events:
+        kind, u = e.op
+        ms = (e.t_end_ns - e.t_begin_ns) / 1e6
+        r = rows[OUTER if kind == "loss" else u]
+        if kind in COMPUTE:
+            r[0] += ms
+        elif kind in WAITS:
+            r[1] += ms
+        r[2] += e.nbytes / 2**20
+    steps = len({e.step for e in rec.events}) or 1
+    lines = [f"per step, mean over {steps} step(s)", f"{'unit':<10} {'compute ms':>11} {'blocked ms':>11} {'moved MiB':>10}"]
+    for u in sorted(rows, key=lambda u: (u != OUTER, u)):
+        c, w, b = (x / steps for x in rows[u])
+        lines.append(f"{unit_name(u):<10} {c:>11.3f} {w:>11.3f} {b:>10.2f}")
+    tot = [sum(r[i] for r in rows.values()) / steps for i in range(3)]
+    lines.append(f"{'total':<10} {tot[0]:>11.3f} {tot[1]:>11.3f} {tot[2]:>10.2f}")
+    return "\n".join(lines)
+
+
+def timeline_png(rec: Recorder, path: str) -> bool:
+    """A picture of the lanes; False when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    trace_ = chrome_trace(rec)["traceEvents"]
+    fig, ax = plt.subplots(figsize=(12, 3))
+    colors = {"compute": "tab:blue", "waits": "tab:red", "issue": "tab:gray", "in flight": "tab:green",
+              "device": "tab:purple"}
+    names = {tid: name for name, tid in LANES.items()}
+    for ev in trace_:
+        if ev["ph"] == "X":
+            name = names[ev["tid"]]
+            ax.barh(ev["tid"], ev["dur"] / 1e3, left=ev["ts"] / 1e3, color=colors[name], height=0.8)
+    ax.set_yticks(list(LANES.values()), list(LANES))
+    ax.invert_yaxis()
+    ax.set_xlabel("ms")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True

@@ -1,0 +1,106 @@
+"""step_through (layer-by-layer frames, early stop on every rank) and non-finite detection.
+
+References: the plain GPT run block by block on the rank's own batch (activations), plain
+autograd over the concatenated batch (gradients: the frames' unreduced gradients summed over
+ranks), and value_and_grad itself (the final frame must be identical, bit for bit).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.distributed as tdist
+
+import dist
+import fz3
+from fz3 import OUTER
+from fz3.models.gpt import GPTConfig, shard_gpt
+from reference import assert_close, batches, gpt, reference_grads
+
+CFG = GPTConfig(vocab=37, seq=8, dim=36, heads=4, layers=3)
+
+
+def step_through_ranks(rank, world):
+    module = gpt(CFG)
+    model, params = shard_gpt(module)
+    bs = batches(CFG, world)
+    x, y = bs[rank]
+    ref_loss, ref = reference_grads(module, bs)
+    with torch.no_grad():  # the plain model's activations, block by block, on this rank's batch
+        acts = [module.embed(x)]
+        for b in module.blocks:
+            acts.append(b(acts[-1]))
+
+    for policy in (fz3.Policy(), fz3.Policy(layers_per_unit=2, activations="save")):
+        frames = list(fz3.step_through(model, params, bs[rank], policy))
+        sched = fz3.plan(model, policy)
+        compute = [op for op in sched.ops if op.kind in ("forward", "forward_save", "loss", "backward")]
+        assert [f.op for f in frames[:-1]] == compute
+        summed: dict[str, torch.Tensor] = {}
+        for f in frames[:-1]:
+            if f.phase == "forward" and f.unit != OUTER:
+                last = sched.layer_range(f.unit)[-1]
+                torch.testing.assert_close(f.outputs, acts[last + 1], rtol=1e-5, atol=1e-6)
+                assert all(n.startswith(f"blocks.{i}.") for n in f.params for i in [int(n.split(".")[1])])
+            if f.phase == "forward" and f.unit == OUTER:
+                torch.testing.assert_close(f.outputs[0], acts[0], rtol=1e-5, atol=1e-6)
+                assert "tok.weight" in f.params
+            if f.phase == "backward":
+                for n, g in f.grads.items():
+                    summed[n] = g.clone()
+        for g in summed.values():  # unreduced gradients of loss_r / world: their sum is the reference
+            tdist.all_reduce(g)
+        if rank == 0:
+            assert_close({n: summed[n] for n in ref}, ref, what=f"step_through grads {policy}")
+        done = frames[-1]
+        assert done.phase == "done"
+        loss, grads = fz3.value_and_grad(model, policy)(params, bs[rank])
+        assert torch.equal(done.loss, loss) and all(torch.equal(a, b) for a, b in zip(done.result, grads))
+
+    # Stop early, on every rank at the same op: nothing hangs and the next step is right.
+    for stop_at in ("forward", "backward"):
+        for f in fz3.step_through(model, params, bs[rank]):
+            if f.phase == stop_at and f.unit == 1:
+                break
+        loss, grads = fz3.value_and_grad(model)(params, bs[rank])
+        assert abs(float(loss) - ref_loss) <= 1e-5 * abs(ref_loss)
+    assert fz3.any_rank(model, rank == world - 1) is True
+    assert fz3.any_rank(model, False) is False
+    return "ok"
+
+
+def nonfinite_ranks(rank, world):
+    module = gpt(CFG)
+    with torch.no_grad():
+        module.tok.weight[5] = float("nan")  # only batches containing token 5 go bad
+    model, params = shard_gpt(module)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randint(6, CFG.vocab, (2, CFG.seq), generator=g)
+    if rank == 0:
+        x[0, 3] = 5
+    step = fz3.value_and_grad(model, check_finite=True)
+    with pytest.raises(fz3.NonFiniteError, match=r"first appeared in the forward of outer, op \d+ .* on ranks \[0\]"):
+        step(params, (x, x))
+    clean = torch.randint(6, CFG.vocab, (2, CFG.seq), generator=g)
+    loss, _ = step(params, (clean, clean))  # a finite step passes the check
+    assert torch.isfinite(loss)
+
+    # A non-finite weight in a layer: every rank sees it first in that layer's forward.
+    module2 = gpt(CFG)
+    with torch.no_grad():
+        module2.blocks[1].fc.weight[0, 0] = float("inf")
+    model2, params2 = shard_gpt(module2)
+    with pytest.raises(fz3.NonFiniteError, match=r"forward of layers.1 \(layers \[1\]\).* on ranks " + re.escape(str(list(range(world))))):
+        fz3.value_and_grad(model2, check_finite=True)(params2, (clean, clean))
+    return "ok"
+
+
+@pytest.mark.parametrize("world", [2])
+def test_step_through(world):
+    assert dist.run(world, step_through_ranks) == ["ok"] * world
+
+
+def test_nonfinite_named_consistently():
+    assert dist.run(2, nonfinite_ranks) == ["ok"] * 2

@@ -1,0 +1,129 @@
+"""Training features against plain PyTorch: gradient accumulation (both policies), global-norm
+clipping chained with AdamW, tied weights updated on every rank with uneven shards, bf16
+compute and fp16 with dynamic loss scaling."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import dist
+import fz3
+from fz3.models.gpt import GPTConfig, shard_gpt
+from reference import assert_close, assert_rel_norm, batches, concat, gpt, reference_grads
+
+CFG = GPTConfig(vocab=37, seq=8, dim=36, heads=4, layers=3)
+
+
+def accumulation_ranks(rank, world):
+    module = gpt(CFG)
+    model, params = shard_gpt(module)
+    k = 3
+    micro = [batches(CFG, world, step=s) for s in range(k)]  # micro[s][r]
+    ref_loss, ref = reference_grads(module, [mb for s in range(k) for mb in micro[s]])
+    for policy in ("reduce", "defer"):
+        for sched in (fz3.Policy(), fz3.Policy(layers_per_unit=2, activations="save", reduce="all_reduce")):
+            loss, grads = fz3.accumulate(model, sched, policy=policy)(params, [micro[s][rank] for s in range(k)])
+            assert abs(float(loss) - ref_loss) <= 1e-5 * abs(ref_loss), (policy, float(loss), ref_loss)
+            got = fz3.full_state_dict(model, grads, buffers=False)
+            if rank == 0:
+                assert_close(got, ref, what=f"accumulate {policy} {sched}")
+    with pytest.raises(ValueError, match="policy='sum'"):
+        fz3.accumulate(model, policy="sum")
+    return "ok"
+
+
+def clip_ranks(rank, world, steps=4):
+    """clip_by_global_norm(0.05) then AdamW vs clip_grad_norm_ + torch.optim.AdamW; tied weights,
+    uneven shards at world 3: every rank's slice of the tied weight must move."""
+    cfg = dataclasses.replace(CFG, tie=True)
+    module = gpt(cfg)
+    model, params = shard_gpt(module)
+    ref = gpt(cfg)
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = fz3.optim.chain(fz3.optim.clip_by_global_norm(0.05, group=model.comm.group),
+                          fz3.optim.adamw(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1))
+    state = opt.init(params)
+    step = fz3.value_and_grad(model)
+    first = params
+    for s in range(steps):
+        bs = batches(cfg, world, step=s)
+        _, grads = step(params, bs[rank])
+        params, state = fz3.optim.step(opt, grads, state, params, donate=(s % 2 == 1))
+        torch_opt.zero_grad()
+        ref(*concat(bs)).backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        torch.testing.assert_close(state[0].norm, norm, rtol=1e-5, atol=0)
+        assert float(norm) > 0.05  # the clip was active
+        torch_opt.step()
+    got = fz3.full_state_dict(model, params, buffers=False)
+    if rank == 0:
+        assert_rel_norm(got, {n: p.detach() for n, p in ref.named_parameters(remove_duplicate=False)}, 1e-5,
+                        what=f"clip+adamw world={world}")
+    # the tied weight (outer unit) changed on every rank, including the last, shorter shard
+    n = model.outer.shard_numel
+    real = max(0, min(n, model.outer.numel - rank * n))
+    assert real > 0 and not torch.equal(first.outer[:real], params.outer[:real])
+    return "ok"
+
+
+def precision_ranks(rank, world):
+    module = gpt(CFG)
+    bs = batches(CFG, world)
+    ref_loss, ref = reference_grads(module, bs)
+    # bf16 keeps 8 mantissa bits: each rounding is off by up to 2^-9 ~ 2e-3 relative, and a
+    # few dozen roundings in sequence (embedding, 3 blocks, head) compound to ~1e-2 on the loss
+    # and a few % on gradient norms. fp32 reduce keeps the sum over ranks exact enough.
+    model, params = shard_gpt(module, precision=fz3.Precision(torch.bfloat16, torch.float32))
+    loss, grads = fz3.value_and_grad(model)(params, bs[rank])
+    assert abs(float(loss) - ref_loss) <= 2e-2 * abs(ref_loss)
+    got = fz3.full_state_dict(model, grads, buffers=False)
+    if rank == 0:
+        assert_rel_norm(got, ref, 6e-2, what="bf16")
+        assert all(g.dtype == torch.float32 for g in got.values())
+
+    # fp16 with dynamic loss scaling: 2**40 overflows fp16 (max 65504), so the first steps
+    # are skipped with the scale halved each time, until a step is finite.
+    model16, params16 = shard_gpt(module, precision=fz3.Precision(torch.float16, torch.float32))
+    opt = fz3.optim.adamw(lr=1e-3)
+    state = opt.init(params16)
+    ls = fz3.optim.LossScale(scale=2.0**40, growth_interval=2)
+    step = fz3.value_and_grad(model16)
+    history, first, gathered = [], None, False
+    for s in range(40):
+        before = params16
+        loss, grads = step(params16, bs[rank], loss_scale=ls.scale)
+        grads, ls, finite = fz3.optim.unscale(grads, ls, model16.comm.group)
+        history.append((finite, ls.scale))
+        if finite:
+            if not gathered:  # every rank takes this branch together: `finite` is agreed
+                first, gathered = fz3.full_state_dict(model16, grads, buffers=False), True
+            params16, state = fz3.optim.step(opt, grads, state, params16)
+        else:
+            assert params16 is before
+        if sum(f for f, _ in history) >= 3:
+            break
+    n_skip = next(i for i, (f, _) in enumerate(history) if f)  # the skips before the first finite step
+    skipped = [sc for _, sc in history[:n_skip]]
+    assert n_skip > 0 and skipped == [2.0 ** (39 - i) for i in range(n_skip)], history
+    after = [sc for _, sc in history[n_skip:]]
+    assert after[0] == skipped[-1] and after[1] == 2 * after[0], history  # raised after 2 good steps
+    assert int(state.count) == 3
+    if rank == 0:  # unscaled fp16 gradients match fp32: 11 mantissa bits, ~5e-4 per rounding
+        assert_rel_norm(first, ref, 1e-2, what="fp16 unscaled")
+    return "ok"
+
+
+@pytest.mark.parametrize("world", [2])
+def test_gradient_accumulation(world):
+    assert dist.run(world, accumulation_ranks) == ["ok"] * world
+
+
+def test_clip_chained_with_adamw_tied_uneven():
+    assert dist.run(3, clip_ranks) == ["ok"] * 3
+
+
+def test_mixed_precision():
+    assert dist.run(2, precision_ranks) == ["ok"] * 2
