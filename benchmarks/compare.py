@@ -40,13 +40,13 @@ def systems_for(config: str, layers: int) -> dict[str, tuple[str, dict]]:
     """name -> (builder in systems.py, kwargs). Policies are fz3 schedule knobs, nothing else."""
     tuned = {  # the schedule that fits each regime (see benchmarks/README.md for why)
         "thin": dict(layers_per_unit=layers, activations="save_unsharded", reduce="all_reduce"),
-        "fat": dict(activations="save"),
+        "fat": dict(activations="save_unsharded", reduce="all_reduce"),
     }[config]
     return {
         "limit": ("plain", {}),
         "fz3": ("fz3_system", {"policy": dict(tuned)}),
         "fz3 default": ("fz3_system", {"policy": {}}),
-        "fz3 recompute": ("fz3_system", {"policy": {"activations": "recompute"}}) if config == "fat" else None,
+        "fz3 save": ("fz3_system", {"policy": {"activations": "save"}}) if config == "fat" else None,
         "FSDP2": ("fsdp2", {}),
         "FSDP2 prefetch": ("fsdp2", {"prefetch": True}),
         "FSDP2 AC": ("fsdp2", {"ac": True}) if config == "fat" else None,
@@ -73,7 +73,7 @@ def worker(args: argparse.Namespace) -> None:
     else:
         dist.init_process_group("gloo")
     rank = dist.get_rank()
-    c = dict(CONFIGS[spec["config"]])
+    c = {**CONFIGS[spec["config"]], **spec.get("override", {})}
     batch = c.pop("batch")
     cfg = GPTConfig(**c)
     kw = dict(spec["kwargs"])
@@ -99,12 +99,13 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def launch(config: str, name: str, builder: str, kwargs: dict, args: argparse.Namespace) -> dict:
-    nproc = 1 if name == "limit" else args.world
+def launch(config: str, name: str, builder: str, kwargs: dict, args: argparse.Namespace,
+           override: dict | None = None, nproc: int | None = None) -> dict:
+    nproc = nproc or (1 if name == "limit" else args.world)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r.json")
         spec = json.dumps(dict(config=config, builder=builder, kwargs=kwargs, steps=args.steps,
-                               warmup=args.warmup, out=out))
+                               warmup=args.warmup, out=out, override=override or {}))
         env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                os.path.abspath(__file__), "--worker", spec]
@@ -127,9 +128,12 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--scaling", action="store_true", help="thin config: step time vs layers and vs world size")
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    if args.scaling:
+        return scaling(args)
     if args.quick:
         args.configs, args.repeats = "thin", 1
         args.systems = args.systems or "limit,fz3,fz3 default,FSDP2"
@@ -160,6 +164,63 @@ def main() -> None:
         with open(os.path.join(args.out, "compare.md"), "w") as f:
             f.write(report + "\n")
         plot(results, os.path.join(args.out, "compare.png"))
+
+
+def scaling(args: argparse.Namespace) -> None:
+    """fz3 (tuned thin schedule) and the limit: step time vs layers (world 2) and vs world size (24 layers)."""
+    steps = args.steps or 10
+    ns = argparse.Namespace(**{**vars(args), "steps": steps})
+    points = [("layers", L, 2) for L in (8, 16, 32)] + [("world", 24, w) for w in (1, 2, 4)]
+    rows: dict[tuple, list] = {}
+    for r in range(args.repeats):
+        for axis, layers, world in points:
+            policy = dict(layers_per_unit=layers, activations="save_unsharded", reduce="all_reduce")
+            for name, builder, kw, nproc in (("fz3", "fz3_system", {"policy": policy}, world),
+                                             ("limit", "plain", {}, 1)):
+                if name == "limit" and axis == "world" and world != 1:
+                    continue
+                res = launch("thin", name, builder, kw, ns, override={"layers": layers}, nproc=nproc)
+                rows.setdefault((axis, layers, world, name), []).append(res)
+                print(f"[scaling {r + 1}/{args.repeats}] {name} layers={layers} world={world} "
+                      f"{res.get('step_s', float('nan')) * 1e3:.1f} ms", flush=True)
+    lines = [f"`python benchmarks/compare.py {' '.join(sys.argv[1:])}` on {datetime.date.today()}: thin config "
+             f"(hidden 64, seq 64, micro-batch 4 per rank), fz3 with one unit for all layers, medians of "
+             f"{args.repeats}; this machine has 2 cores, so world 4 runs 2 ranks per core", "",
+             "| axis | layers | world | fz3 s/step | limit s/step (1 process) | fz3 / limit | fz3 ms per layer |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for axis, layers, world in points:
+        fz = _median(rows[(axis, layers, world, "fz3")], "step_s")
+        lim_key = (axis, layers, 1 if axis == "world" else world, "limit")
+        lim = _median(rows.get(lim_key, rows.get(("world", layers, 1, "limit"), [])), "step_s")
+        lines.append(f"| {axis} | {layers} | {world} | {fz:.4f} | {lim:.4f} | {fz / lim:.2f} | {fz / layers * 1e3:.2f} |")
+    report = "\n".join(lines)
+    print("\n" + report)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "scaling.md"), "w") as f:
+        f.write(report + "\n")
+    _plot_scaling(rows, points, os.path.join(args.out, "scaling.png"))
+
+
+def _plot_scaling(rows: dict, points: list, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, axis, key in ((a, "layers", 1), (b, "world", 2)):
+        pts = [p for p in points if p[0] == axis]
+        xs = [p[key] for p in pts]
+        ax.plot(xs, [_median(rows[(*p, "fz3")], "step_s") for p in pts], "o-", label="fz3")
+        if axis == "layers":
+            ax.plot(xs, [_median(rows[(*p, "limit")], "step_s") for p in pts], "s--", label="limit")
+        ax.set_xlabel("layers (world 2)" if axis == "layers" else "world size (24 layers)")
+        ax.set_ylabel("s/step")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def summarize(results: dict, args: argparse.Namespace) -> str:

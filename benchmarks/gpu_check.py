@@ -84,6 +84,40 @@ def correctness(device: torch.device) -> list[dict]:
     return rows
 
 
+def features(device: torch.device) -> dict:
+    """On the device: a trace with device timing events, the memory plan vs the allocator's
+    peak, step_through to the end, and the pure optimizer path against the donating one."""
+    cfg = GPTConfig(vocab=4096, seq=512, dim=512, heads=8, layers=6)
+    batch = systems.rank_batch(cfg, 8, 0, 0, device)
+    model, params = shard_gpt(systems.build(cfg, device), device=device)
+    sched = fz3.plan(model, fz3.Policy(activations="save"))
+    plan = fz3.memory_plan(model, sched, batch)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    with fz3.trace("/tmp/fz3-gpu-trace.json") as rec:
+        loss, grads = fz3.value_and_grad(model, sched, recorder=rec)(params, batch)
+    lanes = {e["tid"] for e in fz3.chrome_trace(rec)["traceEvents"] if e["ph"] == "X"}
+    out = dict(trace_device_lane=4 in lanes, trace_ops=len(rec.events))
+    if device.type == "cuda":
+        measured = torch.cuda.max_memory_allocated() - base
+        # the plan's transient peak (gathered + unreduced grads + graphs) + the grad shards
+        predicted = plan.peak - plan.params - plan.optimizer
+        out.update(plan_transient_mib=predicted / 2**20, measured_step_peak_mib=measured / 2**20,
+                   plan_ratio=predicted / measured)
+    frames = list(fz3.step_through(model, params, batch, sched))
+    out["step_through_identical"] = bool(torch.equal(frames[-1].loss, loss)) and all(
+        torch.equal(a, b) for a, b in zip(frames[-1].result, grads))
+    opt = fz3.optim.adamw(lr=1e-3, weight_decay=0.1, mask=fz3.decay_mask(model))
+    st = opt.init(params)
+    pure, _ = fz3.optim.step(opt, grads, st, params)
+    fused, _ = fz3.optim.step(opt, grads, opt.init(params), fz3.Params(*(t.clone() for t in params)), donate=True)
+    out["fused_vs_pure_max_abs"] = max(float((a - b).abs().max()) for a, b in zip(pure, fused))
+    print("features " + json.dumps(out), flush=True)
+    return out
+
+
 def flops_per_token(cfg: GPTConfig) -> float:
     """Model FLOPs (PaLM appendix B): 6 x matmul parameters + 12 L T d for attention scores."""
     matmul = cfg.layers * (4 + 2 * cfg.mlp_ratio) * cfg.dim ** 2 + cfg.vocab * cfg.dim
@@ -178,8 +212,9 @@ def main() -> None:
                config=str(cfg), micro_batch=batch, date=time.strftime("%Y-%m-%d"))
     print(json.dumps(env), flush=True)
     checks = correctness(device)
+    extra = features(device)
     rows = speed(device, cfg, batch, args.steps, args.warmup, t_start + args.budget_s)
-    result = dict(env=env, correctness=checks, speed=rows)
+    result = dict(env=env, correctness=checks, features=extra, speed=rows)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
@@ -187,6 +222,7 @@ def main() -> None:
     print(f"\nGPU check ({env['gpu']}, torch {env['torch']}, {cfg}, micro-batch {batch}), "
           f"{time.monotonic() - t_start:.0f}s:")
     print("correctness: " + ", ".join(f"{c['check']} {'OK' if c['ok'] else 'FAIL'}" for c in checks))
+    print("features: " + json.dumps(extra))
     print(table(rows))
     dist.destroy_process_group()
 

@@ -74,10 +74,9 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
     flat_grads: dict[int, torch.Tensor] = {}
     reducing: dict[int, tuple[Pending, torch.Tensor]] = {}
     reduces = grad and any(k == "reduce" for k, _ in schedule.ops)  # False: a deferred micro-batch
-    if reduces:
-        # Every element (padding too) is written by a reduce: the validator checks each unit is reduced.
-        grads = Params(torch.empty(model.outer.shard_numel, dtype=torch.float32, device=dev),
-                       torch.empty(num_layers, model.layer.shard_numel, dtype=torch.float32, device=dev))
+    # Gradient shards, allocated unit by unit as their reduces are issued (as activations are
+    # freed, like autograd's own .grad), joined into the (L, n) stack at the end.
+    shards: dict[int, torch.Tensor] = {}
     h: torch.Tensor | None = None  # activation flowing forward
     extras: tuple = ()  # pre's extra outputs, passed to every layer
     dpos: list[int] = []  # which extras carry gradient
@@ -224,7 +223,8 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
                 g = flat_grads.pop(u)
                 if carry and u in carry:  # gradients deferred from earlier micro-batches
                     g = carry.pop(u).add_(g)
-                dest = grads.outer if rows is None else grads.layers[rows.start:rows.stop]
+                n = model.outer.shard_numel if rows is None else len(rows) * model.layer.shard_numel
+                dest = shards[u] = torch.empty(n, dtype=torch.float32, device=dev)  # fully written by the reduce
                 if schedule.reduce == "all_reduce":
                     reducing[u] = (all_reduce(comm, g), dest)
                 else:
@@ -235,9 +235,9 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
                 p, dest = reducing.pop(u)
                 out = wait(p)
                 if schedule.reduce == "all_reduce":
-                    dest.copy_(out.view(world, -1)[rank].view(dest.shape))
+                    dest.copy_(out.view(world, -1)[rank].reshape(-1))
                 elif out.data_ptr() != dest.data_ptr():
-                    dest.copy_(out.view(dest.shape))
+                    dest.copy_(out)
 
             if recorder is not None:
                 live = len(gathering) + len(gathered) - (OUTER in gathering or OUTER in gathered)
@@ -252,7 +252,12 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
         loss_pending = None
         if grad:
             _set_rng(dev, rng_end)  # as after plain autograd: the forward consumed the RNG, backward none
-        return Result(loss, grads if reduces else None)
+        if not reduces:
+            return Result(loss, None)
+        stack = [shards[u].view(len(schedule.layer_range(u)), -1) for u in range(schedule.num_units)]
+        layers = stack[0] if len(stack) == 1 else torch.cat(stack) if stack else \
+            torch.empty(0, model.layer.shard_numel, device=dev)
+        return Result(loss, Params(shards[OUTER], layers))
     finally:
         # Normal end: nothing is left. Early close (step_through stopped, an error): finish what
         # this rank issued, so the collective sequence stays the same on every rank.

@@ -7,8 +7,8 @@ reports the same numbers through ``fz3.Recorder``) and autograd graphs kept by
 ``forward_save`` units and by ``pre`` (measured once by running ``pre`` and one layer on the
 given batch with zero parameters, counting the storages autograd saves).
 
-Not counted: the transient graph of ``loss`` (the logits), the allocator's slack, and
-whatever the user's code holds.
+Not counted: the allocator's slack and rounding, kernels' workspaces, and whatever the
+user's code holds.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ MiB = 2**20
 
 class MemoryPlan(NamedTuple):
     params: int  # sharded fp32 parameters
-    grads: int  # sharded fp32 gradients
+    grads: int  # sharded fp32 gradients (allocated unit by unit as reduces are issued)
     optimizer: int  # sharded optimizer state
     gathered: int  # peak gathered parameter buffers
     unsharded_grads: int  # peak unreduced flat gradients
@@ -44,16 +44,24 @@ class MemoryPlan(NamedTuple):
 
 
 def memory_plan(model: ShardedModel, schedule: Schedule, batch: Any, *, optimizer_states: int = 2) -> MemoryPlan:
-    """Predict this rank's memory for ``schedule`` on batches shaped like ``batch``."""
+    """Predict this rank's memory for ``schedule`` on batches shaped like ``batch``.
+
+    Within an op it also counts what lives only during it: a recomputed unit's graph and its
+    per-parameter gradients before they are joined into one flat gradient (backward), the
+    head's graph (loss), and the join of the gradient shards into the layer stack (end).
+    """
     csize = torch.empty((), dtype=model.precision.compute).element_size()
     rsize = torch.empty((), dtype=model.precision.reduce).element_size()
     shard_bytes = (model.outer.shard_numel + model.num_layers * model.layer.shard_numel) * 4
-    h_bytes, pre_graph, layer_graph = _activation_sizes(model, batch)
+    h_bytes, pre_graph, layer_graph, post_graph = _activation_sizes(model, batch)
 
     def numel(u: int) -> int:
         return model.outer.padded if u == OUTER else len(schedule.layer_range(u)) * model.layer.padded
 
-    gathered = grads = inputs = graphs = 0
+    def shard_numel(u: int) -> int:
+        return model.outer.shard_numel if u == OUTER else len(schedule.layer_range(u)) * model.layer.shard_numel
+
+    gathered = grads = inputs = graphs = shards = 0
     in_flight: dict[int, int] = {}  # unit -> unreduced gradient bytes
     kept: dict[int, tuple[int, int]] = {}  # unit -> (saved input bytes, graph bytes)
     per_op, peak_transient = [], 0
@@ -72,40 +80,48 @@ def memory_plan(model: ShardedModel, schedule: Schedule, batch: Any, *, optimize
                 kept[u] = (h_bytes, 0)
             inputs += kept[u][0]
             graphs += kept[u][1]
+        elif kind == "loss":
+            during = post_graph
         elif kind == "backward":
             saved_input, graph = kept.pop(u)
-            if u != OUTER and not graph:  # the recomputed graph lives during the op
-                during = layer_graph * len(schedule.layer_range(u))
+            recomputed = 0 if u == OUTER or graph else layer_graph * len(schedule.layer_range(u))
+            during = recomputed + numel(u) * csize  # per-parameter gradients before the join
             inputs -= saved_input
             graphs -= graph
             in_flight[u] = numel(u) * rsize
             grads += in_flight[u]
-        elif kind == "wait_reduce":
+        elif kind == "reduce":
+            shards += shard_numel(u) * 4
+        elif kind in ("wait_reduce", "accumulate"):
             grads -= in_flight.pop(u)
         per_op.append((gathered, grads, inputs, graphs))
-        peak_transient = max(peak_transient, gathered + grads + inputs + graphs + during)
+        peak_transient = max(peak_transient, gathered + grads + inputs + graphs + shards + during)
+    if schedule.grad and schedule.num_units > 1:  # the layer shards are joined into one (L, n) stack
+        peak_transient = max(peak_transient, shards + model.num_layers * model.layer.shard_numel * 4)
     cols = list(zip(*per_op)) if per_op else [[0]] * 4
     during_graphs = max((layer_graph * len(schedule.layer_range(u)) for k, u in schedule.ops
                          if k == "backward" and u != OUTER), default=0)
+    persistent = shard_bytes * (1 + optimizer_states) if schedule.grad else shard_bytes
     return MemoryPlan(
         params=shard_bytes,
         grads=shard_bytes if schedule.grad else 0,
-        optimizer=optimizer_states * shard_bytes,
+        optimizer=optimizer_states * shard_bytes if schedule.grad else 0,
         gathered=max(cols[0]),
         unsharded_grads=max(cols[1]),
         saved_inputs=max(cols[2]),
-        graphs=max(max(cols[3]), during_graphs),
-        peak=shard_bytes * ((2 + optimizer_states) if schedule.grad else 1) + peak_transient,
+        graphs=max(max(cols[3]), during_graphs, post_graph),
+        peak=persistent + peak_transient,
         per_op=tuple(per_op),
     )
 
 
-def _activation_sizes(model: ShardedModel, batch: Any) -> tuple[int, int, int]:
-    """(bytes of a layer input, bytes pre's graph keeps, bytes one layer's graph keeps).
+def _activation_sizes(model: ShardedModel, batch: Any) -> tuple[int, int, int, int]:
+    """(bytes of a layer input, bytes pre's graph keeps, bytes one layer's graph keeps, bytes
+    post's graph keeps).
 
-    Runs ``pre`` and layer 0 on zero parameters (values do not matter, shapes do), with
-    ``saved_tensors_hooks`` counting each storage autograd saves once, parameters excluded.
-    A measurement at plan time only: the executor itself uses no hooks.
+    Runs ``pre``, layer 0 and ``post`` on zero parameters (values do not matter, shapes do),
+    with ``saved_tensors_hooks`` counting each storage autograd saves once, parameters
+    excluded. A measurement at plan time only: the executor itself uses no hooks.
     """
     dev, dtype = model.device, model.precision.compute
     outer = torch.zeros(model.outer.padded, dtype=dtype, device=dev)
@@ -125,11 +141,13 @@ def _activation_sizes(model: ShardedModel, batch: Any) -> tuple[int, int, int]:
             out = fn()
         return sum(seen.values()), out
 
-    pre_graph, (h, extras) = graph_bytes(lambda: units.pre(model, units.leaves(model.outer.views(outer)), batch))
+    outer_leaves = units.leaves(model.outer.views(outer))
+    pre_graph, (h, extras) = graph_bytes(lambda: units.pre(model, outer_leaves, batch))
     h_bytes = h.numel() * h.element_size()
-    if model.num_layers == 0:
-        return h_bytes, pre_graph, 0
     x = h.detach().requires_grad_()
+    post_graph, _ = graph_bytes(lambda: units.post(model, outer_leaves, x, batch))
+    if model.num_layers == 0:
+        return h_bytes, pre_graph, 0, post_graph
     ex = tuple(e.detach() if isinstance(e, torch.Tensor) else e for e in extras)
     layer_graph, _ = graph_bytes(lambda: units.layers(model, 0, [units.leaves(model.layer.views(layer))], x, ex))
-    return h_bytes, pre_graph, layer_graph
+    return h_bytes, pre_graph, layer_graph, post_graph
