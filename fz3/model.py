@@ -94,7 +94,7 @@ class ShardedModel:
 
 def shard(
     module: nn.Module,
-    layers: str = "layers",
+    layers: str | None = None,
     pre: PreFn | None = None,
     post: PostFn | None = None,
     *,
@@ -108,6 +108,8 @@ def shard(
 
     Args:
       module: an unchanged ``nn.Module``; it is not modified (``del`` it to free its memory).
+        With none of layers/pre/post given, a built-in adapter is used (Hugging Face
+        ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``RobertaForMaskedLM``: see ``fz3.hf``).
       layers: dotted path of the ``nn.ModuleList`` of structurally identical blocks.
       pre: ``pre(m, batch) -> h`` or ``-> (h, *extra)``; ``m`` is the module with the outer
         unit's parameters substituted.
@@ -118,8 +120,14 @@ def shard(
 
     Returns ``(model, params)``: the static model and this rank's fp32 shards.
     """
-    if pre is None or post is None:
-        raise TypeError("fz3.shard needs pre= and post= functions: pre(m, batch) -> h, post(m, h, batch) -> loss")
+    if layers is None and pre is None and post is None:
+        from .hf import adapter_for
+
+        adapter = adapter_for(module)
+        layers, pre, post, layer = adapter.layers, adapter.pre, adapter.post, layer or adapter.layer
+    if layers is None or pre is None or post is None:
+        raise TypeError("fz3.shard needs layers=, pre= and post= (or none of them, for a model with a built-in "
+                        "adapter): layers='<path of the nn.ModuleList>', pre(m, batch) -> h, post(m, h, batch) -> loss")
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: launch with torchrun and call "
                            "dist.init_process_group (world size 1 works too)")

@@ -26,7 +26,8 @@ def error_ranks(rank, world):
     _raises(ValueError, r"layers='stack' does not name a submodule.*ModuleLists in it: \['blocks'\]",
             fz3.shard, m, "stack", pre, post)
     _raises(TypeError, r"layers='norm' is a LayerNorm, not an nn.ModuleList", fz3.shard, m, "norm", pre, post)
-    _raises(TypeError, "needs pre= and post=", fz3.shard, m, "blocks")
+    _raises(TypeError, "needs layers=, pre= and post=", fz3.shard, m, "blocks")
+    _raises(TypeError, "no built-in adapter for GPT .*pass layers=", fz3.shard, m)
 
     odd = GPT(CFG)
     odd.blocks[1].fc = nn.Linear(CFG.dim, 3 * CFG.dim)
