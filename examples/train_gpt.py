@@ -2,6 +2,8 @@
 
     python examples/train_gpt.py                 # launches itself on 2 ranks via torch.distributed.run
     torchrun --nproc-per-node 2 examples/train_gpt.py --steps 300
+    python examples/train_gpt.py --save-every 100 --ckpt /tmp/gpt   # then, after a stop:
+    python examples/train_gpt.py --resume --ckpt /tmp/gpt             # continues where it left off
 
 Every rank holds 1/N of each unit's parameters, gradients and AdamW moments; the step is
 ``fz3.value_and_grad`` + ``fz3.optim.adamw``, all pure functions of (params, state, batch).
@@ -50,6 +52,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--nproc", type=int, default=2, help="ranks to launch when started without torchrun")
+    ap.add_argument("--ckpt", default="checkpoints/gpt", help="checkpoint folder (fz3.save / fz3.load)")
+    ap.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
+    ap.add_argument("--resume", action="store_true", help="continue from --ckpt if it exists")
     args = ap.parse_args()
 
     if "LOCAL_RANK" not in os.environ:  # started plainly: become torchrun
@@ -73,8 +78,15 @@ def main() -> None:
         print(f"fz3: {n / 1e6:.2f}M parameters, {world} ranks, {model.num_layers} layers; "
               f"each rank holds {params.outer.numel() + params.layers.numel()} of them", flush=True)
 
+    start = 1
+    if args.resume and (os.path.isdir(args.ckpt) or os.path.isdir(args.ckpt + ".old")):
+        saved = fz3.load(args.ckpt, model, {"params": params, "opt": state, "step": 0})
+        params, state, start = saved["params"], saved["opt"], saved["step"] + 1
+        if rank == 0:
+            print(f"resumed from {args.ckpt} at step {saved['step']}", flush=True)
+
     t0, tokens = time.perf_counter(), 0
-    for step in range(1, args.steps + 1):
+    for step in range(start, args.steps + 1):
         batch = batch_for(data, step, rank, args.batch, args.seq)
         loss, grads = step_fn(params, batch)
         updates, state = opt.update(grads, state, params)
@@ -83,6 +95,8 @@ def main() -> None:
         if rank == 0 and (step % args.log_every == 0 or step == 1):
             dt = time.perf_counter() - t0
             print(f"step {step:5d}  loss {float(loss):.4f}  {tokens / dt:9.0f} tokens/s", flush=True)
+        if args.save_every and step % args.save_every == 0:
+            fz3.save(args.ckpt, model, {"params": params, "opt": state, "step": step})
     dist.destroy_process_group()
 
 

@@ -25,7 +25,10 @@ def _child(fn: Callable, rank: int, world: int, store: str, q: Any, args: tuple,
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+        import datetime
+
+        timeout = datetime.timedelta(seconds=float(env.get("FZ3_TEST_PG_TIMEOUT", 300)))
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timeout)
         out = fn(rank, world, *args)
         q.put((rank, True, out))
     except BaseException:  # noqa: BLE001 - report everything to the parent, before any teardown
@@ -47,12 +50,19 @@ def run(world: int, fn: Callable, *args: Any, timeout: float = 180.0, env: dict 
         results: dict[int, Any] = {}
         deadline = time.monotonic() + timeout
         try:
+            dead_since: dict[int, float] = {}
             while len(results) < world:
                 try:
-                    rank, ok, out = q.get(timeout=max(0.1, deadline - time.monotonic()))
+                    rank, ok, out = q.get(timeout=0.5)
                 except queue.Empty:
                     missing = sorted(set(range(world)) - set(results))
-                    raise TimeoutError(f"ranks {missing} of {world} did not finish within {timeout}s (hang?)") from None
+                    for r in missing:  # a rank that died without a report (killed, os._exit, crash)
+                        if procs[r].exitcode is not None and time.monotonic() - dead_since.setdefault(r, time.monotonic()) > 2:
+                            raise AssertionError(f"rank {r} exited with code {procs[r].exitcode} without a report; "
+                                                 f"finished ranks returned {results}")
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"ranks {missing} of {world} did not finish within {timeout}s (hang?)") from None
+                    continue
                 if not ok:
                     failed = _failures(q, world, {rank: out})
                     dead = [f"rank {r} exited with code {p.exitcode} without a report"

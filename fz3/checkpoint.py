@@ -1,0 +1,195 @@
+"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP), reshardable.
+
+``fz3.save(path, model, state)`` writes any pytree of training state: ``Params``-shaped
+nodes (params, AdamW moments, gradients) as DTensors, replicated tensors (a step count),
+plain Python values (a loss-scale state) and, automatically, every rank's RNG state. Each
+rank writes only its own shards; nothing is gathered.
+
+Each unit's flat shard is a DTensor over the *unpadded* flat parameter vector, sharded on
+its last dimension: rank r's real elements are exactly ``torch.chunk``'s r-th chunk (fz3 pads
+only at the end), so DCP knows every element's global offset and a checkpoint written at
+world size 4 loads at 2 or 3, and back.
+
+Nothing is lost on a crash: a save writes ``path.partial`` and renames it into place only
+when every rank has finished; the previous checkpoint moves to ``path.old`` for the moment
+of the swap, and ``load`` falls back to it if ``path`` is missing. ``path/fz3.json``
+describes the model; loading a checkpoint of another model or a missing or damaged one
+raises a ``ValueError`` naming the file and what differs, on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from .layout import FlatLayout
+from .model import Params, ShardedModel
+
+META = "fz3.json"
+
+
+def save(path: str, model: ShardedModel, state: Any) -> None:
+    """Write ``state`` (a pytree: dicts, lists, NamedTuples, ``Params``, tensors, values) to ``path``."""
+    comm = model.comm
+    partial, old = path + ".partial", path + ".old"
+    if comm.rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    _barrier(model)
+    flat = _flatten(model, state, "")
+    flat[f"rng.rank{comm.rank}"] = _rng(model)
+    dcp.save(flat, checkpoint_id=partial, process_group=comm.group)
+    if comm.rank == 0:  # DCP's save returns on the coordinator only after every rank has written
+        with open(os.path.join(partial, META), "w") as f:
+            json.dump(_describe(model, [k for k in flat if not k.startswith("rng.")]), f, indent=1)
+        if os.path.exists(path):
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(path, old)
+        os.rename(partial, path)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier(model)
+
+
+def load(path: str, model: ShardedModel, template: Any, *, restore_rng: bool = True) -> Any:
+    """Read a checkpoint into a new state shaped like ``template`` (built for this model and
+    world size, e.g. ``{"params": params, "opt": opt.init(params), "step": 0}``)."""
+    path = path if os.path.isdir(path) or not os.path.isdir(path + ".old") else path + ".old"
+    meta = _read_meta(path)
+    _check_model(path, meta, model)
+    flat = _flatten(model, template, "", for_load=True)
+    missing = sorted(set(flat) - set(meta["keys"]))
+    if missing:
+        raise ValueError(f"checkpoint {path} has no {missing[:5]}{' ...' if len(missing) > 5 else ''}; it holds "
+                         f"{meta['keys'][:8]}: build the template with the same structure as the saved state")
+    rng_key = f"rng.rank{model.rank}"
+    with_rng = restore_rng and model.rank < meta["world_size"]  # ranks beyond the saved world keep theirs
+    if with_rng:
+        flat[rng_key] = _rng(model)
+    try:
+        dcp.load(flat, checkpoint_id=path, process_group=model.comm.group)
+    except (Exception, CheckpointException) as e:  # DCP raises every rank's failure on all of them
+        raise ValueError(f"checkpoint {path} could not be read (damaged or truncated?): {e}") from e
+    if with_rng:
+        _set_rng(model, flat.pop(rng_key))
+    return _unflatten(model, template, flat, "")
+
+
+def _flatten(model: ShardedModel, x: Any, key: str, for_load: bool = False) -> dict[str, Any]:
+    if isinstance(x, Params):
+        return {f"{key}outer": _dtensor(model, model.outer, x.outer.reshape(1, -1), for_load, vector=True),
+                f"{key}layers": _dtensor(model, model.layer, x.layers, for_load, vector=False)}
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return {k: v for f, item in zip(x._fields, x) for k, v in _flatten(model, item, f"{key}{f}.", for_load).items()}
+    if isinstance(x, dict):
+        return {k: v for f, item in x.items() for k, v in _flatten(model, item, f"{key}{f}.", for_load).items()}
+    if isinstance(x, (list, tuple)):
+        return {k: v for i, item in enumerate(x) for k, v in _flatten(model, item, f"{key}{i}.", for_load).items()}
+    name = key.rstrip(".") or "state"
+    return {name: x.clone() if for_load and isinstance(x, torch.Tensor) else x}
+
+
+def _unflatten(model: ShardedModel, x: Any, flat: dict[str, Any], key: str) -> Any:
+    if isinstance(x, Params):
+        return Params(_local(model.outer, flat[f"{key}outer"], model.rank).reshape(-1),
+                      _local(model.layer, flat[f"{key}layers"], model.rank))
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*(_unflatten(model, item, flat, f"{key}{f}.") for f, item in zip(x._fields, x)))
+    if isinstance(x, dict):
+        return {f: _unflatten(model, item, flat, f"{key}{f}.") for f, item in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_unflatten(model, item, flat, f"{key}{i}.") for i, item in enumerate(x))
+    return flat[key.rstrip(".") or "state"]
+
+
+def _dtensor(model: ShardedModel, layout: FlatLayout, shards: torch.Tensor, for_load: bool, vector: bool) -> DTensor:
+    """(rows, shard) padded shards -> a DTensor over the unpadded (rows, numel), sharded on dim 1."""
+    real = _real(layout, model.rank)
+    local = torch.empty(shards.shape[0], real, dtype=shards.dtype, device=shards.device) if for_load \
+        else shards[:, :real].contiguous()
+    mesh = DeviceMesh.from_group(model.comm.group, device_type=model.device.type)
+    shape = torch.Size([shards.shape[0], layout.numel])
+    return DTensor.from_local(local, mesh, [Shard(1)], run_check=False, shape=shape, stride=(layout.numel, 1))
+
+
+def _local(layout: FlatLayout, t: DTensor, rank: int) -> torch.Tensor:
+    """The DTensor's local chunk, padded back to (rows, shard) with zeros."""
+    local = t.to_local()
+    out = torch.zeros(local.shape[0], layout.shard_numel, dtype=local.dtype, device=local.device)
+    out[:, : local.shape[1]] = local
+    return out
+
+
+def _real(layout: FlatLayout, rank: int) -> int:
+    """Elements of rank's shard that are parameters, not padding (torch.chunk's split)."""
+    return max(0, min(layout.shard_numel, layout.numel - rank * layout.shard_numel))
+
+
+def _describe(model: ShardedModel, keys: list[str]) -> dict:
+    return {"world_size": model.world_size, "num_layers": model.num_layers, "layers_path": model.layers_path,
+            "outer": [[list(s.names), list(s.shape)] for s in model.outer.slots],
+            "layer": [[list(s.names), list(s.shape)] for s in model.layer.slots], "keys": keys}
+
+
+def _read_meta(path: str) -> dict:
+    file = os.path.join(path, META)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no checkpoint at {path} (nor {path}.old): check the path, or save one first")
+    for needed in (file, os.path.join(path, ".metadata")):
+        if not os.path.isfile(needed):
+            raise ValueError(f"checkpoint {path} is incomplete: {needed} is missing (an interrupted save?)")
+    with open(file) as f:
+        meta = json.load(f)
+    # Every data file DCP's metadata refers to must be there, long enough: a damaged or
+    # truncated checkpoint is named here, on every rank, before any rank starts reading.
+    need: dict[str, int] = {}
+    for info in dcp.FileSystemReader(path).read_metadata().storage_data.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for rel, size in sorted(need.items()):
+        data = os.path.join(path, rel)
+        have = os.path.getsize(data) if os.path.isfile(data) else -1
+        if have < size:
+            state = "is missing" if have < 0 else f"has {have} bytes, {size} expected (truncated)"
+            raise ValueError(f"checkpoint {path} is damaged: {data} {state}")
+    return meta
+
+
+def _check_model(path: str, meta: dict, model: ShardedModel) -> None:
+    mine = _describe(model, [])
+    if meta["num_layers"] != model.num_layers:
+        raise ValueError(f"checkpoint {path} has {meta['num_layers']} layers, the model {model.num_layers} "
+                         f"({os.path.join(path, META)})")
+    for unit in ("outer", "layer"):
+        for i, (a, b) in enumerate(zip(meta[unit] + [None] * len(mine[unit]), mine[unit] + [None] * len(meta[unit]))):
+            if a != b:
+                raise ValueError(f"checkpoint {path} was saved from another model: {unit} parameter #{i} is "
+                                 f"{_slot(a)} there and {_slot(b)} here ({os.path.join(path, META)})")
+
+
+def _slot(s) -> str:
+    return "nothing" if s is None else f"{s[0][0]} {s[1]}"
+
+
+def _rng(model: ShardedModel) -> torch.Tensor:
+    if model.device.type == "cuda":
+        return torch.cat([torch.get_rng_state(), torch.cuda.get_rng_state(model.device)])
+    return torch.get_rng_state()
+
+
+def _set_rng(model: ShardedModel, state: torch.Tensor) -> None:
+    cpu = torch.get_rng_state().numel()
+    torch.set_rng_state(state[:cpu].clone())
+    if model.device.type == "cuda":
+        torch.cuda.set_rng_state(state[cpu:].clone(), model.device)
+
+
+def _barrier(model: ShardedModel) -> None:
+    t = torch.zeros(1, device=model.device)
+    dist.all_reduce(t, group=model.comm.group)

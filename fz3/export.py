@@ -1,0 +1,119 @@
+"""Export consolidated weights with the original module's names, one unit at a time.
+
+``fz3.export(path, model, params)`` gathers one unit (the outer unit, then each layer),
+rank 0 writes it to its own file and drops it before the next: the extra memory on any
+rank is about one unit, never the whole model. The files follow Hugging Face's sharded
+layout (``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``; with
+``format="torch"`` or without safetensors installed, ``pytorch_model-*.bin`` and its index),
+so ``from_pretrained(path)`` reads an exported HF model (its ``config.json`` is written
+too); ``fz3.read_export(path)`` returns a state dict for ``load_state_dict(strict=True)``.
+
+Tied parameters are stored once, under their first name; the index's ``fz3_aliases``
+records the other names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Literal, NamedTuple
+
+import torch
+
+from .comm import all_gather, wait
+from .layout import FlatLayout
+from .model import Params, ShardedModel
+
+
+class ExportReport(NamedTuple):
+    files: list[str]  # written by rank 0 (empty on other ranks)
+    peak_bytes: int  # the most this rank held at once: one gathered unit (+ its host copies on rank 0)
+    model_bytes: int  # the whole model, for comparison
+
+
+def export(path: str, model: ShardedModel, params: Params, *,
+           format: Literal["safetensors", "torch"] | None = None) -> ExportReport:
+    """Write the consolidated weights (and persistent buffers) under ``path``; every rank must call it."""
+    fmt = format or ("safetensors" if _has_safetensors() else "torch")
+    rank0 = model.rank == 0
+    units: list[tuple[FlatLayout, torch.Tensor, str]] = [(model.outer, params.outer, "")]
+    units += [(model.layer, params.layers[i], f"{model.layers_path}.{i}.") for i in range(model.num_layers)]
+    n = len(units)
+    stem, ext = ("model", "safetensors") if fmt == "safetensors" else ("pytorch_model", "bin")
+    if rank0:
+        os.makedirs(path, exist_ok=True)
+    weight_map, aliases, files, peak, total = {}, {}, [], 0, 0
+    skeleton_params = dict(model.skeleton.named_parameters(remove_duplicate=False))
+    buffers = {k: v for k, v in model.skeleton.state_dict(keep_vars=True).items() if k not in skeleton_params}
+    for k, (layout, shard, prefix) in enumerate(units):
+        full = torch.empty(layout.padded, dtype=shard.dtype, device=shard.device)
+        wait(all_gather(model.comm, full, shard.contiguous()))
+        held = full.numel() * full.element_size()
+        if rank0:
+            tensors = {}
+            for s, v in zip(layout.slots, layout.views(full)):
+                tensors[prefix + s.name] = v.to(device="cpu", dtype=s.dtype).clone()
+                aliases.update({prefix + alias: prefix + s.name for alias in s.names[1:]})
+            if k == 0:
+                tensors.update({b: t.detach().cpu().clone() for b, t in buffers.items()})
+            held += sum(t.numel() * t.element_size() for t in tensors.values())
+            name = f"{stem}-{k + 1:05d}-of-{n:05d}.{ext}"
+            _write(os.path.join(path, name), tensors, fmt)
+            weight_map.update({t: name for t in tensors})
+            files.append(name)
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+            del tensors
+        peak = max(peak, held)
+        del full
+    if rank0:
+        index = {"metadata": {"total_size": total, "format": fmt}, "weight_map": weight_map, "fz3_aliases": aliases}
+        with open(os.path.join(path, f"{stem}.{ext}.index.json"), "w") as f:
+            json.dump(index, f, indent=1)
+        config = getattr(model.skeleton, "config", None)
+        if config is not None and hasattr(config, "save_pretrained"):
+            config.save_pretrained(path)
+    model_bytes = (model.outer.numel + model.num_layers * model.layer.numel) * 4
+    return ExportReport(files, peak, model_bytes)
+
+
+def read_export(path: str) -> dict[str, torch.Tensor]:
+    """The exported state dict, tied names included (for ``load_state_dict(strict=True)``)."""
+    for stem, ext in (("model", "safetensors"), ("pytorch_model", "bin")):
+        index_file = os.path.join(path, f"{stem}.{ext}.index.json")
+        if os.path.exists(index_file):
+            break
+    else:
+        raise FileNotFoundError(f"no model.safetensors.index.json or pytorch_model.bin.index.json in {path}")
+    with open(index_file) as f:
+        index = json.load(f)
+    sd: dict[str, torch.Tensor] = {}
+    for name in sorted(set(index["weight_map"].values())):
+        sd.update(_read(os.path.join(path, name), ext))
+    for alias, target in index.get("fz3_aliases", {}).items():
+        sd[alias] = sd[target]
+    return sd
+
+
+def _write(file: str, tensors: dict[str, torch.Tensor], fmt: str) -> None:
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in tensors.items()}, file, metadata={"format": "pt"})
+    else:
+        torch.save(tensors, file)
+
+
+def _read(file: str, ext: str) -> dict[str, torch.Tensor]:
+    if ext == "safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(file)
+    return torch.load(file, map_location="cpu", weights_only=True)
+
+
+def _has_safetensors() -> bool:
+    try:
+        import safetensors.torch  # noqa: F401
+    except ImportError:
+        return False
+    return True

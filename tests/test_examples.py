@@ -1,0 +1,37 @@
+"""The examples and benchmark scripts run end to end (small settings), so they cannot rot."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(*args: str, timeout: float = 240) -> str:
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p.stdout
+
+
+def test_train_gpt_trains_saves_and_resumes(tmp_path):
+    ckpt = str(tmp_path / "gpt")
+    out = _run("examples/train_gpt.py", "--steps", "40", "--log-every", "10", "--save-every", "20", "--ckpt", ckpt)
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
+    assert len(losses) == 5 and losses[-1] < losses[0] - 1.0, out  # the loss falls
+    assert "tokens/s" in out
+    out = _run("examples/train_gpt.py", "--steps", "45", "--log-every", "5", "--resume", "--ckpt", ckpt)
+    assert "resumed from" in out and "step    45" in out, out
+
+
+def test_compare_quick_fz3_only():
+    out = _run("benchmarks/compare.py", "--quick", "--steps", "2", "--systems", "fz3", "--warmup", "1")
+    assert re.search(r"\| fz3 \| \d+\.\d+ \|", out), out
+
+
+def test_gpu_check_dry_run_on_cpu():
+    out = _run("benchmarks/gpu_check.py", "--device", "cpu", "--quick")
+    assert "correctness:" in out and "FAIL" not in out and "| fz3 | recompute |" in out, out
