@@ -10,6 +10,7 @@ from .debug import NonFiniteError, StepFrame, any_rank, step_through
 from .checkpoint import load, save
 from .executor import Frame, Result
 from .export import ExportReport, export, read_export
+from .failures import RankLostError
 from .layout import FlatLayout, Slot
 from .masks import decay_mask
 from .memory import MemoryPlan, memory_plan
@@ -25,5 +26,5 @@ __all__ = [
     "Accumulate", "accumulate", "OUTER", "Event", "NonFiniteError", "StepFrame", "any_rank", "step_through", "FlatLayout", "Frame", "Op", "Params", "Policy", "Precision", "Recorder", "Result",
     "Schedule", "ScheduleError", "ShardedModel", "Slot", "ValueAndGrad", "apply", "decay_mask",
     "full_state_dict", "optim", "plan", "shard", "validate", "deferred", "value_and_grad",
-    "MemoryPlan", "memory_plan", "save", "load", "export", "read_export", "ExportReport", "chrome_trace", "trace", "trace_summary",
+    "MemoryPlan", "memory_plan", "save", "load", "export", "read_export", "ExportReport", "RankLostError", "chrome_trace", "trace", "trace_summary",
 ]

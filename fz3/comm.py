@@ -25,6 +25,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from .failures import lost_error
+
 # torch >= 2.13 names them *_single and deprecates the old names with a warning on every call;
 # older torch (2.11 on the GPU machine) only has the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -53,31 +55,49 @@ class Pending(NamedTuple):
     work: object  # torch.distributed Work, or None when it ran synchronously
     out: torch.Tensor
     keep: torch.Tensor | None
+    group: dist.ProcessGroup | None = None  # for naming a lost rank if it fails
+    label: object = None  # what it is, str()-ed only on failure (the executor passes its Op)
 
 
-def all_gather(comm: Comm, out: torch.Tensor, shard: torch.Tensor) -> Pending:
+def all_gather(comm: Comm, out: torch.Tensor, shard: torch.Tensor, label: object = "all-gather") -> Pending:
     """Issue ``out (world*n,) <- concat over ranks of shard (n,)``."""
     comm._delay()
-    work = _all_gather(out, shard, group=comm.group, async_op=True)
-    return Pending(work, out, shard)
+    work = _issue(comm.group, label, _all_gather, out, shard, group=comm.group, async_op=True)
+    return Pending(work, out, shard, comm.group, label)
 
 
-def reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor) -> Pending:
+def reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor, label: object = "reduce-scatter") -> Pending:
     """Issue ``out (n,) <- sum over ranks of full[rank*n:(rank+1)*n]`` (full: (world*n,))."""
     comm._delay()
-    work = _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=comm.reduce_group, async_op=True)
-    return Pending(work, out, full)
+    work = _issue(comm.reduce_group, label, _reduce_scatter, out, full, op=dist.ReduceOp.SUM,
+                  group=comm.reduce_group, async_op=True)
+    return Pending(work, out, full, comm.reduce_group, label)
 
 
-def all_reduce(comm: Comm, t: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> Pending:
+def all_reduce(comm: Comm, t: torch.Tensor, *, group: dist.ProcessGroup | None = None,
+               label: object = "all-reduce") -> Pending:
     """Issue an in-place sum of ``t`` over ``group`` (default: the gradient group)."""
     comm._delay()
-    work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group or comm.reduce_group, async_op=True)
-    return Pending(work, t, None)
+    group = group or comm.reduce_group
+    work = _issue(group, label, dist.all_reduce, t, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return Pending(work, t, None, group, label)
 
 
 def wait(p: Pending) -> torch.Tensor:
-    """Block (gloo) or make the current stream wait (NCCL) until ``p`` is done; return its output."""
+    """Block (gloo) or make the current stream wait (NCCL) until ``p`` is done; return its output.
+
+    A failure (a peer died, or hung past the process group's timeout) raises
+    ``fz3.RankLostError`` naming the ranks that are gone."""
     if p.work is not None:
-        p.work.wait()
+        try:
+            p.work.wait()
+        except RuntimeError as e:
+            raise lost_error(p.group, p.label, e) from e
     return p.out
+
+
+def _issue(pg: dist.ProcessGroup, label: object, fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as e:
+        raise lost_error(pg, label, e) from e

@@ -104,7 +104,7 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
                     out = _regrow(released[u][0]).view(-1)
                 else:
                     out = torch.empty(world * src.numel(), dtype=cdt, device=dev)
-                gathering[u] = all_gather(comm, out, src.reshape(-1))
+                gathering[u] = all_gather(comm, out, src.reshape(-1), op)
 
             elif kind == "wait":
                 out = wait(gathering.pop(u))
@@ -173,7 +173,7 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
                 else:
                     with torch.no_grad():
                         loss = units.post(model, views, h, batch)
-                loss_pending = all_reduce(comm, loss.detach().float() / world, group=comm.group)
+                loss_pending = all_reduce(comm, loss.detach().float() / world, group=comm.group, label="the loss's mean")
                 frame = Frame(i, op, gathered[OUTER], h, loss, None)
 
             elif kind == "backward" and u == OUTER:
@@ -226,10 +226,10 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
                 n = model.outer.shard_numel if rows is None else len(rows) * model.layer.shard_numel
                 dest = shards[u] = torch.empty(n, dtype=torch.float32, device=dev)  # fully written by the reduce
                 if schedule.reduce == "all_reduce":
-                    reducing[u] = (all_reduce(comm, g), dest)
+                    reducing[u] = (all_reduce(comm, g, label=op), dest)
                 else:
                     out = dest.view(-1) if rdt == torch.float32 else torch.empty(dest.numel(), dtype=rdt, device=dev)
-                    reducing[u] = (reduce_scatter(comm, out, g.view(-1)), dest)
+                    reducing[u] = (reduce_scatter(comm, out, g.view(-1), op), dest)
 
             elif kind == "wait_reduce":
                 p, dest = reducing.pop(u)

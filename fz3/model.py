@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import Comm, _all_gather
+from .comm import Comm
+from .failures import differing_ranks, gather_objects
 from .layout import FlatLayout
 from .precision import Precision
 
@@ -128,6 +129,7 @@ def shard(
     if layers is None or pre is None or post is None:
         raise TypeError("fz3.shard needs layers=, pre= and post= (or none of them, for a model with a built-in "
                         "adapter): layers='<path of the nn.ModuleList>', pre(m, batch) -> h, post(m, h, batch) -> loss")
+    _check_not_wrapped(module)
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: launch with torchrun and call "
                            "dist.init_process_group (world size 1 works too)")
@@ -199,6 +201,22 @@ def shard(
     return model, Params(outer_shard, layer_shards)
 
 
+def _check_not_wrapped(module: nn.Module) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(module, DistributedDataParallel):
+        raise TypeError("fz3.shard got a DistributedDataParallel wrapper; pass the plain module (ddp.module): "
+                        "fz3 does its own data parallelism")
+    wrapped = type(module).__name__.startswith("FSDP") or any(
+        type(m).__name__ == "FullyShardedDataParallel" for m in module.modules())
+    dtensors = [n for n, p in module.named_parameters() if type(p).__name__ == "DTensor" or
+                type(getattr(p, "data", p)).__name__ == "DTensor"]
+    if wrapped or dtensors:
+        raise TypeError(f"fz3.shard got a module already sharded by FSDP ({type(module).__name__}"
+                        f"{', DTensor parameters such as ' + dtensors[0] if dtensors else ''}); pass the module "
+                        f"before fully_shard/FSDP wrapping")
+
+
 def _default_device(module: nn.Module, backend: str) -> torch.device:
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -268,17 +286,19 @@ def _skeleton(module: nn.Module, device: torch.device) -> nn.Module:
 
 
 def _check_same_on_all_ranks(model: ShardedModel) -> None:
-    """One small all-gather: every rank must have built the same layouts, or collectives hang."""
+    """One small all-gather: every rank must have built the same layouts, or collectives hang.
+    On a mismatch, every rank raises, naming the ranks and the first differing parameter."""
     comm = model.comm
     digest = model.outer.fingerprint() + model.layer.fingerprint()
-    mine = torch.tensor(list(digest) + [model.num_layers], dtype=torch.int64)
-    if model.device.type == "cuda":
-        mine = mine.to(model.device)
-    everyone = torch.empty(comm.world_size * mine.numel(), dtype=torch.int64, device=mine.device)
-    _all_gather(everyone, mine, group=comm.group)
-    rows = everyone.view(comm.world_size, -1).cpu()
-    differ = [r for r in range(comm.world_size) if not torch.equal(rows[r], rows[0])]
-    if differ:
-        raise ValueError(f"ranks {differ} built a different model than rank 0 (layouts or num_layers "
-                         f"differ: rank 0 has {model.num_layers} layers); every rank must call fz3.shard "
-                         f"on the same architecture")
+    differ = differing_ranks(comm.group, list(digest) + [model.num_layers], model.device)
+    if not differ:
+        return
+    mine = [("layers", model.num_layers)] + [(n, s.shape, str(s.dtype)) for s in model.outer.slots for n in s.names[:1]]
+    mine += [(f"{model.layers_path}.*.{s.name}", s.shape, str(s.dtype)) for s in model.layer.slots]
+    everyone = gather_objects(comm.group, mine)
+    r = differ[0]
+    a, b = everyone[0], everyone[r]
+    i = next((i for i in range(max(len(a), len(b))) if (a[i:i + 1] or [None]) != (b[i:i + 1] or [None])), 0)
+    show = lambda d: "nothing" if i >= len(d) else " ".join(str(x) for x in d[i])  # noqa: E731
+    raise ValueError(f"ranks {differ} built a different model than rank 0: rank 0 has {show(a)}, rank {r} has "
+                     f"{show(b)}. Every rank must call fz3.shard on the same architecture and dtypes")

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Generator
+
+import optree
 
 import torch
 
 from .executor import Result, execute
+from .failures import differing_ranks, gather_objects
 from .model import Params, ShardedModel
 from .record import Recorder
 from .schedule import Policy, Schedule, plan, validate
@@ -15,12 +19,19 @@ from .schedule import Policy, Schedule, plan, validate
 class ValueAndGrad:
     """``f(params, batch) -> (loss, grads)``; ``f.schedule`` is the schedule it runs."""
 
-    def __init__(self, model: ShardedModel, schedule: Schedule, recorder: Recorder | None, check_finite: bool):
-        self.model, self.schedule, self.recorder, self.check_finite = model, schedule, recorder, check_finite
+    def __init__(self, model: ShardedModel, schedule: Schedule, recorder: Recorder | None, check_finite: bool,
+                 check_sync: bool):
+        self.model, self.schedule, self.recorder = model, schedule, recorder
+        self.check_finite, self.check_sync = check_finite, check_sync
+        self.steps = 0  # calls so far (checked across ranks with check_sync)
 
     def __call__(self, params: Params, batch: Any, *, loss_scale: float | torch.Tensor = 1.0) -> tuple[torch.Tensor, Params]:
         """``loss_scale`` multiplies the gradients, not the loss (fp16 loss scaling)."""
         check_params(self.model, params)
+        check_batch(self.model, batch)
+        if self.check_sync:
+            check_in_sync(self.model, self.steps, batch)
+        self.steps += 1
         gen = execute(self.model, self.schedule, params, batch, self.recorder, loss_scale=loss_scale)
         if self.check_finite:
             from .debug import drain_checking_finite
@@ -32,17 +43,61 @@ class ValueAndGrad:
 
 
 def value_and_grad(model: ShardedModel, schedule: Schedule | Policy | None = None, *,
-                   recorder: Recorder | None = None, check_finite: bool = False) -> ValueAndGrad:
+                   recorder: Recorder | None = None, check_finite: bool = False,
+                   check_sync: bool = False) -> ValueAndGrad:
     """``f(params, batch) -> (loss, grads)``: the mean loss over ranks and this rank's shards
     of its gradient, same pytree structure as ``params``.
 
     ``schedule``: a ``Schedule`` (validated here, before anything runs), a ``Policy`` to
-    plan one from, or None for the default policy. The schedule is computed once, here.
+    plan one from, or None for the default policy. The schedule is computed once, here, and
+    checked to be the same on every rank (one small all-gather; every rank must call this).
     ``recorder``: collects every op's timestamps (``fz3.Recorder``). ``check_finite``: raise
     ``fz3.NonFiniteError`` on every rank, naming the first unit and phase where activations
     or gradients stopped being finite (one extra read per activation, one collective per step).
+    ``check_sync`` (debugging): before each step, one all-gather checks that every rank is at
+    the same step with batches of the same shapes and dtypes; raises instead of hanging.
     """
-    return ValueAndGrad(model, check_schedule(model, schedule, grad=True), recorder, check_finite)
+    sched = check_schedule(model, schedule, grad=True)
+    differ = differing_ranks(model.comm.group, list(sched.fingerprint()), model.device)
+    if differ:
+        raise ValueError(f"ranks {differ} planned a different schedule than rank 0 (policy, layers per unit or a "
+                         f"hand-made schedule differ); every rank must run the same schedule or the step hangs")
+    return ValueAndGrad(model, sched, recorder, check_finite, check_sync)
+
+
+def check_batch(model: ShardedModel, batch: Any) -> None:
+    """Every tensor in the batch lives on the model's device (local, before any collective)."""
+    leaves, _, paths = _leaves_with_paths(batch)
+    for path, t in zip(paths, leaves):
+        if isinstance(t, torch.Tensor) and t.device != model.device:
+            raise TypeError(f"batch{path} is on {t.device}, the model on {model.device}: move the batch to "
+                            f"{model.device} (e.g. batch = optree.tree_map(lambda t: t.to('{model.device}'), batch))")
+
+
+def check_in_sync(model: ShardedModel, step: int, batch: Any) -> None:
+    """One all-gather: same step count and same batch shapes/dtypes on every rank."""
+    leaves, spec, paths = _leaves_with_paths(batch)
+    sig = [(p, tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else (p, repr(type(t)))
+           for p, t in zip(paths, leaves)]
+    digest = hashlib.sha256(repr((str(spec), sig)).encode()).digest()[:8]
+    differ = differing_ranks(model.comm.group, [step, *digest], model.device)
+    if not differ:
+        return
+    everyone = gather_objects(model.comm.group, (step, sig))
+    r = differ[0]
+    (s0, sig0), (sr, sigr) = everyone[0], everyone[r]
+    if s0 != sr:
+        raise RuntimeError(f"ranks {differ} are at another step than rank 0 (rank 0 at call {s0}, rank {r} at call "
+                           f"{sr}): some rank skipped or repeated a step; every rank must call the step equally often")
+    first = next((a, b) for a, b in zip(sig0 + [None] * len(sigr), sigr + [None] * len(sig0)) if a != b)
+    raise ValueError(f"ranks {differ} have batches shaped unlike rank 0's: rank 0 has {first[0]}, rank {r} has "
+                     f"{first[1]}. fz3's loss is the mean of per-rank mean losses, the global mean only when every "
+                     f"rank's batch has the same shape: pad or drop the last batch")
+
+
+def _leaves_with_paths(tree: Any) -> tuple[list, Any, list[str]]:
+    paths, leaves, spec = optree.tree_flatten_with_path(tree, none_is_leaf=True)
+    return leaves, spec, ["".join(f"[{k!r}]" for k in p) for p in paths]
 
 
 def apply(model: ShardedModel, params: Params, batch: Any, *, schedule: Schedule | Policy | None = None,

@@ -29,11 +29,13 @@ def leaves(views: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 def pre(model: ShardedModel, params: Sequence[torch.Tensor], batch: Any) -> tuple[torch.Tensor, Extras]:
     out = functional_call(model.pre, bind(model.outer, params), (batch,), tie_weights=False)
-    if isinstance(out, tuple):
-        if not out:
-            raise TypeError("pre returned an empty tuple; return h or (h, *extra)")
-        return out[0], tuple(out[1:])
-    return out, ()
+    h, extras = (out[0], tuple(out[1:])) if isinstance(out, tuple) and out else (out, ())
+    if not isinstance(h, torch.Tensor):
+        raise TypeError(f"pre returned {type(out).__name__}; return h or (h, *extra) with h a tensor")
+    if h.is_meta:
+        raise ValueError("pre's output is on the meta device: pre used a parameter outside the outer unit (one "
+                         "of the layers'?). pre and post may use only parameters outside the layer stack")
+    return h, extras
 
 
 def post(model: ShardedModel, params: Sequence[torch.Tensor], h: torch.Tensor, batch: Any) -> torch.Tensor:
@@ -41,6 +43,9 @@ def post(model: ShardedModel, params: Sequence[torch.Tensor], h: torch.Tensor, b
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise TypeError(f"post must return a scalar loss tensor, got {type(loss).__name__}"
                         f"{'' if not isinstance(loss, torch.Tensor) else f' of shape {list(loss.shape)}'}")
+    if loss.is_meta:
+        raise ValueError("post's loss is on the meta device: post used a parameter outside the outer unit (one "
+                         "of the layers'?). pre and post may use only parameters outside the layer stack")
     return loss.reshape(())
 
 

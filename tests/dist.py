@@ -37,8 +37,10 @@ def _child(fn: Callable, rank: int, world: int, store: str, q: Any, args: tuple,
     dist.destroy_process_group()
 
 
-def run(world: int, fn: Callable, *args: Any, timeout: float = 180.0, env: dict | None = None) -> list[Any]:
-    """Run ``fn`` on ``world`` ranks; return the list of results, by rank."""
+def run(world: int, fn: Callable, *args: Any, timeout: float = 180.0, env: dict | None = None,
+        may_die: frozenset[int] = frozenset()) -> list[Any]:
+    """Run ``fn`` on ``world`` ranks; return the list of results, by rank (None for a rank in
+    ``may_die`` that exited without reporting, as a test that kills it expects)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -57,7 +59,9 @@ def run(world: int, fn: Callable, *args: Any, timeout: float = 180.0, env: dict 
                 except queue.Empty:
                     missing = sorted(set(range(world)) - set(results))
                     for r in missing:  # a rank that died without a report (killed, os._exit, crash)
-                        if procs[r].exitcode is not None and time.monotonic() - dead_since.setdefault(r, time.monotonic()) > 2:
+                        if r in may_die and procs[r].exitcode is not None:
+                            results[r] = None
+                        elif procs[r].exitcode is not None and time.monotonic() - dead_since.setdefault(r, time.monotonic()) > 2:
                             raise AssertionError(f"rank {r} exited with code {procs[r].exitcode} without a report; "
                                                  f"finished ranks returned {results}")
                     if time.monotonic() > deadline:
