@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .layout import FlatLayout
 from .model import Params, ShardedModel
@@ -39,15 +39,14 @@ META = "fz3.json"
 
 def save(path: str, model: ShardedModel, state: Any) -> None:
     """Write ``state`` (a pytree: dicts, lists, NamedTuples, ``Params``, tensors, values) to ``path``."""
-    comm = model.comm
     partial, old = path + ".partial", path + ".old"
-    if comm.rank == 0:
+    if dist.get_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
     _barrier(model)
     flat = _flatten(model, state, "")
-    flat[f"rng.rank{comm.rank}"] = _rng(model)
-    dcp.save(flat, checkpoint_id=partial, process_group=comm.group)
-    if comm.rank == 0:  # DCP's save returns on the coordinator only after every rank has written
+    flat[f"rng.rank{dist.get_rank()}"] = _rng(model)
+    dcp.save(flat, checkpoint_id=partial, process_group=_everyone(model))
+    if dist.get_rank() == 0:  # DCP's save returns on the coordinator only after every rank has written
         with open(os.path.join(partial, META), "w") as f:
             json.dump(_describe(model, [k for k in flat if not k.startswith("rng.")]), f, indent=1)
         if os.path.exists(path):
@@ -69,12 +68,12 @@ def load(path: str, model: ShardedModel, template: Any, *, restore_rng: bool = T
     if missing:
         raise ValueError(f"checkpoint {path} has no {missing[:5]}{' ...' if len(missing) > 5 else ''}; it holds "
                          f"{meta['keys'][:8]}: build the template with the same structure as the saved state")
-    rng_key = f"rng.rank{model.rank}"
-    with_rng = restore_rng and model.rank < meta["world_size"]  # ranks beyond the saved world keep theirs
+    rng_key = f"rng.rank{dist.get_rank()}"
+    with_rng = restore_rng and dist.get_rank() < meta["ranks"]  # ranks beyond the saved job keep theirs
     if with_rng:
         flat[rng_key] = _rng(model)
     try:
-        dcp.load(flat, checkpoint_id=path, process_group=model.comm.group)
+        dcp.load(flat, checkpoint_id=path, process_group=_everyone(model))
     except (Exception, CheckpointException) as e:  # DCP raises every rank's failure on all of them
         raise ValueError(f"checkpoint {path} could not be read (damaged or truncated?): {e}") from e
     if with_rng:
@@ -114,9 +113,12 @@ def _dtensor(model: ShardedModel, layout: FlatLayout, shards: torch.Tensor, for_
     real = _real(layout, model.rank)
     local = torch.empty(shards.shape[0], real, dtype=shards.dtype, device=shards.device) if for_load \
         else shards[:, :real].contiguous()
-    mesh = DeviceMesh.from_group(model.comm.group, device_type=model.device.type)
+    if model.mesh is not None and model.mesh.ndim == 2:  # hybrid: the same shards in every replica row
+        mesh, placements = model.mesh, [Replicate(), Shard(1)]
+    else:
+        mesh, placements = DeviceMesh.from_group(model.comm.group, device_type=model.device.type), [Shard(1)]
     shape = torch.Size([shards.shape[0], layout.numel])
-    return DTensor.from_local(local, mesh, [Shard(1)], run_check=False, shape=shape, stride=(layout.numel, 1))
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=(layout.numel, 1))
 
 
 def _local(layout: FlatLayout, t: DTensor, rank: int) -> torch.Tensor:
@@ -133,7 +135,7 @@ def _real(layout: FlatLayout, rank: int) -> int:
 
 
 def _describe(model: ShardedModel, keys: list[str]) -> dict:
-    return {"world_size": model.world_size, "num_layers": model.num_layers, "layers_path": model.layers_path,
+    return {"world_size": model.world_size, "ranks": dist.get_world_size(), "num_layers": model.num_layers, "layers_path": model.layers_path,
             "outer": [[list(s.names), list(s.shape)] for s in model.outer.slots],
             "layer": [[list(s.names), list(s.shape)] for s in model.layer.slots], "keys": keys}
 
@@ -190,6 +192,11 @@ def _set_rng(model: ShardedModel, state: torch.Tensor) -> None:
         torch.cuda.set_rng_state(state[cpu:].clone(), model.device)
 
 
+def _everyone(model: ShardedModel) -> dist.ProcessGroup | None:
+    """The group that writes a checkpoint: the shard group, or every rank with hybrid sharding."""
+    return model.comm.group if model.comm.replicas == 1 else None
+
+
 def _barrier(model: ShardedModel) -> None:
     t = torch.zeros(1, device=model.device)
-    dist.all_reduce(t, group=model.comm.group)
+    dist.all_reduce(t, group=_everyone(model))

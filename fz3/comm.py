@@ -42,6 +42,7 @@ class Comm:
     rank: int
     world_size: int
     replicate_group: dist.ProcessGroup | None = None  # hybrid sharding: all-reduce across replicas
+    replicas: int = 1  # size of replicate_group (1: plain ZeRO-3)
     delay_s: float = 0.0  # debug: rank r sleeps r*delay_s before each collective (catches missing waits)
 
     def _delay(self) -> None:

@@ -63,6 +63,7 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
     accumulated by ``accumulate`` ops, added in at the next ``reduce`` of each unit."""
     comm, dev = model.comm, model.device
     world, rank = comm.world_size, comm.rank
+    everyone = world * comm.replicas  # ranks the loss is averaged over
     cdt, rdt = model.precision.compute, model.precision.reduce
     grad = schedule.grad
     num_layers = schedule.num_layers
@@ -73,6 +74,7 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
     saved: dict[int, _Saved] = {}
     flat_grads: dict[int, torch.Tensor] = {}
     reducing: dict[int, tuple[Pending, torch.Tensor]] = {}
+    replicating: list[Pending] = []  # hybrid sharding: gradient shards being summed across replicas
     reduces = grad and any(k == "reduce" for k, _ in schedule.ops)  # False: a deferred micro-batch
     # Gradient shards, allocated unit by unit as their reduces are issued (as activations are
     # freed, like autograd's own .grad), joined into the (L, n) stack at the end.
@@ -165,15 +167,16 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
                     lv, hl = units.leaves(views), h.detach().requires_grad_()
                     with torch.enable_grad():
                         loss = units.post(model, lv, hl, batch)
-                    # Seed 1/world: the reduce is a sum over ranks, the loss a mean.
-                    g = torch.autograd.grad(loss, [hl, *lv], torch.full_like(loss, 1.0 / world) * loss_scale,
+                    # Seed 1/ranks: the reduces are sums over ranks, the loss a mean.
+                    g = torch.autograd.grad(loss, [hl, *lv], torch.full_like(loss, 1.0 / everyone) * loss_scale,
                                             allow_unused=True)
                     g_h, post_grads = _or_zeros(g[0], hl), g[1:]
                     rng_end = _rng_state(dev)
                 else:
                     with torch.no_grad():
                         loss = units.post(model, views, h, batch)
-                loss_pending = all_reduce(comm, loss.detach().float() / world, group=comm.group, label="the loss's mean")
+                loss_pending = all_reduce(comm, loss.detach().float() / everyone, group=comm.group,
+                                          label="the loss's mean")
                 frame = Frame(i, op, gathered[OUTER], h, loss, None)
 
             elif kind == "backward" and u == OUTER:
@@ -238,6 +241,8 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
                     dest.copy_(out.view(world, -1)[rank].reshape(-1))
                 elif out.data_ptr() != dest.data_ptr():
                     dest.copy_(out)
+                if comm.replicas > 1:  # hybrid sharding: sum the shard across replicas, waited at the end
+                    replicating.append(all_reduce(comm, dest, group=comm.replicate_group, label=op))
 
             if recorder is not None:
                 live = len(gathering) + len(gathered) - (OUTER in gathering or OUTER in gathered)
@@ -250,6 +255,10 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
 
         loss = wait(loss_pending)
         loss_pending = None
+        if comm.replicas > 1:
+            loss = wait(all_reduce(comm, loss, group=comm.replicate_group, label="the loss's mean"))
+        while replicating:
+            wait(replicating.pop())
         if grad:
             _set_rng(dev, rng_end)  # as after plain autograd: the forward consumed the RNG, backward none
         if not reduces:
@@ -261,7 +270,7 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
     finally:
         # Normal end: nothing is left. Early close (step_through stopped, an error): finish what
         # this rank issued, so the collective sequence stays the same on every rank.
-        for p in list(gathering.values()) + [p for p, _ in reducing.values()] + \
+        for p in list(gathering.values()) + [p for p, _ in reducing.values()] + replicating + \
                 ([loss_pending] if loss_pending is not None else []):
             wait(p)
 

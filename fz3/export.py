@@ -35,7 +35,7 @@ def export(path: str, model: ShardedModel, params: Params, *,
            format: Literal["safetensors", "torch"] | None = None) -> ExportReport:
     """Write the consolidated weights (and persistent buffers) under ``path``; every rank must call it."""
     fmt = format or ("safetensors" if _has_safetensors() else "torch")
-    rank0 = model.rank == 0
+    rank0 = model.is_root
     units: list[tuple[FlatLayout, torch.Tensor, str]] = [(model.outer, params.outer, "")]
     units += [(model.layer, params.layers[i], f"{model.layers_path}.{i}.") for i in range(model.num_layers)]
     n = len(units)

@@ -69,6 +69,7 @@ class ShardedModel:
     comm: Comm
     precision: Precision
     device: torch.device
+    mesh: Any = None  # the DeviceMesh given to fz3.shard, if any (checkpoints use it)
 
     @property
     def world_size(self) -> int:
@@ -77,6 +78,11 @@ class ShardedModel:
     @property
     def rank(self) -> int:
         return self.comm.rank
+
+    @property
+    def is_root(self) -> bool:
+        """Global rank 0: the one rank that keeps gathered state dicts (one per job, not per replica)."""
+        return dist.get_rank() == 0
 
     def outer_names(self) -> list[str]:
         return [n for s in self.outer.slots for n in s.names]
@@ -105,7 +111,12 @@ def shard(
     device: torch.device | str | None = None,
     precision: Precision = Precision(),
 ) -> tuple[ShardedModel, Params]:
-    """Shard ``module`` over ``group`` (or a 1-D ``mesh``; default: the default process group).
+    """Shard ``module`` over ``group`` or ``mesh`` (default: the default process group).
+
+    A 1-D ``DeviceMesh`` names the sharding group. A 2-D mesh ``(replicate, shard)`` gives
+    hybrid sharding: parameters are sharded inside each row (dim 1) and replicated across
+    rows (dim 0); gradients are reduce-scattered inside a row, then all-reduced across rows
+    on the shard only.
 
     Args:
       module: an unchanged ``nn.Module``; it is not modified (``del`` it to free its memory).
@@ -130,21 +141,25 @@ def shard(
         raise TypeError("fz3.shard needs layers=, pre= and post= (or none of them, for a model with a built-in "
                         "adapter): layers='<path of the nn.ModuleList>', pre(m, batch) -> h, post(m, h, batch) -> loss")
     _check_not_wrapped(module)
+    if mesh is not None and mesh.ndim not in (1, 2):
+        raise ValueError(f"mesh has {mesh.ndim} dims {tuple(mesh.shape)}; fz3.shard takes a 1-D mesh (shard) "
+                         f"or a 2-D mesh (replicate, shard) for hybrid sharding")
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: launch with torchrun and call "
                            "dist.init_process_group (world size 1 works too)")
+    replicate_group, replicas = None, 1
     if mesh is not None:
         if group is not None:
             raise ValueError("pass group= or mesh=, not both")
-        if mesh.ndim != 1:
-            raise ValueError(f"mesh has {mesh.ndim} dims {mesh.shape}; fz3.shard takes a 1-D mesh")
-        group = mesh.get_group()
+        group = mesh.get_group(mesh.ndim - 1)
+        if mesh.ndim == 2:  # hybrid: shard inside dim 1, replicate across dim 0 (HSDP, ZeRO++ hpZ)
+            replicate_group, replicas = mesh.get_group(0), mesh.size(0)
     group = group or dist.group.WORLD
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     backend = dist.get_backend(group)
     device = torch.device(device) if device is not None else _default_device(module, backend)
     reduce_group = dist.new_group(dist.get_process_group_ranks(group)) if backend == "nccl" and world > 1 else group
-    comm = Comm(group, reduce_group, rank, world)
+    comm = Comm(group, reduce_group, rank, world, replicate_group, replicas)
 
     stack = _resolve_layers(module, layers)
     block_params = [_named_params(b) for b in stack]
@@ -196,6 +211,7 @@ def shard(
         comm=comm,
         precision=precision,
         device=device,
+        mesh=mesh,
     )
     _check_same_on_all_ranks(model)
     return model, Params(outer_shard, layer_shards)

@@ -11,14 +11,14 @@ from .model import Params, ShardedModel
 
 def full_state_dict(model: ShardedModel, tree: Params, *, buffers: bool = True) -> dict[str, torch.Tensor] | None:
     """Gather ``tree`` (params, grads, an optimizer moment: anything shaped like params) into
-    ``{original name: full tensor}`` on rank 0, in ``module.state_dict()`` order, cast to each
-    parameter's original dtype; ``None`` on other ranks. Every rank must call it.
+    ``{original name: full tensor}`` on (global) rank 0, in ``module.state_dict()`` order, cast
+    to each parameter's original dtype; ``None`` on other ranks. Every rank must call it.
 
     One unit is gathered at a time, so the extra memory on ranks other than 0 is one unit.
     ``buffers=True`` adds the module's persistent buffers, so the result loads into the
     original module with ``load_state_dict(strict=True)``.
     """
-    rank0 = model.rank == 0
+    rank0 = model.is_root
     found: dict[str, torch.Tensor] = {}
     _gather_unit(model, model.outer, tree.outer, "", found, rank0)
     for i in range(model.num_layers):
