@@ -124,7 +124,8 @@ def flops_per_token(cfg: GPTConfig) -> float:
     return 6 * matmul + 12 * cfg.layers * cfg.seq * cfg.dim
 
 
-def speed(device: torch.device, cfg: GPTConfig, batch: int, steps: int, warmup: int, deadline: float) -> list[dict]:
+def speed(device: torch.device, cfg: GPTConfig, batch: int, steps: int, warmup: int, deadline: float,
+          quick: bool = False) -> list[dict]:
     dtype = torch.bfloat16
     runs = [
         ("plain", "no AC", lambda: systems.plain(cfg, device, dtype=dtype)),
@@ -136,6 +137,9 @@ def speed(device: torch.device, cfg: GPTConfig, batch: int, steps: int, warmup: 
         ("fz3", "recompute", lambda: systems.fz3_system(cfg, device, dtype=dtype)),
         ("fsdp2", "AC", lambda: systems.fsdp2(cfg, device, dtype=dtype, ac=True)),
     ]
+    if quick:  # a dry run exercises each system's code once
+        runs = [r for r in runs if (r[0], r[1]) in {("plain", "no AC"), ("fz3", "save"), ("fsdp2", "AC"),
+                                                     ("fz3", "recompute")}]
     rows = []
     for system, policy, make in runs:
         if time.monotonic() > deadline:
@@ -213,7 +217,7 @@ def main() -> None:
     print(json.dumps(env), flush=True)
     checks = correctness(device)
     extra = features(device)
-    rows = speed(device, cfg, batch, args.steps, args.warmup, t_start + args.budget_s)
+    rows = speed(device, cfg, batch, args.steps, args.warmup, t_start + args.budget_s, quick=args.quick)
     result = dict(env=env, correctness=checks, features=extra, speed=rows)
     if args.out:
         os.makedirs(args.out, exist_ok=True)

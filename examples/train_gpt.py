@@ -2,6 +2,8 @@
 
     python examples/train_gpt.py                 # launches itself on 2 ranks via torch.distributed.run
     torchrun --nproc-per-node 2 examples/train_gpt.py --steps 300
+    # two "nodes" (here both on 127.0.0.1; on a cluster, the head node's address):
+    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29400 examples/train_gpt.py
     python examples/train_gpt.py --save-every 100 --ckpt /tmp/gpt   # then, after a stop:
     python examples/train_gpt.py --resume --ckpt /tmp/gpt             # continues where it left off
 
@@ -55,6 +57,8 @@ def main() -> None:
     ap.add_argument("--ckpt", default="checkpoints/gpt", help="checkpoint folder (fz3.save / fz3.load)")
     ap.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
     ap.add_argument("--resume", action="store_true", help="continue from --ckpt if it exists")
+    ap.add_argument("--replicate", type=int, default=1,
+                    help="hybrid sharding: replicas of a (replicate, shard) mesh, e.g. the number of nodes")
     args = ap.parse_args()
 
     if "LOCAL_RANK" not in os.environ:  # started plainly: become torchrun
@@ -68,14 +72,20 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     cfg = GPTConfig(vocab=256, seq=args.seq, dim=args.dim, heads=4, layers=args.layers)
-    model, params = shard_gpt(GPT(cfg))
+    mesh = None
+    if args.replicate > 1:  # shard inside each group of world/replicate ranks (a node), replicate across
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (args.replicate, world // args.replicate), mesh_dim_names=("replicate", "shard"))
+    model, params = shard_gpt(GPT(cfg), mesh=mesh)
     opt = fz3.optim.adamw(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, mask=fz3.decay_mask(model))
     state = opt.init(params)
     step_fn = fz3.value_and_grad(model)
     data = corpus()
     if rank == 0:
         n = model.outer.numel + model.num_layers * model.layer.numel
-        print(f"fz3: {n / 1e6:.2f}M parameters, {world} ranks, {model.num_layers} layers; "
+        print(f"fz3: {n / 1e6:.2f}M parameters, {world} ranks ({model.comm.replicas} x {model.world_size}), "
+              f"{model.num_layers} layers; "
               f"each rank holds {params.outer.numel() + params.layers.numel()} of them", flush=True)
 
     start = 1
