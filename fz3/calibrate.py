@@ -1,0 +1,191 @@
+"""Measuring this machine for the cost model (``fz3.cost``): run once, inside a process group.
+
+Local rates are measured on rank 0 alone while the others wait (so ranks do not disturb
+each other's timings), then shared; the interference of every rank computing at once, and
+the collectives' bandwidth and in-step latency, are measured with every rank taking part.
+Each number is the fastest of several repeats: this kind of machine is noisy, and noise
+only ever adds time.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from .cost import Cluster, _Counter
+
+
+def calibrate_cpu(group: Any = None, repeats: int = 5, network: Cluster | None = None) -> Cluster:
+    """A one-node ``Cluster`` for this CPU machine: one device per rank, no overlap of
+    communication with compute (the cores are all computing), the machine's core count.
+
+    ``network``: take the collectives' bandwidth and latency and the cores' interference from
+    an earlier calibration (they need a group of 2 or more ranks) and measure only the local
+    rates, which drift with the machine's load."""
+    world = dist.get_world_size(group)
+    local = torch.tensor(_local_rates(repeats) if dist.get_rank(group) == 0 else [0.0] * 4, dtype=torch.float64)
+    dist.barrier(group)
+    dist.all_reduce(local, group=group)  # rank 0's numbers, everywhere
+    rate, mem_bw, op, call = local.tolist()
+    singles = [dist.new_group([r]) for r in dist.get_process_group_ranks(group)]  # collective: all ranks
+    collective = _collective_overhead(group, singles[0], repeats)
+    unit = _unit_overhead(group, singles[0], Cluster(1, 1, rate, mem_bw, 0.0, mem_bw, mem_bw, op_overhead=op,
+                                                     call_overhead=call, collective_overhead=collective,
+                                                     overlap=False), repeats)
+    bw, lat, contention = mem_bw, 1e-6, 1.0
+    if network is not None:
+        bw, lat, contention = network.intra_bw, network.intra_latency, network.contention
+    elif world > 1:
+        bw, lat = _gather_rates(group, world, repeats)
+        contention = _contention(group, repeats)
+    return Cluster(nodes=1, devices_per_node=world, flops=rate, mem_bw=mem_bw, memory=0.0, intra_bw=bw,
+                   inter_bw=bw, intra_latency=lat, inter_latency=lat, op_overhead=op, call_overhead=max(call, op),
+                   unit_overhead=unit, collective_overhead=collective, overlap=False, cores_per_node=os.cpu_count() or 1, contention=contention)
+
+
+def _time(fn: Callable[[], Any], n: int) -> float:
+    """The fastest of ``n`` runs after a warm-up: on a shared machine noise only adds time,
+    so the minimum is the reproducible statistic."""
+    fn()
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return min(ts)
+
+
+def _local_rates(repeats: int) -> list[float]:
+    """[matmul FLOP/s, copy bytes/s, s per eager op, s per functional_call] of one thread.
+
+    Every sample runs ~0.1 s, the time scale of a training step, so that the minimum over
+    samples sees the same machine a step sees (short samples dodge slow periods that steps
+    cannot)."""
+    a, b = torch.randn(512, 512), torch.randn(512, 2048)
+    sa, sb = torch.randn(64, 64), torch.randn(64, 256)
+    t_big = _time(lambda: [a @ b for _ in range(4)], repeats) / 4
+    t_small = _time(lambda: [sa @ sb for _ in range(2000)], repeats) / 2000
+    f_big, f_small = 2 * 512 * 512 * 2048, 2 * 64 * 64 * 256
+    rate = (f_big - f_small) / max(t_big - t_small, 1e-9)  # t = flops / rate + launch
+    x, y = torch.randn(8 << 20), torch.empty(8 << 20)
+    mem_bw = 2 * x.numel() * 4 / (_time(lambda: [y.copy_(x) for _ in range(10)], repeats) / 10)
+    # Per-op overhead as eager PyTorch pays it (module calls, autograd): a transformer block
+    # too small for its FLOPs or bytes to matter, forward and backward, time / counted ops.
+    from .models.gpt import Block, GPTConfig
+
+    tiny = Block(GPTConfig(dim=8, heads=2))
+    xs = torch.randn(1, 4, 8, requires_grad=True)
+
+    def tiny_step():
+        torch.autograd.grad(tiny(xs).sum(), [xs, *tiny.parameters()])
+
+    cnt = _Counter()
+    with cnt.phase("tiny"):
+        tiny_step()
+    op = _time(lambda: [tiny_step() for _ in range(200)], repeats) / 200 / cnt.work["tiny"].ops
+    block = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(6)])
+    params = {"m." + k: v for k, v in block.named_parameters()}
+    one, bound = torch.ones(1), _Identity(block)
+    call = _time(lambda: [torch.func.functional_call(bound, params, (one,), tie_weights=False)
+                          for _ in range(1000)], repeats) / 1000
+    return [rate, mem_bw, op, call]
+
+
+def _collective_overhead(group: Any, single: Any, repeats: int) -> float:
+    """Host time to issue an async all-gather and wait for it, with no network: rank 0 alone
+    on a one-rank group."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    value = torch.zeros(1, dtype=torch.float64)
+    if dist.get_rank(group) == 0:
+        src, out = torch.randn(64), torch.empty(64)
+        value[0] = _time(lambda: [gather(out, src, group=single, async_op=True).wait() for _ in range(500)],
+                         repeats) / 500
+    dist.all_reduce(value, group=group)
+    return float(value)
+
+
+def _unit_overhead(group: Any, single: Any, local: Cluster, repeats: int) -> float:
+    """The executor's own host time per compute op: a tiny fz3 model (its math negligible) on a
+    one-rank group, its step time minus what the model predicts without it, per compute op."""
+    from . import Policy, value_and_grad
+    from .cost import Workload, estimate
+    from .models.gpt import GPT, GPTConfig, shard_gpt
+
+    unit = torch.zeros(1, dtype=torch.float64)
+    if dist.get_rank(group) == 0:
+        torch.manual_seed(0)
+        cfg = GPTConfig(vocab=16, seq=4, dim=8, heads=2, layers=8)
+        model, params = shard_gpt(GPT(cfg), group=single)
+        batch = (torch.randint(0, 16, (1, 4)), torch.randint(0, 16, (1, 4)))
+        step = value_and_grad(model, Policy())
+        t = _time(lambda: [step(params, batch) for _ in range(10)], repeats) / 10
+        predicted = estimate(Workload.from_model(model, batch), step.schedule, local, shard=1).step_s
+        computes = sum(op.kind in ("forward", "forward_save", "loss", "backward") for op in step.schedule.ops)
+        unit[0] = max(t - predicted, 0.0) / computes
+    dist.all_reduce(unit, group=group)
+    return float(unit)
+
+
+def _gather_rates(group: Any, world: int, repeats: int) -> tuple[float, float]:
+    """(bytes/s, s per ring step) of all-gathers: bandwidth from large ones, latency from
+    small async ones issued before a little compute and waited after it, as in a step."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    sizes, times = [], []
+    for n in (1 << 18, 1 << 20):
+        src, out = torch.randn(n), torch.empty(world * n)
+        dist.barrier(group)
+        times.append(_time(lambda: gather(out, src, group=group), repeats))
+        sizes.append((world - 1) * n * 4)
+    bw = (sizes[1] - sizes[0]) / max(times[1] - times[0], 1e-9)
+    # Latency as a step sees it: a small async all-gather issued before ~1 ms of compute and
+    # waited after it. On busy cores its thread waits to be scheduled, so this is mostly
+    # scheduling delay; the median, not the minimum, is what a step pays on average.
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    src, out, k = torch.randn(64), torch.empty(world * 64), 10
+    compute = _time(lambda: [a @ b for _ in range(k)], repeats) / k
+    lats = []
+    for _ in range(repeats):
+        dist.barrier(group)
+        t0 = time.perf_counter()
+        for _ in range(k):
+            w = gather(out, src, group=group, async_op=True)
+            a @ b
+            w.wait()
+        lats.append((time.perf_counter() - t0) / k - compute)
+    lat = max(sorted(lats)[len(lats) // 2] / (world - 1), 1e-7)
+    agreed = torch.tensor([bw, lat], dtype=torch.float64)
+    dist.all_reduce(agreed, group=group)
+    return tuple((agreed / world).tolist())  # type: ignore[return-value]
+
+
+def _contention(group: Any, repeats: int) -> float:
+    """Compute time with every rank computing / with rank 0 computing alone (caches, memory
+    bandwidth and turbo are shared)."""
+    a, b = torch.randn(512, 512), torch.randn(512, 2048)
+    x, y = torch.randn(4 << 20), torch.empty(4 << 20)
+
+    def mix():
+        for _ in range(4):
+            a @ b
+            y.copy_(x)
+
+    alone = _time(mix, repeats) if dist.get_rank(group) == 0 else 0.0
+    dist.barrier(group)
+    shared = _time(mix, repeats)
+    ratio = torch.tensor([shared / alone if alone else 0.0])
+    dist.all_reduce(ratio, op=dist.ReduceOp.MAX, group=group)
+    per_core = max(1.0, dist.get_world_size(group) / (os.cpu_count() or 1))  # time-sharing is counted apart
+    return max(1.0, float(ratio) / per_core)
+
+
+class _Identity(torch.nn.Module):
+    def __init__(self, m: torch.nn.Module):
+        super().__init__()
+        self.m = m
+
+    def forward(self, x):
+        return x
