@@ -140,7 +140,8 @@ def check_dropout_world1(rank, world):
 
 
 def core_ranks(rank, world, delay):
-    check_equal_to_reference(rank, world, delay, UNEVEN, POLICIES)
+    # Every policy at 2 and 3 ranks; at 1 and 4 (and with delays) a representative few.
+    check_equal_to_reference(rank, world, delay, UNEVEN, POLICIES if world in (2, 3) and not delay else POLICIES[::2])
     check_equal_to_reference(rank, world, delay, dataclasses.replace(UNEVEN, layers=1), POLICIES[:4])
     check_equal_to_reference(rank, world, delay, dataclasses.replace(UNEVEN, tie=True), POLICIES[:2])
     check_adamw(rank, world, delay)

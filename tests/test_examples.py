@@ -19,12 +19,12 @@ def _run(*args: str, timeout: float = 240) -> str:
 
 def test_train_gpt_trains_saves_and_resumes(tmp_path):
     ckpt = str(tmp_path / "gpt")
-    out = _run("examples/train_gpt.py", "--steps", "30", "--log-every", "10", "--save-every", "15", "--ckpt", ckpt)
+    out = _run("examples/train_gpt.py", "--steps", "20", "--log-every", "10", "--save-every", "10", "--ckpt", ckpt)
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
-    assert len(losses) == 4 and losses[-1] < losses[0] - 1.0, out  # the loss falls
+    assert len(losses) == 3 and losses[-1] < losses[0] - 1.0, out  # the loss falls
     assert "tokens/s" in out
-    out = _run("examples/train_gpt.py", "--steps", "33", "--log-every", "3", "--resume", "--ckpt", ckpt)
-    assert "resumed from" in out and "step    33" in out, out
+    out = _run("examples/train_gpt.py", "--steps", "22", "--log-every", "2", "--resume", "--ckpt", ckpt)
+    assert "resumed from" in out and "step    22" in out, out
 
 
 def test_compare_quick_fz3_only():
