@@ -26,19 +26,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .layout import FlatLayout
 from .model import Params, ShardedModel
 
 META = "fz3.json"
+# torch.distributed.checkpoint and DTensor are imported where used: they take over a second
+# to import, which every process importing fz3 would otherwise pay.
 
 
 def save(path: str, model: ShardedModel, state: Any) -> None:
     """Write ``state`` (a pytree: dicts, lists, NamedTuples, ``Params``, tensors, values) to ``path``."""
+    import torch.distributed.checkpoint as dcp
+
     partial, old = path + ".partial", path + ".old"
     if dist.get_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
@@ -60,6 +60,9 @@ def save(path: str, model: ShardedModel, state: Any) -> None:
 def load(path: str, model: ShardedModel, template: Any, *, restore_rng: bool = True) -> Any:
     """Read a checkpoint into a new state shaped like ``template`` (built for this model and
     world size, e.g. ``{"params": params, "opt": opt.init(params), "step": 0}``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
     path = path if os.path.isdir(path) or not os.path.isdir(path + ".old") else path + ".old"
     meta = _read_meta(path)
     _check_model(path, meta, model)
@@ -108,8 +111,11 @@ def _unflatten(model: ShardedModel, x: Any, flat: dict[str, Any], key: str) -> A
     return flat[key.rstrip(".") or "state"]
 
 
-def _dtensor(model: ShardedModel, layout: FlatLayout, shards: torch.Tensor, for_load: bool, vector: bool) -> DTensor:
+def _dtensor(model: ShardedModel, layout: FlatLayout, shards: torch.Tensor, for_load: bool, vector: bool):
     """(rows, shard) padded shards -> a DTensor over the unpadded (rows, numel), sharded on dim 1."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
     real = _real(layout, model.rank)
     local = torch.empty(shards.shape[0], real, dtype=shards.dtype, device=shards.device) if for_load \
         else shards[:, :real].contiguous()
@@ -121,7 +127,7 @@ def _dtensor(model: ShardedModel, layout: FlatLayout, shards: torch.Tensor, for_
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=(layout.numel, 1))
 
 
-def _local(layout: FlatLayout, t: DTensor, rank: int) -> torch.Tensor:
+def _local(layout: FlatLayout, t: Any, rank: int) -> torch.Tensor:
     """The DTensor's local chunk, padded back to (rows, shard) with zeros."""
     local = t.to_local()
     out = torch.zeros(local.shape[0], layout.shard_numel, dtype=local.dtype, device=local.device)
@@ -141,6 +147,8 @@ def _describe(model: ShardedModel, keys: list[str]) -> dict:
 
 
 def _read_meta(path: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
     file = os.path.join(path, META)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no checkpoint at {path} (nor {path}.old): check the path, or save one first")

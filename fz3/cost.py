@@ -104,13 +104,14 @@ class Workload(NamedTuple):
 
     @staticmethod
     def transformer(layers: int, hidden: int, ffn: int, vocab: int, seq: int, micro_batch: int, *,
-                    positions: int = 0, param_bytes: int = 2, grad_bytes: int = 4,
-                    flash: bool = True) -> "Workload":
-        """A pre-LN transformer in closed form (Megatron's counts): per layer 4h^2 (attention)
-        + 2h*ffn x2 (MLP) weights; matmul FLOPs 2 x tokens x weights, attention scores and
-        values 4 x tokens x seq x h; backward twice the forward."""
+                    positions: int = 0, param_bytes: int = 2, grad_bytes: int = 4, kv_dim: int | None = None,
+                    gated: bool = False, flash: bool = True) -> "Workload":
+        """A pre-LN transformer in closed form (Megatron's counts): per layer 2h^2 + 2h*kv_dim
+        attention weights (kv_dim = h without grouped-query attention) and 2h*ffn MLP weights
+        (3h*ffn when ``gated``, SwiGLU); matmul FLOPs 2 x tokens x weights, attention scores
+        and values 4 x tokens x seq x h; backward twice the forward."""
         t = seq * micro_batch
-        w_layer = 4 * hidden * hidden + 2 * hidden * ffn
+        w_layer = 2 * hidden * hidden + 2 * hidden * (kv_dim or hidden) + (3 if gated else 2) * hidden * ffn
         fwd = Work(2 * t * w_layer + 4 * t * seq * hidden, bytes=param_bytes * (w_layer + 12 * t * hidden), ops=25)
         head = Work(2 * t * hidden * vocab * 3, bytes=param_bytes * (hidden * vocab + 3 * t * vocab), ops=12)
         graph = t * hidden * param_bytes * 17 + (0 if flash else micro_batch * seq * seq * param_bytes * 2)
