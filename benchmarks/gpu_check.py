@@ -84,10 +84,10 @@ def correctness(device: torch.device) -> list[dict]:
     return rows
 
 
-def features(device: torch.device) -> dict:
+def features(device: torch.device, quick: bool = False) -> dict:
     """On the device: a trace with device timing events, the memory plan vs the allocator's
     peak, step_through to the end, and the pure optimizer path against the donating one."""
-    cfg = GPTConfig(vocab=4096, seq=512, dim=512, heads=8, layers=6)
+    cfg = GPTConfig(vocab=4096, seq=512, dim=512, heads=8, layers=6) if not quick else GPTConfig(layers=3)
     batch = systems.rank_batch(cfg, 8, 0, 0, device)
     model, params = shard_gpt(systems.build(cfg, device), device=device)
     sched = fz3.plan(model, fz3.Policy(activations="save"))
@@ -215,7 +215,7 @@ def main() -> None:
                config=str(cfg), micro_batch=batch, date=time.strftime("%Y-%m-%d"))
     print(json.dumps(env), flush=True)
     checks = correctness(device)
-    extra = features(device)
+    extra = features(device, quick=args.quick)
     rows = speed(device, cfg, batch, args.steps, args.warmup, t_start + args.budget_s, quick=args.quick)
     result = dict(env=env, correctness=checks, features=extra, speed=rows)
     if args.out:
