@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm import Comm
-from .failures import differing_ranks, gather_objects
+from .checks import check_identical, check_not_wrapped, check_same_on_all_ranks, resolve_layers
 from .layout import FlatLayout
 from .precision import Precision
 
@@ -140,7 +140,7 @@ def shard(
     if layers is None or pre is None or post is None:
         raise TypeError("fz3.shard needs layers=, pre= and post= (or none of them, for a model with a built-in "
                         "adapter): layers='<path of the nn.ModuleList>', pre(m, batch) -> h, post(m, h, batch) -> loss")
-    _check_not_wrapped(module)
+    check_not_wrapped(module)
     if mesh is not None and mesh.ndim not in (1, 2):
         raise ValueError(f"mesh has {mesh.ndim} dims {tuple(mesh.shape)}; fz3.shard takes a 1-D mesh (shard) "
                          f"or a 2-D mesh (replicate, shard) for hybrid sharding")
@@ -161,9 +161,9 @@ def shard(
     reduce_group = dist.new_group(dist.get_process_group_ranks(group)) if backend == "nccl" and world > 1 else group
     comm = Comm(group, reduce_group, rank, world, replicate_group, replicas)
 
-    stack = _resolve_layers(module, layers)
+    stack = resolve_layers(module, layers)
     block_params = [_named_params(b) for b in stack]
-    _check_identical(layers, block_params)
+    check_identical(layers, block_params)
     layer_ids = {id(p) for ps in block_params for _, p in ps}
     outer_params = [(names, p) for names, p in _named_params(module) if id(p) not in layer_ids]
     for names, p in _named_params(module):
@@ -197,7 +197,7 @@ def shard(
         layer_shards[i].copy_(_flat(layer_layout, ps, device)[rank * s_l : (rank + 1) * s_l])
 
     skeleton = _skeleton(module, device)
-    skel_stack = _resolve_layers(skeleton, layers)
+    skel_stack = resolve_layers(skeleton, layers)
     layer_fn = layer or _call_block
     model = ShardedModel(
         outer=outer_layout,
@@ -213,24 +213,8 @@ def shard(
         device=device,
         mesh=mesh,
     )
-    _check_same_on_all_ranks(model)
+    check_same_on_all_ranks(model)
     return model, Params(outer_shard, layer_shards)
-
-
-def _check_not_wrapped(module: nn.Module) -> None:
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(module, DistributedDataParallel):
-        raise TypeError("fz3.shard got a DistributedDataParallel wrapper; pass the plain module (ddp.module): "
-                        "fz3 does its own data parallelism")
-    wrapped = type(module).__name__.startswith("FSDP") or any(
-        type(m).__name__ == "FullyShardedDataParallel" for m in module.modules())
-    dtensors = [n for n, p in module.named_parameters() if type(p).__name__ == "DTensor" or
-                type(getattr(p, "data", p)).__name__ == "DTensor"]
-    if wrapped or dtensors:
-        raise TypeError(f"fz3.shard got a module already sharded by FSDP ({type(module).__name__}"
-                        f"{', DTensor parameters such as ' + dtensors[0] if dtensors else ''}); pass the module "
-                        f"before fully_shard/FSDP wrapping")
 
 
 def _default_device(module: nn.Module, backend: str) -> torch.device:
@@ -240,49 +224,12 @@ def _default_device(module: nn.Module, backend: str) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
-def _resolve_layers(module: nn.Module, path: str) -> nn.ModuleList:
-    try:
-        stack = module.get_submodule(path)
-    except AttributeError:
-        children = [n for n, m in module.named_modules() if isinstance(m, nn.ModuleList)]
-        raise ValueError(f"layers={path!r} does not name a submodule of {type(module).__name__}; "
-                         f"ModuleLists in it: {children or 'none'}") from None
-    if not isinstance(stack, nn.ModuleList):
-        raise TypeError(f"layers={path!r} is a {type(stack).__name__}, not an nn.ModuleList of blocks")
-    return stack
-
-
 def _named_params(module: nn.Module) -> list[tuple[tuple[str, ...], nn.Parameter]]:
     """``(all names, param)`` in first-appearance order; tied parameters appear once."""
     by_id: dict[int, tuple[list[str], nn.Parameter]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(p), ([], p))[0].append(name)
     return [(tuple(names), p) for names, p in by_id.values()]
-
-
-def _check_identical(path: str, blocks: list[list[tuple[tuple[str, ...], nn.Parameter]]]) -> None:
-    def sig(ps):
-        return [(names, tuple(p.shape), p.dtype) for names, p in ps]
-
-    ref = sig(blocks[0]) if blocks else []
-    for i, ps in enumerate(blocks[1:], start=1):
-        got = sig(ps)
-        if got == ref:
-            continue
-        for j in range(max(len(ref), len(got))):
-            a = ref[j] if j < len(ref) else None
-            b = got[j] if j < len(got) else None
-            if a != b:
-                raise ValueError(f"{path}.{i} differs from {path}.0 at parameter #{j}: "
-                                 f"{path}.0 has {_fmt(a)}, {path}.{i} has {_fmt(b)}. fz3 stacks "
-                                 f"structurally identical blocks; keep different blocks outside {path!r}")
-
-
-def _fmt(entry) -> str:
-    if entry is None:
-        return "nothing"
-    names, shape, dtype = entry
-    return f"{names[0]} {list(shape)} {dtype}"
 
 
 def _flat(layout: FlatLayout, params, device) -> torch.Tensor:
@@ -299,22 +246,3 @@ def _skeleton(module: nn.Module, device: torch.device) -> nn.Module:
             for p in module.parameters()}
     skeleton = copy.deepcopy(module, memo)
     return skeleton._apply(lambda t: t if t.is_meta else t.to(device))
-
-
-def _check_same_on_all_ranks(model: ShardedModel) -> None:
-    """One small all-gather: every rank must have built the same layouts, or collectives hang.
-    On a mismatch, every rank raises, naming the ranks and the first differing parameter."""
-    comm = model.comm
-    digest = model.outer.fingerprint() + model.layer.fingerprint()
-    differ = differing_ranks(comm.group, list(digest) + [model.num_layers], model.device)
-    if not differ:
-        return
-    mine = [("layers", model.num_layers)] + [(n, s.shape, str(s.dtype)) for s in model.outer.slots for n in s.names[:1]]
-    mine += [(f"{model.layers_path}.*.{s.name}", s.shape, str(s.dtype)) for s in model.layer.slots]
-    everyone = gather_objects(comm.group, mine)
-    r = differ[0]
-    a, b = everyone[0], everyone[r]
-    i = next((i for i in range(max(len(a), len(b))) if (a[i:i + 1] or [None]) != (b[i:i + 1] or [None])), 0)
-    show = lambda d: "nothing" if i >= len(d) else " ".join(str(x) for x in d[i])  # noqa: E731
-    raise ValueError(f"ranks {differ} built a different model than rank 0: rank 0 has {show(a)}, rank {r} has "
-                     f"{show(b)}. Every rank must call fz3.shard on the same architecture and dtypes")

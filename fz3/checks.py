@@ -1,0 +1,86 @@
+"""What ``fz3.shard`` refuses before it shards anything, each with the value and the fix:
+a module already wrapped by DDP/FSDP, a ``layers`` path that is not a ``ModuleList``,
+blocks that are not structurally identical, and ranks that built different models."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from .failures import differing_ranks, gather_objects
+
+if TYPE_CHECKING:
+    from .model import ShardedModel
+
+
+def check_not_wrapped(module: nn.Module) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(module, DistributedDataParallel):
+        raise TypeError("fz3.shard got a DistributedDataParallel wrapper; pass the plain module (ddp.module): "
+                        "fz3 does its own data parallelism")
+    wrapped = type(module).__name__.startswith("FSDP") or any(
+        type(m).__name__ == "FullyShardedDataParallel" for m in module.modules())
+    dtensors = [n for n, p in module.named_parameters() if type(p).__name__ == "DTensor" or
+                type(getattr(p, "data", p)).__name__ == "DTensor"]
+    if wrapped or dtensors:
+        raise TypeError(f"fz3.shard got a module already sharded by FSDP ({type(module).__name__}"
+                        f"{', DTensor parameters such as ' + dtensors[0] if dtensors else ''}); pass the module "
+                        f"before fully_shard/FSDP wrapping")
+
+
+def resolve_layers(module: nn.Module, path: str) -> nn.ModuleList:
+    try:
+        stack = module.get_submodule(path)
+    except AttributeError:
+        children = [n for n, m in module.named_modules() if isinstance(m, nn.ModuleList)]
+        raise ValueError(f"layers={path!r} does not name a submodule of {type(module).__name__}; "
+                         f"ModuleLists in it: {children or 'none'}") from None
+    if not isinstance(stack, nn.ModuleList):
+        raise TypeError(f"layers={path!r} is a {type(stack).__name__}, not an nn.ModuleList of blocks")
+    return stack
+
+
+def check_identical(path: str, blocks: list[list[tuple[tuple[str, ...], nn.Parameter]]]) -> None:
+    def sig(ps):
+        return [(names, tuple(p.shape), p.dtype) for names, p in ps]
+
+    ref = sig(blocks[0]) if blocks else []
+    for i, ps in enumerate(blocks[1:], start=1):
+        got = sig(ps)
+        if got == ref:
+            continue
+        for j in range(max(len(ref), len(got))):
+            a = ref[j] if j < len(ref) else None
+            b = got[j] if j < len(got) else None
+            if a != b:
+                raise ValueError(f"{path}.{i} differs from {path}.0 at parameter #{j}: "
+                                 f"{path}.0 has {_fmt(a)}, {path}.{i} has {_fmt(b)}. fz3 stacks "
+                                 f"structurally identical blocks; keep different blocks outside {path!r}")
+
+
+def _fmt(entry) -> str:
+    if entry is None:
+        return "nothing"
+    names, shape, dtype = entry
+    return f"{names[0]} {list(shape)} {dtype}"
+
+
+def check_same_on_all_ranks(model: ShardedModel) -> None:
+    """One small all-gather: every rank must have built the same layouts, or collectives hang.
+    On a mismatch, every rank raises, naming the ranks and the first differing parameter."""
+    comm = model.comm
+    digest = model.outer.fingerprint() + model.layer.fingerprint()
+    differ = differing_ranks(comm.group, list(digest) + [model.num_layers], model.device)
+    if not differ:
+        return
+    mine = [("layers", model.num_layers)] + [(n, s.shape, str(s.dtype)) for s in model.outer.slots for n in s.names[:1]]
+    mine += [(f"{model.layers_path}.*.{s.name}", s.shape, str(s.dtype)) for s in model.layer.slots]
+    everyone = gather_objects(comm.group, mine)
+    r = differ[0]
+    a, b = everyone[0], everyone[r]
+    i = next((i for i in range(max(len(a), len(b))) if (a[i:i + 1] or [None]) != (b[i:i + 1] or [None])), 0)
+    show = lambda d: "nothing" if i >= len(d) else " ".join(str(x) for x in d[i])  # noqa: E731
+    raise ValueError(f"ranks {differ} built a different model than rank 0: rank 0 has {show(a)}, rank {r} has "
+                     f"{show(b)}. Every rank must call fz3.shard on the same architecture and dtypes")
