@@ -16,7 +16,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .cost import Cluster, _Counter
+from .cost import Cluster
+from .workload import OpCounter
 
 
 def calibrate_cpu(group: Any = None, repeats: int = 5, network: Cluster | None = None) -> Cluster:
@@ -83,7 +84,7 @@ def _local_rates(repeats: int) -> list[float]:
     def tiny_step():
         torch.autograd.grad(tiny(xs).sum(), [xs, *tiny.parameters()])
 
-    cnt = _Counter()
+    cnt = OpCounter()
     with cnt.phase("tiny"):
         tiny_step()
     op = _time(lambda: [tiny_step() for _ in range(200)], repeats) / 200 / cnt.work["tiny"].ops
