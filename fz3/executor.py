@@ -210,12 +210,15 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
                 for j, ge in zip(dpos, g[n + 1:]):
                     if ge is not None:
                         g_extras[j] = ge if j not in g_extras else g_extras[j] + ge
-                per = len(model.layer.slots)
-                per_layer = [units.flat_grad(model.layer, g[j * per:(j + 1) * per], out) for j in range(len(lv))]
-                # (world, k, n): each layer's flat gradient is (world, n) in rank order.
-                flat = (per_layer[0].view(world, 1, -1) if len(per_layer) == 1
-                        else torch.stack([f.view(world, -1) for f in per_layer], dim=1))
-                flat_grads[u] = flat.to(rdt)
+                per, k = len(model.layer.slots), len(lv)
+                by_layer = [g[j * per:(j + 1) * per] for j in range(k)]
+                if k == 1 or schedule.reduce == "all_reduce":
+                    # One cat, layer-major (k, world, n), seen as (world, k, n): an all-reduce
+                    # sums any order, so no copy into rank order is needed.
+                    flat = units.flat_grads_layer_major(model.layer, by_layer, out).view(k, world, -1).transpose(0, 1)
+                else:  # the reduce-scatter hands rank r the r-th contiguous chunk: (world, k, n) in memory
+                    flat = torch.stack([units.flat_grad(model.layer, gj, out).view(world, -1) for gj in by_layer], 1)
+                flat_grads[u] = flat.to(rdt)  # (world, k, n), each layer's (world, n) in rank order
                 frame = Frame(i, op, gathered[u], g_out, g_h, flat_grads[u])
 
             elif kind == "accumulate":
@@ -228,17 +231,19 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
                     g = carry.pop(u).add_(g)
                 n = model.outer.shard_numel if rows is None else len(rows) * model.layer.shard_numel
                 dest = shards[u] = torch.empty(n, dtype=torch.float32, device=dev)  # fully written by the reduce
-                if schedule.reduce == "all_reduce":
+                if schedule.reduce == "all_reduce":  # in place, on the layer-major memory of g
+                    g = g if rows is None else g.transpose(0, 1).contiguous()  # (k, world, n): no copy
                     reducing[u] = (all_reduce(comm, g, label=op), dest)
                 else:
                     out = dest.view(-1) if rdt == torch.float32 else torch.empty(dest.numel(), dtype=rdt, device=dev)
-                    reducing[u] = (reduce_scatter(comm, out, g.view(-1), op), dest)
+                    reducing[u] = (reduce_scatter(comm, out, g.contiguous().view(-1), op), dest)
 
             elif kind == "wait_reduce":
                 p, dest = reducing.pop(u)
                 out = wait(p)
-                if schedule.reduce == "all_reduce":
-                    dest.copy_(out.view(world, -1)[rank].reshape(-1))
+                if schedule.reduce == "all_reduce":  # this rank's chunk of each layer
+                    mine = out.view(world, -1)[rank] if rows is None else out[:, rank]
+                    dest.view(mine.shape).copy_(mine)
                 elif out.data_ptr() != dest.data_ptr():
                     dest.copy_(out)
                 if comm.replicas > 1:  # hybrid sharding: sum the shard across replicas, waited at the end

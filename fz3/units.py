@@ -71,11 +71,25 @@ def flat_grad(layout: FlatLayout, grads: Sequence[torch.Tensor | None], like: to
     One ``torch.cat``: autograd would otherwise scatter each view's gradient into a
     full-size zero buffer and add them up (quadratic in the parameter count).
     """
+    parts = _parts(layout, grads, like)
+    return torch.cat(parts) if parts else torch.zeros(layout.padded, dtype=like.dtype, device=like.device)
+
+
+def flat_grads_layer_major(layout: FlatLayout, grads: Sequence[Sequence[torch.Tensor | None]],
+                           like: torch.Tensor) -> torch.Tensor:
+    """``(k, padded)``: k layers' flat gradients in one ``torch.cat`` (no per-layer buffers)."""
+    parts = [p for g in grads for p in _parts(layout, g, like)]
+    if not parts:
+        return torch.zeros(len(grads), layout.padded, dtype=like.dtype, device=like.device)
+    return torch.cat(parts).view(len(grads), layout.padded)
+
+
+def _parts(layout: FlatLayout, grads: Sequence[torch.Tensor | None], like: torch.Tensor) -> list[torch.Tensor]:
     parts = [torch.zeros(s.numel, dtype=like.dtype, device=like.device) if g is None else g.reshape(-1)
              for s, g in zip(layout.slots, grads)]
     if layout.pad:
         parts.append(torch.zeros(layout.pad, dtype=like.dtype, device=like.device))
-    return torch.cat(parts) if parts else torch.zeros(layout.padded, dtype=like.dtype, device=like.device)
+    return parts
 
 
 def differentiable(extras: Extras) -> list[int]:
