@@ -129,9 +129,16 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--scaling", action="store_true", help="thin config: step time vs layers and vs world size")
+    ap.add_argument("--report", metavar="JSON", help="rewrite the table and chart from a saved compare.json")
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    if args.report:
+        with open(args.report) as f:
+            saved = json.load(f)
+        sys.argv[1:] = saved["argv"]
+        args = ap.parse_args(saved["argv"] + ["--out", args.out])
+        return write_report(saved["results"], args)
     if args.scaling:
         return scaling(args)
     if args.quick:
@@ -155,15 +162,22 @@ def main() -> None:
                     [f"{res['step_s'] * 1e3:8.1f} ms/step  loss {res['loss']:.5f}  rss {res['rss_mib']:.0f} MiB"]
                 print(f"[{config} repeat {r + 1}/{args.repeats}] {name:18s} {msg[0] if msg else 'failed'}", flush=True)
 
+    if args.quick:
+        print("\n" + summarize(results, args))
+        return
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "compare.json"), "w") as f:
+        json.dump(dict(results=results, argv=sys.argv[1:], date=str(datetime.date.today())), f, indent=1)
+    write_report(results, args)
+
+
+def write_report(results: dict, args: argparse.Namespace) -> None:
     report = summarize(results, args)
     print("\n" + report)
-    if not args.quick:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "compare.json"), "w") as f:
-            json.dump(dict(results=results, argv=sys.argv[1:]), f, indent=1)
-        with open(os.path.join(args.out, "compare.md"), "w") as f:
-            f.write(report + "\n")
-        plot(results, os.path.join(args.out, "compare.png"))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "compare.md"), "w") as f:
+        f.write(report + "\n")
+    plot(results, os.path.join(args.out, "compare.png"))
 
 
 def scaling(args: argparse.Namespace) -> None:
@@ -238,9 +252,10 @@ def summarize(results: dict, args: argparse.Namespace) -> str:
     for config, by_system in results.items():
         c = CONFIGS[config]
         lines += [f"### {config}: {c['layers']} layers, hidden {c['dim']}, seq {c['seq']}, micro-batch {c['batch']}",
-                  "", "| system | s/step | tokens/s | x limit | peak RSS/rank MiB | final loss |",
-                  "|---|---:|---:|---:|---:|---:|"]
+                  "", "| system | s/step | tokens/s | x limit | x limit, paired | peak RSS/rank MiB | final loss |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
         limit = _median(by_system.get("limit", []), "step_s")
+        limits = by_system.get("limit", [])
         for name, runs in by_system.items():
             ok = [r for r in runs if "error" not in r]
             if not ok:
@@ -249,7 +264,10 @@ def summarize(results: dict, args: argparse.Namespace) -> str:
             step = _median(ok, "step_s")
             tps = ok[0]["tokens_per_step"] / step
             ratio = step / limit if limit else float("nan")
-            lines.append(f"| {name} | {step:.4f} | {tps:.0f} | {ratio:.2f} | {_median(ok, 'rss_mib'):.0f} | "
+            # each repeat's run against the limit run just before it: robust to the machine's drift
+            paired = [r["step_s"] / lr["step_s"] for r, lr in zip(runs, limits) if "error" not in r | lr]
+            pr = statistics.median(paired) if paired else float("nan")
+            lines.append(f"| {name} | {step:.4f} | {tps:.0f} | {ratio:.2f} | {pr:.2f} | {_median(ok, 'rss_mib'):.0f} | "
                          f"{ok[-1]['loss']:.5f} |")
         lines.append("")
     return "\n".join(lines)
