@@ -5,6 +5,11 @@ pickled as plain Python/numpy values (tensors through a multiprocessing queue tr
 shared-memory handles that die with the child, so ranks return numbers or bytes). The first
 failing rank's traceback is raised in the test process; a rank that hangs is killed at the
 timeout and reported as such.
+
+Ranks are forked from a forkserver that imported torch, fz3 and torch's checkpoint and
+Hugging Face modules once (``spawn`` would import them again in every rank: ~3 s of CPU
+each, which on 2 cores was about a third of the suite). The server never runs a torch op,
+so no thread pool exists when it forks; every rank still builds its own process group.
 """
 
 from __future__ import annotations
@@ -37,11 +42,21 @@ def _child(fn: Callable, rank: int, world: int, store: str, q: Any, args: tuple,
     dist.destroy_process_group()
 
 
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_CTX = mp.get_context("forkserver")
+# Modules not installed are skipped by the server. The test modules are preloaded too: a
+# rank unpickles its function by importing the function's module.
+_CTX.set_forkserver_preload(
+    ["torch", "torch.distributed", "torch.distributed.checkpoint", "fz3", "transformers",
+     *(f"transformers.models.{m}.modeling_{m}" for m in ("gpt2", "llama", "roberta")),
+     *sorted(f[:-3] for f in os.listdir(_HERE) if f.startswith("test_") and f.endswith(".py"))])
+
+
 def run(world: int, fn: Callable, *args: Any, timeout: float = 180.0, env: dict | None = None,
         may_die: frozenset[int] = frozenset()) -> list[Any]:
     """Run ``fn`` on ``world`` ranks; return the list of results, by rank (None for a rank in
     ``may_die`` that exited without reporting, as a test that kills it expects)."""
-    ctx = mp.get_context("spawn")
+    ctx = _CTX
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
