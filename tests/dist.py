@@ -8,7 +8,7 @@ timeout and reported as such.
 
 Ranks are forked from a forkserver that imported torch, fz3 and torch's checkpoint and
 Hugging Face modules once (``spawn`` would import them again in every rank: ~3 s of CPU
-each, which on 2 cores was about a third of the suite). The server never runs a torch op,
+each, which on 2 cores was more than half of the suite). The server never runs a torch op,
 so no thread pool exists when it forks; every rank still builds its own process group.
 """
 

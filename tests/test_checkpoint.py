@@ -193,6 +193,7 @@ def load_errors_ranks(rank, world, folder):
     tdist_barrier(model)
     with pytest.raises(ValueError, match=r"is damaged: .*\.distcp has 10 bytes, \d+ expected \(truncated\)"):
         fz3.load(path, model, {"params": params})
+    tdist_barrier(model)  # every rank has seen the damaged file before rank 0 removes the metadata
     if rank == 0:
         os.remove(os.path.join(path, "fz3.json"))
     tdist_barrier(model)
