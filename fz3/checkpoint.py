@@ -141,7 +141,8 @@ def _real(layout: FlatLayout, rank: int) -> int:
 
 
 def _describe(model: ShardedModel, keys: list[str]) -> dict:
-    return {"world_size": model.world_size, "ranks": dist.get_world_size(), "num_layers": model.num_layers, "layers_path": model.layers_path,
+    return {"world_size": model.world_size, "ranks": dist.get_world_size(), "num_layers": model.num_layers,
+            "layers_path": model.layers_path,
             "outer": [[list(s.names), list(s.shape)] for s in model.outer.slots],
             "layer": [[list(s.names), list(s.shape)] for s in model.layer.slots], "keys": keys}
 

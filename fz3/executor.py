@@ -26,7 +26,7 @@ import torch
 from . import units
 from .comm import Pending, all_gather, all_reduce, reduce_scatter, wait
 from .model import Params, ShardedModel
-from .record import Recorder
+from .record import Recorder, nbytes, owned_bytes, pending_bytes
 from .schedule import OUTER, Op, Schedule
 
 
@@ -187,7 +187,7 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
                 gs = (torch.autograd.grad([t for t, _ in outs], lv, [g for _, g in outs], allow_unused=True)
                       if outs else [None] * len(lv))
                 total = [a if b is None else b if a is None else a + b for a, b in zip(gs, post_grads)]
-                flat_grads[u] = units.flat_grad(model.outer, total, h0).to(rdt)
+                flat_grads[u] = units.flat_grads(model.outer, [total], h0)[0].to(rdt)
                 frame = Frame(i, op, gathered[u], g_h, None, flat_grads[u])
 
             elif kind == "backward":
@@ -213,11 +213,11 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
                 per, k = len(model.layer.slots), len(lv)
                 by_layer = [g[j * per:(j + 1) * per] for j in range(k)]
                 if k == 1 or schedule.reduce == "all_reduce":
-                    # One cat, layer-major (k, world, n), seen as (world, k, n): an all-reduce
-                    # sums any order, so no copy into rank order is needed.
-                    flat = units.flat_grads_layer_major(model.layer, by_layer, out).view(k, world, -1).transpose(0, 1)
+                    # One cat, layer-major (k, world, n), seen as (world, k, n): an all-reduce sums
+                    # in any order, and for one layer the two orders are the same memory.
+                    flat = units.flat_grads(model.layer, by_layer, out).view(k, world, -1).transpose(0, 1)
                 else:  # the reduce-scatter hands rank r the r-th contiguous chunk: (world, k, n) in memory
-                    flat = torch.stack([units.flat_grad(model.layer, gj, out).view(world, -1) for gj in by_layer], 1)
+                    flat = torch.stack([units.flat_grads(model.layer, [gj], out).view(world, -1) for gj in by_layer], 1)
                 flat_grads[u] = flat.to(rdt)  # (world, k, n), each layer's (world, n) in rank order
                 frame = Frame(i, op, gathered[u], g_out, g_h, flat_grads[u])
 
@@ -251,9 +251,9 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
 
             if recorder is not None:
                 live = len(gathering) + len(gathered) - (OUTER in gathering or OUTER in gathered)
-                moved = (_nbytes(gathering[u].out) if kind == "gather" else
-                         _pending_bytes(reducing[u][0]) if kind == "reduce" else 0)
-                owned = _owned(gathering, gathered, flat_grads, reducing, saved)
+                moved = (nbytes(gathering[u].out) if kind == "gather" else
+                         pending_bytes(reducing[u][0]) if kind == "reduce" else 0)
+                owned = owned_bytes(gathering, gathered, flat_grads, reducing, saved)
                 recorder.record(i, start, live, moved, owned)
             if frame is not None:
                 yield frame
@@ -286,24 +286,6 @@ def _layer_leaves(views, x, extras, dpos):
     xl = x.detach().requires_grad_()
     el = tuple(e.detach().requires_grad_() if j in dpos else e for j, e in enumerate(extras))
     return lv, xl, el
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _pending_bytes(p: Pending) -> int:
-    """A reduce's full gradient: the reduce-scatter's input, or the all-reduce's buffer."""
-    return _nbytes(p.keep if p.keep is not None else p.out)
-
-
-def _owned(gathering, gathered, flat_grads, reducing, saved) -> tuple[int, int, int]:
-    """Bytes of the buffers the executor holds: gathered parameters, unreduced gradients,
-    inputs saved for recompute. Computed only when recording."""
-    params = sum(_nbytes(p.out) for p in gathering.values()) + sum(_nbytes(b) for b in gathered.values())
-    grads = sum(_nbytes(g) for g in flat_grads.values()) + sum(_pending_bytes(p) for p, _ in reducing.values())
-    inputs = sum(_nbytes(s.x) for s in saved.values() if not s.graph and isinstance(s.x, torch.Tensor))
-    return params, grads, inputs
 
 
 def _or_zeros(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ Each follows the installed model's own ``forward``, using the same helpers it ca
 
 Batches are dicts: ``input_ids`` (B, T), ``labels`` (B, T) and optionally ``attention_mask``.
 The loss is the mean over ranks of each rank's mean over its labelled tokens: equal to the
-global mean when every rank has the same number of labelled tokens (always for causal LM
+mean over all tokens when every rank has the same number of labelled tokens (always for causal LM
 without padding; for MLM, mask the same count per rank).
 """
 

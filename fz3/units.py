@@ -65,19 +65,11 @@ def layer_views(layout: FlatLayout, flat: torch.Tensor) -> list[list[torch.Tenso
     return [layout.views(row) for row in flat]
 
 
-def flat_grad(layout: FlatLayout, grads: Sequence[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor:
-    """One flat gradient ``(padded,)`` from per-parameter gradients (None = zero), padding zero.
-
-    One ``torch.cat``: autograd would otherwise scatter each view's gradient into a
-    full-size zero buffer and add them up (quadratic in the parameter count).
-    """
-    parts = _parts(layout, grads, like)
-    return torch.cat(parts) if parts else torch.zeros(layout.padded, dtype=like.dtype, device=like.device)
-
-
-def flat_grads_layer_major(layout: FlatLayout, grads: Sequence[Sequence[torch.Tensor | None]],
-                           like: torch.Tensor) -> torch.Tensor:
-    """``(k, padded)``: k layers' flat gradients in one ``torch.cat`` (no per-layer buffers)."""
+def flat_grads(layout: FlatLayout, grads: Sequence[Sequence[torch.Tensor | None]], like: torch.Tensor) -> torch.Tensor:
+    """``(k, padded)``: k layers' flat gradients from their per-parameter gradients (None =
+    zero), padding zero, in one ``torch.cat``. Autograd through the views of the gathered
+    buffer would instead scatter each view's gradient into a full-size zero buffer and add
+    them up (quadratic in the parameter count)."""
     parts = [p for g in grads for p in _parts(layout, g, like)]
     if not parts:
         return torch.zeros(len(grads), layout.padded, dtype=like.dtype, device=like.device)
