@@ -127,7 +127,7 @@ def collectives_only(model, sched, spec: dict) -> None:
     import torch.distributed as dist
 
     from fz3 import comm as c
-    from fz3.schedule import OUTER
+    from fz3.schedule.schedule import OUTER
 
     world = dist.get_world_size()
     size = {u: model.outer.padded if u == OUTER else len(sched.layer_range(u)) * model.layer.padded

@@ -17,7 +17,7 @@ included, as DeepSpeed's profiler counts them); model TFLOPS exclude the recompu
 from __future__ import annotations
 
 import fz3
-from fz3.cost import Cluster, Workload, estimate
+from fz3.cost.estimate import Cluster, Workload, estimate
 
 GiB = 2**30
 

@@ -5,26 +5,27 @@
 """
 
 from . import optim
-from .accumulate import Accumulate, accumulate
-from .debug import NonFiniteError, StepFrame, any_rank, step_through
-from .checkpoint import load, save
-from .executor import Frame, Result
-from .export import ExportReport, export, read_export
-from .failures import RankLostError
-from .layout import FlatLayout, Slot
-from .masks import decay_mask
-from .memory import MemoryPlan, memory_plan
-from .model import Params, ShardedModel, shard
-from .precision import Precision
-from .record import Event, Recorder
-from .schedule import OUTER, Op, Policy, Schedule, ScheduleError, deferred, plan, validate
-from .state_dict import full_state_dict
-from .step import ValueAndGrad, apply, value_and_grad
-from .trace import chrome_trace, trace, trace_summary
+from .comm.failures import RankLostError
+from .observe.memory import MemoryPlan, memory_plan
+from .observe.step_through import NonFiniteError, StepFrame, any_rank, step_through
+from .observe.trace import chrome_trace, trace, trace_summary
+from .optim.masks import decay_mask
+from .schedule.schedule import OUTER, Op, Policy, Schedule, ScheduleError, deferred, plan, validate
+from .sharding.layout import FlatLayout, Slot
+from .sharding.model import Params, ShardedModel, shard
+from .sharding.precision import Precision
+from .step.accumulate import Accumulate, accumulate
+from .step.executor import Frame, Result
+from .step.front import ValueAndGrad, apply, value_and_grad
+from .step.record import Event, Recorder
+from .storage.checkpoint import load, save
+from .storage.export import ExportReport, export, read_export
+from .storage.state_dict import full_state_dict
 
 __all__ = [
-    "Accumulate", "accumulate", "OUTER", "Event", "NonFiniteError", "StepFrame", "any_rank", "step_through", "FlatLayout", "Frame", "Op", "Params", "Policy", "Precision", "Recorder", "Result",
-    "Schedule", "ScheduleError", "ShardedModel", "Slot", "ValueAndGrad", "apply", "decay_mask",
-    "full_state_dict", "optim", "plan", "shard", "validate", "deferred", "value_and_grad",
-    "MemoryPlan", "memory_plan", "save", "load", "export", "read_export", "ExportReport", "RankLostError", "chrome_trace", "trace", "trace_summary",
+    "Accumulate", "Event", "ExportReport", "FlatLayout", "Frame", "MemoryPlan", "NonFiniteError", "OUTER", "Op",
+    "Params", "Policy", "Precision", "RankLostError", "Recorder", "Result", "Schedule", "ScheduleError",
+    "ShardedModel", "Slot", "StepFrame", "ValueAndGrad", "accumulate", "any_rank", "apply", "chrome_trace",
+    "decay_mask", "deferred", "export", "full_state_dict", "load", "memory_plan", "optim", "plan", "read_export",
+    "save", "shard", "step_through", "trace", "trace_summary", "validate", "value_and_grad",
 ]

@@ -24,8 +24,8 @@ import torch
 
 import dist
 import fz3
-import fz3.cost as cost
-from fz3.calibrate import calibrate_cpu
+import fz3.cost.estimate as cost
+from fz3.cost.calibrate import calibrate_cpu
 from fz3.models.gpt import GPT, GPTConfig, shard_gpt
 
 MODELS = {"thin": (GPTConfig(vocab=256, seq=64, dim=64, heads=4, layers=24), 10),

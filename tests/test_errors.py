@@ -77,4 +77,4 @@ def test_bad_input_raises_with_the_fix():
 
 def test_policy_and_schedule_types():
     with pytest.raises(TypeError, match="schedule must be an fz3.Schedule or fz3.Policy, got str"):
-        fz3.step.check_schedule(dataclasses.make_dataclass("M", [("num_layers", int)])(1), "fast", grad=True)
+        fz3.step.front.check_schedule(dataclasses.make_dataclass("M", [("num_layers", int)])(1), "fast", grad=True)

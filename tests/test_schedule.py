@@ -105,11 +105,11 @@ def test_value_and_grad_validates_before_running():
 
     bad = fz3.Schedule((Op("gather", OUTER),), num_layers=1)
     with pytest.raises(fz3.ScheduleError):
-        fz3.step.check_schedule(M, bad, grad=True)
+        fz3.step.front.check_schedule(M, bad, grad=True)
     with pytest.raises(ValueError, match="num_layers=2"):
-        fz3.step.check_schedule(M, fz3.plan(2), grad=True)
+        fz3.step.front.check_schedule(M, fz3.plan(2), grad=True)
     with pytest.raises(ValueError, match="forward-only"):
-        fz3.step.check_schedule(M, fz3.plan(1), grad=False)
+        fz3.step.front.check_schedule(M, fz3.plan(1), grad=False)
 
 
 def _hand_made(layers: int) -> list[fz3.Schedule]:

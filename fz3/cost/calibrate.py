@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .cost import Cluster
+from .estimate import Cluster
 from .workload import OpCounter
 
 
@@ -76,7 +76,7 @@ def _local_rates(repeats: int) -> list[float]:
     mem_bw = 2 * x.numel() * 4 / (_time(lambda: [y.copy_(x) for _ in range(10)], repeats) / 10)
     # Per-op overhead as eager PyTorch pays it (module calls, autograd): a transformer block
     # too small for its FLOPs or bytes to matter, forward and backward, time / counted ops.
-    from .models.gpt import Block, GPTConfig
+    from ..models.gpt import Block, GPTConfig
 
     tiny = Block(GPTConfig(dim=8, heads=2))
     xs = torch.randn(1, 4, 8, requires_grad=True)
@@ -112,9 +112,9 @@ def _collective_overhead(group: Any, single: Any, repeats: int) -> float:
 def _unit_overhead(group: Any, single: Any, local: Cluster, repeats: int) -> float:
     """The executor's own host time per compute op: a tiny fz3 model (its math negligible) on a
     one-rank group, its step time minus what the model predicts without it, per compute op."""
-    from . import Policy, value_and_grad
-    from .cost import Workload, estimate
-    from .models.gpt import GPT, GPTConfig, shard_gpt
+    from .. import Policy, value_and_grad
+    from .estimate import Workload, estimate
+    from ..models.gpt import GPT, GPTConfig, shard_gpt
 
     unit = torch.zeros(1, dtype=torch.float64)
     if dist.get_rank(group) == 0:

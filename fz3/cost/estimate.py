@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .schedule import OUTER, Policy, Schedule, plan
+from ..schedule.schedule import OUTER, Policy, Schedule, plan
 from .workload import Work, Workload
 
 

@@ -47,8 +47,8 @@ class Workload(NamedTuple):
     def from_model(model: Any, batch: Any) -> "Workload":
         """Count a ShardedModel's units on ``batch``: one run of ``pre``, one layer and ``post``
         (forward and backward) on zero parameters, locally, under a FLOP and op counter."""
-        from . import units
-        from .memory import _activation_sizes
+        from ..sharding import compute as units
+        from ..observe.memory import _activation_sizes
 
         cnt = OpCounter()
         dtype, dev = model.precision.compute, model.device

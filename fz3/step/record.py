@@ -14,8 +14,8 @@ from typing import NamedTuple
 
 import torch
 
-from .comm import Pending
-from .schedule import Op, Schedule
+from ..comm.collectives import Pending
+from ..schedule.schedule import Op, Schedule
 
 
 class Event(NamedTuple):

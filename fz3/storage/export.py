@@ -20,9 +20,9 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from .comm import all_gather, wait
-from .layout import FlatLayout
-from .model import Params, ShardedModel
+from ..comm.collectives import all_gather, wait
+from ..sharding.layout import FlatLayout
+from ..sharding.model import Params, ShardedModel
 
 
 class ExportReport(NamedTuple):

@@ -10,12 +10,12 @@ from typing import Any, Generator, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .comm import all_gather, wait
-from .executor import Frame, Result, execute
-from .layout import FlatLayout
-from .model import Params, ShardedModel
-from .record import Recorder
-from .schedule import OUTER, Op, Policy, Schedule, unit_name
+from ..comm.collectives import all_gather, wait
+from ..step.executor import Frame, Result, execute
+from ..sharding.layout import FlatLayout
+from ..sharding.model import Params, ShardedModel
+from ..step.record import Recorder
+from ..schedule.schedule import OUTER, Op, Policy, Schedule, unit_name
 
 
 class StepFrame(NamedTuple):
@@ -44,7 +44,7 @@ def step_through(model: ShardedModel, params: Params, batch: Any, schedule: Sche
     it forever. Decide from values that are equal on every rank (the op index, the loss, a
     statistic passed through ``any_rank``), never from a rank-local value alone.
     """
-    from .step import check_params, check_schedule
+    from ..step.front import check_params, check_schedule
 
     sched = check_schedule(model, schedule, grad=True)
     check_params(model, params)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from .failures import differing_ranks, gather_objects
+from ..comm.failures import differing_ranks, gather_objects
 
 if TYPE_CHECKING:
     from .model import ShardedModel

@@ -21,8 +21,8 @@ from typing import Iterator
 
 import torch.distributed as dist
 
-from .record import Event, Recorder
-from .schedule import OUTER, unit_name
+from ..step.record import Event, Recorder
+from ..schedule.schedule import OUTER, unit_name
 
 log = logging.getLogger(__name__)
 LANES = {"compute": 0, "waits": 1, "issue": 2, "in flight": 3, "device": 4}

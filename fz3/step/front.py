@@ -10,10 +10,10 @@ import optree
 import torch
 
 from .executor import Result, execute
-from .failures import differing_ranks, gather_objects
-from .model import Params, ShardedModel
+from ..comm.failures import differing_ranks, gather_objects
+from ..sharding.model import Params, ShardedModel
 from .record import Recorder
-from .schedule import Policy, Schedule, plan, validate
+from ..schedule.schedule import Policy, Schedule, plan, validate
 
 
 class ValueAndGrad:
@@ -34,7 +34,7 @@ class ValueAndGrad:
         self.steps += 1
         gen = execute(self.model, self.schedule, params, batch, self.recorder, loss_scale=loss_scale)
         if self.check_finite:
-            from .debug import drain_checking_finite
+            from ..observe.step_through import drain_checking_finite
 
             loss, grads = drain_checking_finite(self.model, self.schedule, gen)
         else:

@@ -22,9 +22,9 @@ import optree
 import torch
 
 from .executor import execute
-from .model import Params, ShardedModel
-from .schedule import Policy, Schedule, deferred
-from .step import check_params, check_schedule, drain
+from ..sharding.model import Params, ShardedModel
+from ..schedule.schedule import Policy, Schedule, deferred
+from .front import check_params, check_schedule, drain
 
 
 class Accumulate:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import Comm
+from ..comm.collectives import Comm
 from .checks import check_identical, check_not_wrapped, check_same_on_all_ranks, resolve_layers
 from .layout import FlatLayout
 from .precision import Precision
@@ -133,7 +133,7 @@ def shard(
     Returns ``(model, params)``: the static model and this rank's fp32 shards.
     """
     if layers is None and pre is None and post is None:
-        from .hf import adapter_for
+        from ..hf.adapters import adapter_for
 
         adapter = adapter_for(module)
         layers, pre, post, layer = adapter.layers, adapter.pre, adapter.post, layer or adapter.layer

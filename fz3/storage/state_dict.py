@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .comm import all_gather, wait
-from .layout import FlatLayout
-from .model import Params, ShardedModel
+from ..comm.collectives import all_gather, wait
+from ..sharding.layout import FlatLayout
+from ..sharding.model import Params, ShardedModel
 
 
 def full_state_dict(model: ShardedModel, tree: Params, *, buffers: bool = True) -> dict[str, torch.Tensor] | None:

@@ -6,8 +6,8 @@ from typing import Callable
 
 import torch
 
-from .layout import FlatLayout
-from .model import Params, ShardedModel
+from ..sharding.layout import FlatLayout
+from ..sharding.model import Params, ShardedModel
 
 
 def no_decay_for_vectors(name: str, shape: tuple[int, ...]) -> bool:

@@ -17,9 +17,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import units
-from .model import ShardedModel
-from .schedule import OUTER, Schedule
+from ..sharding import compute as units
+from ..sharding.model import ShardedModel
+from ..schedule.schedule import OUTER, Schedule
 
 MiB = 2**20
 

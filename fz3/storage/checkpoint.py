@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .layout import FlatLayout
-from .model import Params, ShardedModel
+from ..sharding.layout import FlatLayout
+from ..sharding.model import Params, ShardedModel
 
 META = "fz3.json"
 # torch.distributed.checkpoint and DTensor are imported where used: they take over a second
