@@ -45,7 +45,8 @@ def worker(spec: dict) -> None:
 
     import fz3
     import systems
-    from fz3.models.gpt import GPTConfig, shard_gpt
+    from fz3.models.gpt import GPTConfig
+    from fz3.models import shard_gpt
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

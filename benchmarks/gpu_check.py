@@ -33,7 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import fz3  # noqa: E402
 import systems  # noqa: E402
-from fz3.models.gpt import GPTConfig, shard_gpt  # noqa: E402
+from fz3.models.gpt import GPTConfig  # noqa: E402
+from fz3.models import shard_gpt  # noqa: E402
 
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, datasheet
 

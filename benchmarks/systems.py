@@ -17,7 +17,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import fz3
-from fz3.models.gpt import GPT, GPTConfig, shard_gpt
+from fz3.models.gpt import GPT, GPTConfig
+from fz3.models import shard_gpt
 
 Step = Callable[[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
 HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8)

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 import fz3
-from fz3.models.gpt import GPT, GPTConfig, shard_gpt
+from fz3.models.gpt import GPT, GPTConfig
+from fz3.models import shard_gpt
 
 
 def corpus() -> torch.Tensor:

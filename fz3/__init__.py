@@ -7,25 +7,27 @@
 from . import optim
 from .comm.failures import RankLostError
 from .observe.memory import MemoryPlan, memory_plan
-from .observe.step_through import NonFiniteError, StepFrame, any_rank, step_through
+from .observe.step_through import StepFrame, any_rank, step_through
 from .observe.trace import chrome_trace, trace, trace_summary
 from .optim.masks import decay_mask
-from .schedule.schedule import OUTER, Op, Policy, Schedule, ScheduleError, deferred, plan, validate
+from .schedule.ops import OUTER, Category, Op, OpKind
+from .schedule.schedule import Policy, Schedule, ScheduleError, deferred, plan, validate
 from .sharding.layout import FlatLayout, Slot
 from .sharding.model import Params, ShardedModel, shard
 from .sharding.precision import Precision
 from .step.accumulate import Accumulate, accumulate
-from .step.executor import Frame, Result
-from .step.front import ValueAndGrad, apply, value_and_grad
+from .step.state import Frame, Result
+from .step.finite import NonFiniteError
 from .step.record import Event, Recorder
+from .step.value_and_grad import ValueAndGrad, apply, value_and_grad
 from .storage.checkpoint import load, save
 from .storage.export import ExportReport, export, read_export
 from .storage.state_dict import full_state_dict
 
 __all__ = [
-    "Accumulate", "Event", "ExportReport", "FlatLayout", "Frame", "MemoryPlan", "NonFiniteError", "OUTER", "Op",
-    "Params", "Policy", "Precision", "RankLostError", "Recorder", "Result", "Schedule", "ScheduleError",
-    "ShardedModel", "Slot", "StepFrame", "ValueAndGrad", "accumulate", "any_rank", "apply", "chrome_trace",
-    "decay_mask", "deferred", "export", "full_state_dict", "load", "memory_plan", "optim", "plan", "read_export",
-    "save", "shard", "step_through", "trace", "trace_summary", "validate", "value_and_grad",
+    "Accumulate", "Category", "Event", "ExportReport", "FlatLayout", "Frame", "MemoryPlan", "NonFiniteError",
+    "OUTER", "Op", "OpKind", "Params", "Policy", "Precision", "RankLostError", "Recorder", "Result", "Schedule",
+    "ScheduleError", "ShardedModel", "Slot", "StepFrame", "ValueAndGrad", "accumulate", "any_rank", "apply",
+    "chrome_trace", "decay_mask", "deferred", "export", "full_state_dict", "load", "memory_plan", "optim", "plan",
+    "read_export", "save", "shard", "step_through", "trace", "trace_summary", "validate", "value_and_grad",
 ]

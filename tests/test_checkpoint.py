@@ -12,7 +12,8 @@ import torch
 
 import dist
 import fz3
-from fz3.models.gpt import GPT, GPTConfig, shard_gpt
+from fz3.models.gpt import GPT, GPTConfig
+from fz3.models import shard_gpt
 from reference import batches, gpt
 
 CFG = GPTConfig(vocab=37, seq=8, dim=36, heads=4, layers=3, tie=True)

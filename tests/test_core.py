@@ -15,7 +15,8 @@ import torch
 
 import dist
 import fz3
-from fz3.models.gpt import GPT, GPTConfig, post, pre, shard_gpt
+from fz3.models.gpt import GPT, GPTConfig, post, pre
+from fz3.models import shard_gpt
 from reference import (assert_close, assert_rel_norm, batches, concat, gpt, reference_grads,
                        sharded_grads)
 

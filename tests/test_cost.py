@@ -26,7 +26,8 @@ import dist
 import fz3
 import fz3.cost.estimate as cost
 from fz3.cost.calibrate import calibrate_cpu
-from fz3.models.gpt import GPT, GPTConfig, shard_gpt
+from fz3.models.gpt import GPT, GPTConfig
+from fz3.models import shard_gpt
 
 MODELS = {"thin": (GPTConfig(vocab=256, seq=64, dim=64, heads=4, layers=24), 10),
           "fat": (GPTConfig(vocab=256, seq=256, dim=512, heads=8, layers=4), 2)}

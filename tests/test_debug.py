@@ -16,7 +16,8 @@ import torch.distributed as tdist
 import dist
 import fz3
 from fz3 import OUTER
-from fz3.models.gpt import GPTConfig, shard_gpt
+from fz3.models.gpt import GPTConfig
+from fz3.models import shard_gpt
 from reference import assert_close, batches, gpt, reference_grads
 
 CFG = GPTConfig(vocab=37, seq=8, dim=36, heads=4, layers=3)

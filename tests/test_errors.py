@@ -10,7 +10,8 @@ from torch import nn
 
 import dist
 import fz3
-from fz3.models.gpt import GPT, GPTConfig, post, pre, shard_gpt
+from fz3.models.gpt import GPT, GPTConfig, post, pre
+from fz3.models import shard_gpt
 
 CFG = GPTConfig(vocab=31, seq=8, dim=16, heads=2, layers=2)
 
@@ -66,7 +67,7 @@ def error_ranks(rank, world):
             self.blocks = nn.ModuleList(nn.GRU(4, 4, batch_first=True) for _ in range(2))
 
     tupled, tparams = fz3.shard(Tupled(), "blocks", lambda m_, b: b, lambda m_, h, b: h.sum())
-    _raises(TypeError, r"layer 0 returned tuple, not a tensor; pass layer=lambda block, h, \*extra: block",
+    _raises(TypeError, r"layer 0 returned tuple, not a tensor; pass call_layer=lambda layer, h, \*extra: layer\(h",
             fz3.value_and_grad(tupled), tparams, torch.zeros(1, 3, 4))
     return "ok"
 

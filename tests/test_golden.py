@@ -24,7 +24,8 @@ import torch
 
 import dist
 import fz3
-from fz3.models.gpt import GPTConfig, shard_gpt
+from fz3.models.gpt import GPTConfig
+from fz3.models import shard_gpt
 from reference import batches, gpt
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "main-9b11cfc.json")
@@ -78,7 +79,7 @@ def golden_ranks(rank, world):
     out["gpt bf16"] = _record(model, loss, grads)
     for layers, tie in ((3, True), (1, False)):
         torch.manual_seed(0)
-        model, params = fz3.shard(Net(layers=layers, tie=tie), layers="blocks", pre=_pre, post=_post, layer=_layer)
+        model, params = fz3.shard(Net(layers=layers, tie=tie), layers="blocks", pre=_pre, post=_post, call_layer=_layer)
         for name in ("default", "save"):
             loss, grads = fz3.value_and_grad(model, POLICIES[name])(params, _batch(rank))
             out[f"net layers={layers} tie={tie} {name}"] = _record(model, loss, grads)

@@ -1,5 +1,5 @@
 """Models that are not the GPT: pre returning extras (differentiable and not), blocks that
-return tuples (``layer=``), buffers, modules owning no parameters, tied weights in the outer
+return tuples (``call_layer=``), buffers, modules owning no parameters, tied weights in the outer
 unit, a one-layer stack. Reference: plain autograd on the unsharded module over the
 concatenated batch (fp32, rtol 1e-5, atol 1e-6)."""
 
@@ -78,7 +78,7 @@ def models_ranks(rank, world):
     for layers, tie in ((3, True), (1, False)):
         torch.manual_seed(0)
         net = Net(layers=layers, tie=tie)
-        model, params = fz3.shard(net, layers="blocks", pre=_pre, post=_post, layer=_layer)
+        model, params = fz3.shard(net, layers="blocks", pre=_pre, post=_post, call_layer=_layer)
         bs = [_batch(r) for r in range(world)]
         ref = Net(layers=layers, tie=tie)
         ref.load_state_dict(net.state_dict())

@@ -16,7 +16,8 @@ import torch
 
 import dist
 import fz3
-from fz3.models.gpt import GPTConfig, shard_gpt
+from fz3.models.gpt import GPTConfig
+from fz3.models import shard_gpt
 from reference import batches, gpt
 
 CFG = GPTConfig(vocab=37, seq=16, dim=36, heads=4, layers=4)

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 import dist
 import fz3
-from fz3.models.gpt import GPT, GPTConfig, post, pre, shard_gpt
+from fz3.models.gpt import GPT, GPTConfig, post, pre
+from fz3.models import shard_gpt
 from reference import assert_close, batches, concat, gpt, reference_grads
 
 CFG = GPTConfig(vocab=37, seq=8, dim=36, heads=4, layers=3)

@@ -11,7 +11,8 @@ import torch
 
 import dist
 import fz3
-from fz3.models.gpt import GPTConfig, shard_gpt
+from fz3.models.gpt import GPTConfig
+from fz3.models import shard_gpt
 from reference import assert_close, assert_rel_norm, batches, concat, gpt, reference_grads
 
 CFG = GPTConfig(vocab=37, seq=8, dim=36, heads=4, layers=3)

@@ -25,12 +25,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from .compat import all_gather_into, reduce_scatter_into
 from .failures import lost_error
 
-# torch >= 2.13 names them *_single and deprecates the old names with a warning on every call;
-# older torch (2.11 on the GPU machine) only has the old names.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,14 +60,14 @@ class Pending(NamedTuple):
 def all_gather(comm: Comm, out: torch.Tensor, shard: torch.Tensor, label: object = "all-gather") -> Pending:
     """Issue ``out (world*n,) <- concat over ranks of shard (n,)``."""
     comm._delay()
-    work = _issue(comm.group, label, _all_gather, out, shard, group=comm.group, async_op=True)
+    work = _issue(comm.group, label, all_gather_into, out, shard, group=comm.group, async_op=True)
     return Pending(work, out, shard, comm.group, label)
 
 
 def reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor, label: object = "reduce-scatter") -> Pending:
     """Issue ``out (n,) <- sum over ranks of full[rank*n:(rank+1)*n]`` (full: (world*n,))."""
     comm._delay()
-    work = _issue(comm.reduce_group, label, _reduce_scatter, out, full, op=dist.ReduceOp.SUM,
+    work = _issue(comm.reduce_group, label, reduce_scatter_into, out, full, op=dist.ReduceOp.SUM,
                   group=comm.reduce_group, async_op=True)
     return Pending(work, out, full, comm.reduce_group, label)
 

@@ -14,6 +14,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from .compat import all_gather_into
+
 
 class RankLostError(RuntimeError):
     """A collective failed; ``lost`` are the ranks that did not answer (empty: none was lost)."""
@@ -28,7 +30,7 @@ def differing_ranks(group: dist.ProcessGroup, values: list[int], device: torch.d
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
     everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(everyone, mine, group=group)
+    all_gather_into(everyone, mine, group=group)
     rows = everyone.view(world, -1).cpu()
     return [r for r in range(world) if not torch.equal(rows[r], rows[0])]
 

@@ -11,30 +11,48 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from .estimate import Cluster
+from ..comm.compat import all_gather_into
+from ..schedule.ops import COMPUTE_KINDS
+from ..schedule.schedule import Policy
+from ..sharding.model import Params, ShardedModel
+from ..step.value_and_grad import value_and_grad
+from .estimate import Cluster, Workload, estimate
 from .workload import OpCounter
 
 
-def calibrate_cpu(group: Any = None, repeats: int = 5, network: Cluster | None = None) -> Cluster:
+class Probe(NamedTuple):
+    """A model of the kind to be predicted, too small for its FLOPs or bytes to matter: what
+    per-op and per-unit host overheads are measured on. ``block(block_input)`` is one layer;
+    ``shard(group)`` builds the sharded model on a group and ``batch`` is its input."""
+
+    block: torch.nn.Module
+    block_input: torch.Tensor
+    shard: Callable[[Any], tuple[ShardedModel, Params]]
+    batch: Any
+
+
+def calibrate_cpu(probe: Probe, group: Any = None, repeats: int = 5, network: Cluster | None = None) -> Cluster:
     """A one-node ``Cluster`` for this CPU machine: one device per rank, no overlap of
     communication with compute (the cores are all computing), the machine's core count.
+    **Collective** over ``group`` (default: the world).
 
     ``network``: take the collectives' bandwidth and latency and the cores' interference from
     an earlier calibration (they need a group of 2 or more ranks) and measure only the local
     rates, which drift with the machine's load."""
     world = dist.get_world_size(group)
-    local = torch.tensor(_local_rates(repeats) if dist.get_rank(group) == 0 else [0.0] * 4, dtype=torch.float64)
+    rates = _local_rates(probe, repeats) if dist.get_rank(group) == 0 else [0.0] * 4
+    local = torch.tensor(rates, dtype=torch.float64)
     dist.barrier(group)
     dist.all_reduce(local, group=group)  # rank 0's numbers, everywhere
     rate, mem_bw, op, call = local.tolist()
     singles = [dist.new_group([r]) for r in dist.get_process_group_ranks(group)]  # collective: all ranks
     collective = _collective_overhead(group, singles[0], repeats)
-    unit = _unit_overhead(group, singles[0], Cluster(1, 1, rate, mem_bw, 0.0, mem_bw, mem_bw, op_overhead=op,
+    unit = _unit_overhead(probe, group, singles[0], Cluster(1, 1, rate, mem_bw, 0.0, mem_bw, mem_bw, op_overhead=op,
                                                      call_overhead=call, collective_overhead=collective,
                                                      overlap=False), repeats)
     bw, lat, contention = mem_bw, 1e-6, 1.0
@@ -60,7 +78,7 @@ def _time(fn: Callable[[], Any], n: int) -> float:
     return min(ts)
 
 
-def _local_rates(repeats: int) -> list[float]:
+def _local_rates(probe: Probe, repeats: int) -> list[float]:
     """[matmul FLOP/s, copy bytes/s, s per eager op, s per functional_call] of one thread.
 
     Every sample runs ~0.1 s, the time scale of a training step, so that the minimum over
@@ -74,12 +92,10 @@ def _local_rates(repeats: int) -> list[float]:
     rate = (f_big - f_small) / max(t_big - t_small, 1e-9)  # t = flops / rate + launch
     x, y = torch.randn(8 << 20), torch.empty(8 << 20)
     mem_bw = 2 * x.numel() * 4 / (_time(lambda: [y.copy_(x) for _ in range(10)], repeats) / 10)
-    # Per-op overhead as eager PyTorch pays it (module calls, autograd): a transformer block
-    # too small for its FLOPs or bytes to matter, forward and backward, time / counted ops.
-    from ..models.gpt import Block, GPTConfig
-
-    tiny = Block(GPTConfig(dim=8, heads=2))
-    xs = torch.randn(1, 4, 8, requires_grad=True)
+    # Per-op overhead as eager PyTorch pays it (module calls, autograd): the probe's block,
+    # forward and backward, time / counted ops.
+    tiny = probe.block
+    xs = probe.block_input.detach().requires_grad_()
 
     def tiny_step():
         torch.autograd.grad(tiny(xs).sum(), [xs, *tiny.parameters()])
@@ -99,7 +115,7 @@ def _local_rates(repeats: int) -> list[float]:
 def _collective_overhead(group: Any, single: Any, repeats: int) -> float:
     """Host time to issue an async all-gather and wait for it, with no network: rank 0 alone
     on a one-rank group."""
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather = all_gather_into
     value = torch.zeros(1, dtype=torch.float64)
     if dist.get_rank(group) == 0:
         src, out = torch.randn(64), torch.empty(64)
@@ -109,23 +125,17 @@ def _collective_overhead(group: Any, single: Any, repeats: int) -> float:
     return float(value)
 
 
-def _unit_overhead(group: Any, single: Any, local: Cluster, repeats: int) -> float:
-    """The executor's own host time per compute op: a tiny fz3 model (its math negligible) on a
+def _unit_overhead(probe: Probe, group: Any, single: Any, local: Cluster, repeats: int) -> float:
+    """The executor's own host time per compute op: the probe model (its math negligible) on a
     one-rank group, its step time minus what the model predicts without it, per compute op."""
-    from .. import Policy, value_and_grad
-    from .estimate import Workload, estimate
-    from ..models.gpt import GPT, GPTConfig, shard_gpt
-
     unit = torch.zeros(1, dtype=torch.float64)
     if dist.get_rank(group) == 0:
-        torch.manual_seed(0)
-        cfg = GPTConfig(vocab=16, seq=4, dim=8, heads=2, layers=8)
-        model, params = shard_gpt(GPT(cfg), group=single)
-        batch = (torch.randint(0, 16, (1, 4)), torch.randint(0, 16, (1, 4)))
+        model, params = probe.shard(single)
+        batch = probe.batch
         step = value_and_grad(model, Policy())
         t = _time(lambda: [step(params, batch) for _ in range(10)], repeats) / 10
         predicted = estimate(Workload.from_model(model, batch), step.schedule, local, shard=1).step_s
-        computes = sum(op.kind in ("forward", "forward_save", "loss", "backward") for op in step.schedule.ops)
+        computes = sum(op.kind in COMPUTE_KINDS for op in step.schedule.ops)
         unit[0] = max(t - predicted, 0.0) / computes
     dist.all_reduce(unit, group=group)
     return float(unit)
@@ -134,7 +144,7 @@ def _unit_overhead(group: Any, single: Any, local: Cluster, repeats: int) -> flo
 def _gather_rates(group: Any, world: int, repeats: int) -> tuple[float, float]:
     """(bytes/s, s per ring step) of all-gathers: bandwidth from large ones, latency from
     small async ones issued before a little compute and waited after it, as in a step."""
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather = all_gather_into
     sizes, times = [], []
     for n in (1 << 18, 1 << 20):
         src, out = torch.randn(n), torch.empty(world * n)

@@ -24,7 +24,9 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..schedule.schedule import OUTER, Policy, Schedule, plan
+from ..schedule.footprint import footprint
+from ..schedule.ops import COMPLETES, OUTER, Category, Op, OpKind
+from ..schedule.schedule import Policy, Schedule, plan
 from .workload import Work, Workload
 
 
@@ -84,90 +86,106 @@ def estimate(work: Workload, schedule: Schedule | Policy, cluster: Cluster, *, s
     every device, plain ZeRO-3), ``replicas`` groups (hybrid sharding)."""
     shard = shard or cluster.devices // replicas
     sched = schedule if isinstance(schedule, Schedule) else plan(work.num_layers, schedule)
-    ranks_per_node = min(cluster.devices_per_node, shard * replicas)
-    slow = max(1.0, ranks_per_node / cluster.cores_per_node) if cluster.cores_per_node else 1.0
-    if cluster.cores_per_node and ranks_per_node > 1:
-        slow *= cluster.contention
-    spans_nodes = shard > cluster.devices_per_node
+    t = _Timeline(work, sched, cluster, shard, replicas)
+    for op in sched.ops:
+        t.run(op)
+    opt = t.slow * math.ceil(work.params / shard) * 28 / cluster.mem_bw  # fused AdamW: read p, g, m, v; write p, m, v
+    step = max(t.t_comp, t.t_host) + opt
+    model_flops = work.layer_fwd.flops * 3 * work.num_layers + work.post.flops + 3 * work.pre_fwd.flops
+    hw_flops = model_flops + work.layer_fwd.flops * sum(t.layers_in(u) for u in t.recompute)
+    peak = cluster.peak_flops or cluster.flops
+    limiter = _limiter(t.comp_total, t.exposed, t.t_host, step, t.spans_nodes)
+    return Estimate(step, t.comp_total, t.comm_total, t.exposed, t.t_host, opt, work.tokens / step,
+                    model_flops / step / 1e12, hw_flops / step / 1e12, model_flops / step / peak, t.sent,
+                    memory_bytes(work, sched, shard), limiter)
 
-    def compute(w: Work) -> float:
-        return slow * (w.flops / cluster.flops + w.bytes / cluster.mem_bw + w.ops * cluster.op_overhead)
 
-    def ring(nbytes: float, g: int, spans: bool, passes: int = 1) -> float:
+class _Timeline:
+    """A discrete-event simulation of one step: the host issuing ops, a compute stream, one
+    stream per collective kind. Each op advances it by its ``Category``."""
+
+    def __init__(self, work: Workload, sched: Schedule, cluster: Cluster, shard: int, replicas: int):
+        self.work, self.sched, self.c, self.shard, self.replicas = work, sched, cluster, shard, replicas
+        ranks_per_node = min(cluster.devices_per_node, shard * replicas)
+        slow = max(1.0, ranks_per_node / cluster.cores_per_node) if cluster.cores_per_node else 1.0
+        if cluster.cores_per_node and ranks_per_node > 1:
+            slow *= cluster.contention
+        self.slow, self.spans_nodes = slow, shard > cluster.devices_per_node
+        self.t_host = self.t_comp = 0.0
+        self.queue = {OpKind.GATHER: 0.0, OpKind.REDUCE: 0.0}  # when each collective stream is free
+        self.end: dict[tuple[OpKind, int], float] = {}
+        self.recompute: set[int] = set()
+        self.comp_total = self.comm_total = self.exposed = self.sent = 0.0
+
+    def layers_in(self, u: int) -> int:
+        return 1 if u == OUTER else len(self.sched.layer_range(u))
+
+    def run(self, op: Op) -> None:
+        c = self.c
+        self.t_host += c.op_overhead * 3  # the executor's own Python per op
+        if not c.overlap:  # one thread does everything
+            self.t_comp += c.op_overhead * 3
+        category = op.kind.category
+        if category is Category.COMPUTE:
+            self._compute(op)
+        elif category is Category.ISSUE:
+            self._issue(op)
+        elif category is Category.WAIT:
+            ready = self.end.pop((COMPLETES[op.kind], op.unit), 0.0)
+            self.exposed += max(0.0, ready - self.t_comp)
+            self.t_comp = max(self.t_comp, ready)
+
+    def _compute(self, op: Op) -> None:
+        work, c, u, k = self.work, self.c, op.unit, self.layers_in(op.unit)
+        if op.kind == OpKind.LOSS:
+            w = work.post
+        elif u == OUTER:
+            w = work.pre_bwd if op.kind == OpKind.BACKWARD else work.pre_fwd
+        elif op.kind == OpKind.BACKWARD:
+            w = work.layer_bwd.scale(k) + (work.layer_fwd.scale(k) if u in self.recompute else Work())
+        else:
+            w = work.layer_fwd.scale(k)
+            if op.kind == OpKind.FORWARD:
+                self.recompute.add(u)
+        dur = self.slow * (w.flops / c.flops + w.bytes / c.mem_bw + w.ops * c.op_overhead)
+        dur += self.slow * (c.unit_overhead + (0 if u == OUTER else k * c.call_overhead))
+        self.t_host += w.ops * c.op_overhead
+        self.t_comp = max(self.t_comp, self.t_host) + dur
+        self.comp_total += dur
+
+    def _issue(self, op: Op) -> None:
+        c, shard, gather = self.c, self.shard, op.kind == OpKind.GATHER
+        self.t_host += c.collective_overhead
+        if not c.overlap:
+            self.t_comp += self.slow * c.collective_overhead
+        elements = self.sched.unit_elements(op.unit, self.work.outer_numel, self.work.layer_numel)
+        nbytes = elements * (self.work.param_bytes if gather else self.work.grad_bytes)
+        passes = 2 if not gather and self.sched.reduce == "all_reduce" else 1
+        dur = self._ring(nbytes, shard, self.spans_nodes, passes)
+        self.sent += (shard - 1) / shard * nbytes * passes
+        if not gather and self.replicas > 1:  # the shard, all-reduced across replicas (across nodes)
+            dur += self._ring(nbytes / shard, self.replicas, True, 2)
+            self.sent += 2 * (self.replicas - 1) / self.replicas * nbytes / shard
+        self.comm_total += dur
+        if c.overlap:
+            start = max(self.t_comp, self.t_host, self.queue[op.kind])
+            self.queue[op.kind] = self.end[(op.kind, op.unit)] = start + dur
+        else:  # the same cores do it: it delays compute
+            self.t_comp = max(self.t_comp, self.t_host) + dur
+            self.end[(op.kind, op.unit)] = self.t_comp
+
+    def _ring(self, nbytes: float, g: int, spans: bool, passes: int = 1) -> float:
+        """A ring collective over ``g`` ranks moves (g-1)/g of the buffer through each rank."""
+        c = self.c
         if g <= 1:
-            return slow * nbytes / cluster.mem_bw  # a local copy
-        bw, lat = (cluster.inter_bw, cluster.inter_latency) if spans else (cluster.intra_bw, cluster.intra_latency)
+            return self.slow * nbytes / c.mem_bw  # a local copy
+        bw, lat = (c.inter_bw, c.inter_latency) if spans else (c.intra_bw, c.intra_latency)
         # latency as calibrated with this many ranks per node (scheduling delays included);
         # bytes move at the calibrated bandwidth, shared like compute when cores are oversubscribed
-        return passes * ((g - 1) * lat + slow * (g - 1) / g * nbytes / bw)
-
-    def unit_numel(u: int) -> int:
-        return work.outer_numel if u == OUTER else len(sched.layer_range(u)) * work.layer_numel
-
-    def layers_in(u: int) -> int:
-        return 1 if u == OUTER else len(sched.layer_range(u))
-
-    t_host = t_comp = 0.0
-    queue = {"gather": 0.0, "reduce": 0.0}
-    end: dict[tuple[str, int], float] = {}
-    recompute: set[int] = set()
-    comp_total = comm_total = exposed = sent = 0.0
-    for kind, u in sched.ops:
-        t_host += cluster.op_overhead * 3  # the executor's own Python per op
-        if not cluster.overlap:  # one thread does everything
-            t_comp += cluster.op_overhead * 3
-        dur = 0.0
-        if kind in ("forward", "forward_save", "loss", "backward"):
-            k = layers_in(u)
-            if kind == "loss":
-                w = work.post
-            elif u == OUTER:
-                w = work.pre_fwd if kind != "backward" else work.pre_bwd
-            elif kind == "backward":
-                w = work.layer_bwd.scale(k) + (work.layer_fwd.scale(k) if u in recompute else Work())
-            else:
-                w = work.layer_fwd.scale(k)
-                if kind == "forward":
-                    recompute.add(u)
-            dur = compute(w) + slow * (cluster.unit_overhead + (0 if u == OUTER else k * cluster.call_overhead))
-            t_host += w.ops * cluster.op_overhead
-            t_comp = max(t_comp, t_host) + dur
-            comp_total += dur
-        elif kind in ("gather", "reduce"):
-            t_host += cluster.collective_overhead
-            if not cluster.overlap:
-                t_comp += slow * cluster.collective_overhead
-            nbytes = unit_numel(u) * (work.param_bytes if kind == "gather" else work.grad_bytes)
-            passes = 2 if kind == "reduce" and sched.reduce == "all_reduce" else 1
-            dur = ring(nbytes, shard, spans_nodes, passes)
-            sent += (shard - 1) / shard * nbytes * passes
-            if kind == "reduce" and replicas > 1:  # the shard, all-reduced across replicas (across nodes)
-                dur += ring(nbytes / shard, replicas, True, 2)
-                sent += 2 * (replicas - 1) / replicas * nbytes / shard
-            comm_total += dur
-            if cluster.overlap:
-                start = max(t_comp, t_host, queue[kind])
-                queue[kind] = end[(kind, u)] = start + dur
-            else:  # the same cores do it: it delays compute
-                t_comp = max(t_comp, t_host) + dur
-                end[(kind, u)] = t_comp
-        elif kind in ("wait", "wait_reduce"):
-            ready = end.pop(("gather" if kind == "wait" else "reduce", u), 0.0)
-            exposed += max(0.0, ready - t_comp)
-            t_comp = max(t_comp, ready)
-    shard_numel = math.ceil(work.params / shard)
-    opt = slow * shard_numel * 28 / cluster.mem_bw  # fused AdamW: read p, g, m, v; write p, m, v (fp32)
-    step = max(t_comp, t_host) + opt
-    model_flops = work.layer_fwd.flops * 3 * work.num_layers + work.post.flops + 3 * work.pre_fwd.flops
-    hw_flops = model_flops + work.layer_fwd.flops * sum(layers_in(u) for u in recompute)
-    peak = cluster.peak_flops or cluster.flops
-    mem = _memory(work, sched, shard)
-    limiter = _limiter(comp_total, exposed, t_host, step, spans_nodes, cluster)
-    return Estimate(step, comp_total, comm_total, exposed, t_host, opt, work.tokens / step, model_flops / step / 1e12,
-                    hw_flops / step / 1e12, model_flops / step / peak, sent, mem, limiter)
+        return passes * ((g - 1) * lat + self.slow * (g - 1) / g * nbytes / bw)
 
 
-def _limiter(comp: float, exposed: float, host: float, step: float, spans: bool, c: Cluster) -> str:
+def _limiter(comp: float, exposed: float, host: float, step: float, spans: bool) -> str:
     if host > 0.5 * step and host >= comp:
         return "host overhead (Python/launch per op)"
     if exposed > 0.1 * step:
@@ -175,22 +193,45 @@ def _limiter(comp: float, exposed: float, host: float, step: float, spans: bool,
     return "compute"
 
 
-def _memory(work: Workload, sched: Schedule, shard: int) -> float:
-    """Peak bytes per device: fp32 params, grads and 2 AdamW moments sharded, plus the
-    schedule's gathered units, unreduced gradients and saved activations."""
-    gathered = peak_t = 0.0
-    kept = 0.0
-    for kind, u in sched.ops:
-        n = work.outer_numel if u == OUTER else len(sched.layer_range(u)) * work.layer_numel
-        if kind == "gather":
-            gathered += n * work.param_bytes
-        elif kind == "free":
-            gathered -= n * work.param_bytes
-        elif kind == "forward" and u != OUTER:
-            kept += work.act_bytes
-        elif kind == "forward_save" and u != OUTER:
-            kept += work.layer_graph_bytes * len(sched.layer_range(u))
-        elif kind == "backward" and u != OUTER:
-            kept -= work.act_bytes if work.act_bytes else 0
-        peak_t = max(peak_t, gathered + kept + n * work.grad_bytes * (kind == "backward"))
-    return 16 * work.params / shard + peak_t
+class WorkloadSizes:
+    """``fz3.schedule.footprint.Sizes`` of a ``Workload`` on ``shard`` ranks: the memory plan's
+    model, with counted sizes instead of measured ones."""
+
+    def __init__(self, work: Workload, sched: Schedule, shard: int):
+        self.work, self.sched, self.ranks = work, sched, shard
+        self.recomputes = {op.unit for op in sched.ops if op.kind == OpKind.FORWARD and op.unit != OUTER}
+
+    def _elements(self, u: int) -> int:
+        return self.sched.unit_elements(u, self.work.outer_numel, self.work.layer_numel)
+
+    def gathered(self, u: int) -> int:
+        return self._elements(u) * self.work.param_bytes
+
+    def unreduced(self, u: int) -> int:
+        return self._elements(u) * self.work.grad_bytes
+
+    def shard(self, u: int) -> int:
+        return math.ceil(self._elements(u) / self.ranks) * 4
+
+    def kept(self, op: Op) -> tuple[int, int]:
+        if op.unit == OUTER:
+            return 0, int(self.work.pre_graph_bytes)
+        if op.kind == OpKind.FORWARD_SAVE:
+            return 0, int(self.work.layer_graph_bytes * len(self.sched.layer_range(op.unit)))
+        return int(self.work.act_bytes), 0
+
+    def during(self, op: Op) -> int:
+        if op.kind == OpKind.LOSS:
+            return int(self.work.post_graph_bytes)
+        if op.kind != OpKind.BACKWARD:
+            return 0
+        k = len(self.sched.layer_range(op.unit)) if op.unit in self.recomputes else 0
+        return int(self.work.layer_graph_bytes * k) + self.gathered(op.unit)
+
+
+def memory_bytes(work: Workload, sched: Schedule, shard: int, optimizer_states: int = 2) -> float:
+    """Peak bytes per device: fp32 params and optimizer state sharded, plus the schedule's
+    transient bytes op by op (``fz3.schedule.footprint``, the memory plan's own fold), which
+    include the gradient shards as the reduces write them."""
+    per_op = footprint(sched, WorkloadSizes(work, sched, shard))
+    return 4 * (1 + optimizer_states) * work.params / shard + max((b.peak for b in per_op), default=0)

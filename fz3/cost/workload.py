@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import optree
 import torch
 
 
@@ -38,6 +39,8 @@ class Workload(NamedTuple):
     tokens: int  # per rank per micro-batch
     param_bytes: int = 4  # compute dtype
     grad_bytes: int = 4  # reduce dtype
+    pre_graph_bytes: float = 0.0  # what autograd keeps for pre's graph (kept until its backward)
+    post_graph_bytes: float = 0.0  # ... for post + loss (alive during the loss op)
 
     @property
     def params(self) -> int:
@@ -47,18 +50,18 @@ class Workload(NamedTuple):
     def from_model(model: Any, batch: Any) -> "Workload":
         """Count a ShardedModel's units on ``batch``: one run of ``pre``, one layer and ``post``
         (forward and backward) on zero parameters, locally, under a FLOP and op counter."""
-        from ..sharding import compute as units
-        from ..observe.memory import _activation_sizes
+        from ..observe.activations import activation_sizes
+        from ..sharding import compute
 
         cnt = OpCounter()
         dtype, dev = model.precision.compute, model.device
 
         def leaves(layout):
-            return units.leaves(layout.views(torch.zeros(layout.padded, dtype=dtype, device=dev)))
+            return compute.leaves(layout.views(torch.zeros(layout.padded, dtype=dtype, device=dev)))
 
         outer = leaves(model.outer)
         with cnt.phase("pre_fwd"):
-            h, extras = units.pre(model, outer, batch)
+            h, extras = compute.run_pre(model, outer, batch)
         with cnt.phase("pre_bwd"):
             if h.requires_grad:
                 torch.autograd.grad(h, outer, torch.ones_like(h), allow_unused=True)
@@ -66,20 +69,21 @@ class Workload(NamedTuple):
         ex = tuple(e.detach() if isinstance(e, torch.Tensor) else e for e in extras)
         lw = leaves(model.layer)
         with cnt.phase("layer_fwd"):
-            out = units.layers(model, 0, [lw], x, ex) if model.num_layers else x
+            out = compute.run_layers(model, 0, [lw], x, ex) if model.num_layers else x
         with cnt.phase("layer_bwd"):
             if model.num_layers:
                 torch.autograd.grad(out, [*lw, x], torch.ones_like(out), allow_unused=True)
         with cnt.phase("post"):
-            loss = units.post(model, outer, x, batch)
+            loss, _ = compute.run_loss(model, model.post, False, outer, x, batch)
             torch.autograd.grad(loss, [x, *outer], allow_unused=True)
-        h_bytes, _, layer_graph, _ = _activation_sizes(model, batch)
+        act = activation_sizes(model, batch)
         tokens = h.shape[0] * h.shape[1] if h.dim() >= 3 else h.shape[0]
         size = torch.empty((), dtype=dtype).element_size()
         return Workload(model.num_layers, model.outer.numel, model.layer.numel, cnt.work["pre_fwd"],
                         cnt.work["pre_bwd"], cnt.work["layer_fwd"], cnt.work["layer_bwd"], cnt.work["post"],
-                        h_bytes, layer_graph, int(tokens), size,
-                        torch.empty((), dtype=model.precision.reduce).element_size())
+                        act.layer_input, act.layer_graph, int(tokens), size,
+                        torch.empty((), dtype=model.precision.reduce).element_size(), act.pre_graph,
+                        act.post_graph)
 
     @staticmethod
     def transformer(layers: int, hidden: int, ffn: int, vocab: int, seq: int, micro_batch: int, *,
@@ -97,7 +101,9 @@ class Workload(NamedTuple):
         outer = vocab * hidden + positions * hidden + 2 * hidden
         return Workload(layers, outer, w_layer + 9 * hidden + ffn, Work(0, t * hidden * param_bytes * 3, 4),
                         Work(0, t * hidden * param_bytes * 3, 4), fwd, fwd.scale(2.0), head,
-                        t * hidden * param_bytes, graph, t, param_bytes, grad_bytes)
+                        t * hidden * param_bytes, graph, t, param_bytes, grad_bytes,
+                        pre_graph_bytes=t * hidden * param_bytes,  # the embedding's output (dropout mask)
+                        post_graph_bytes=t * vocab * (param_bytes + 4))  # logits, and fp32 softmax for the loss
 
 
 class OpCounter:
@@ -127,7 +133,8 @@ class OpCounter:
                     self.flops += flop_registry[packet](*args, **kwargs, out_val=out)
                 if packet not in _FREE:
                     self.ops += 1
-                    self.bytes += sum(t.numel() * t.element_size() for t in _tensors(args) + _tensors(out))
+                    tensors = [t for t in optree.tree_leaves((args, out)) if isinstance(t, torch.Tensor)]
+                    self.bytes += sum(t.numel() * t.element_size() for t in tensors)
                 return out
 
             def __exit__(self, *exc):
@@ -141,12 +148,3 @@ _FREE = {getattr(torch.ops.aten, n) for n in ("view", "_unsafe_view", "t", "tran
                                              "detach", "alias", "split", "split_with_sizes", "slice", "select",
                                              "unsqueeze", "squeeze", "as_strided", "reshape", "_reshape_alias")}
 
-
-def _tensors(x: Any) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for i in x for t in _tensors(i)]
-    if isinstance(x, dict):
-        return [t for i in x.values() for t in _tensors(i)]
-    return []

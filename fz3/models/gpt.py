@@ -1,7 +1,8 @@
 """A small GPT (pre-LN, causal attention through ``scaled_dot_product_attention``).
 
-A plain ``nn.Module``: ``GPT(cfg)(tokens, targets) -> loss``. ``pre``/``post`` below are the
-two functions fz3 needs to run it layer by layer; ``shard_gpt`` wires them up.
+A plain ``nn.Module`` that knows nothing of fz3: ``GPT(cfg)(tokens, targets) -> loss``.
+``pre``/``post`` below are the two functions fz3 needs to run it layer by layer (plain
+functions of the module; ``fz3.models.shard_gpt`` passes them to ``fz3.shard``).
 """
 
 from __future__ import annotations
@@ -99,13 +100,6 @@ def pre(m: GPT, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
 
 def post(m: GPT, h: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return m.loss(h, batch[1])
-
-
-def shard_gpt(module: GPT, **kwargs):
-    """``fz3.shard`` for this GPT: its stack is ``blocks``."""
-    from .. import shard
-
-    return shard(module, layers="blocks", pre=pre, post=post, **kwargs)
 
 
 def synthetic_batch(cfg: GPTConfig, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,11 +1,11 @@
 """``fz3.memory_plan``: per-rank bytes of a schedule, by category, before step 1.
 
 Persistent: the fp32 shards of params, grads and optimizer state (``optimizer_states``
-copies: 2 for AdamW). Transient, op by op: gathered parameter buffers, unreduced flat
-gradients, layer inputs kept for recompute (these three are the executor's own buffers; it
-reports the same numbers through ``fz3.Recorder``) and autograd graphs kept by
-``forward_save`` units and by ``pre`` (measured once by running ``pre`` and one layer on the
-given batch with zero parameters, counting the storages autograd saves).
+copies: 2 for AdamW). Transient, op by op, from the one memory model
+(``fz3.schedule.footprint``): gathered parameter buffers, unreduced flat gradients, layer
+inputs kept for recompute (these three are the executor's own buffers; it reports the same
+numbers through ``fz3.Recorder``) and autograd graphs kept by ``forward_save`` units and by
+``pre`` (measured once on the given batch, ``fz3.observe.activations``).
 
 Not counted: the allocator's slack and rounding, kernels' workspaces, and whatever the
 user's code holds.
@@ -17,9 +17,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..sharding import compute as units
+from ..schedule.footprint import footprint
+from ..schedule.ops import OUTER, Op, OpKind
+from ..schedule.schedule import Schedule
 from ..sharding.model import ShardedModel
-from ..schedule.schedule import OUTER, Schedule
+from .activations import ActivationSizes, activation_sizes
 
 MiB = 2**20
 
@@ -36,11 +38,53 @@ class MemoryPlan(NamedTuple):
     per_op: tuple[tuple[int, int, int, int], ...]  # (gathered, unsharded grads, saved inputs, graphs) after each op
 
     def __str__(self) -> str:
-        rows = [("sharded params", self.params), ("sharded grads", self.grads), ("optimizer state", self.optimizer),
-                ("gathered units (peak)", self.gathered), ("unreduced gradients (peak)", self.unsharded_grads),
+        rows = [("sharded params", self.params), ("sharded grads", self.grads),
+                ("optimizer state", self.optimizer), ("gathered units (peak)", self.gathered),
+                ("unreduced gradients (peak)", self.unsharded_grads),
                 ("saved layer inputs (peak)", self.saved_inputs), ("autograd graphs (peak)", self.graphs),
                 ("peak per rank", self.peak)]
         return "\n".join(f"{name:<28} {b / MiB:10.2f} MiB" for name, b in rows)
+
+
+class ModelSizes:
+    """``fz3.schedule.footprint.Sizes`` of a sharded model on one batch."""
+
+    def __init__(self, model: ShardedModel, schedule: Schedule, act: ActivationSizes):
+        self.model, self.schedule, self.act = model, schedule, act
+        self.csize = torch.empty((), dtype=model.precision.compute).element_size()
+        self.rsize = torch.empty((), dtype=model.precision.reduce).element_size()
+        self.recomputes = {op.unit for op in schedule.ops if op.kind == OpKind.FORWARD and op.unit != OUTER}
+
+    def _elements(self, u: int, shard: bool = False) -> int:
+        m = self.model
+        if shard:
+            return self.schedule.unit_elements(u, m.outer.shard_numel, m.layer.shard_numel)
+        return self.schedule.unit_elements(u, m.outer.padded, m.layer.padded)
+
+    def gathered(self, u: int) -> int:
+        return self._elements(u) * self.csize
+
+    def unreduced(self, u: int) -> int:
+        return self._elements(u) * self.rsize
+
+    def shard(self, u: int) -> int:
+        return self._elements(u, shard=True) * 4
+
+    def kept(self, op: Op) -> tuple[int, int]:
+        if op.unit == OUTER:  # pre's graph is kept whenever gradients are wanted
+            return 0, self.act.pre_graph
+        if op.kind == OpKind.FORWARD_SAVE:
+            return 0, self.act.layer_graph * len(self.schedule.layer_range(op.unit))
+        return self.act.layer_input, 0
+
+    def during(self, op: Op) -> int:
+        if op.kind == OpKind.LOSS:
+            return self.act.post_graph
+        if op.kind != OpKind.BACKWARD:
+            return 0
+        # a recomputed unit's graph, and its per-parameter gradients before they are joined
+        k = len(self.schedule.layer_range(op.unit)) if op.unit in self.recomputes else 0
+        return self.act.layer_graph * k + self.gathered(op.unit)
 
 
 def memory_plan(model: ShardedModel, schedule: Schedule, batch: Any, *, optimizer_states: int = 2) -> MemoryPlan:
@@ -50,104 +94,24 @@ def memory_plan(model: ShardedModel, schedule: Schedule, batch: Any, *, optimize
     per-parameter gradients before they are joined into one flat gradient (backward), the
     head's graph (loss), and the join of the gradient shards into the layer stack (end).
     """
-    csize = torch.empty((), dtype=model.precision.compute).element_size()
-    rsize = torch.empty((), dtype=model.precision.reduce).element_size()
+    sizes = ModelSizes(model, schedule, activation_sizes(model, batch))
+    per_op = footprint(schedule, sizes)
     shard_bytes = (model.outer.shard_numel + model.num_layers * model.layer.shard_numel) * 4
-    h_bytes, pre_graph, layer_graph, post_graph = _activation_sizes(model, batch)
-
-    def numel(u: int) -> int:
-        return model.outer.padded if u == OUTER else len(schedule.layer_range(u)) * model.layer.padded
-
-    def shard_numel(u: int) -> int:
-        return model.outer.shard_numel if u == OUTER else len(schedule.layer_range(u)) * model.layer.shard_numel
-
-    gathered = grads = inputs = graphs = shards = 0
-    in_flight: dict[int, int] = {}  # unit -> unreduced gradient bytes
-    kept: dict[int, tuple[int, int]] = {}  # unit -> (saved input bytes, graph bytes)
-    per_op, peak_transient = [], 0
-    for kind, u in schedule.ops:
-        during = 0
-        if kind == "gather":
-            gathered += numel(u) * csize
-        elif kind == "free":
-            gathered -= numel(u) * csize
-        elif kind in ("forward", "forward_save") and schedule.grad:
-            if u == OUTER:  # pre's graph is kept whenever gradients are wanted
-                kept[u] = (0, pre_graph)
-            elif kind == "forward_save":
-                kept[u] = (0, layer_graph * len(schedule.layer_range(u)))
-            else:
-                kept[u] = (h_bytes, 0)
-            inputs += kept[u][0]
-            graphs += kept[u][1]
-        elif kind == "loss":
-            during = post_graph
-        elif kind == "backward":
-            saved_input, graph = kept.pop(u)
-            recomputed = 0 if u == OUTER or graph else layer_graph * len(schedule.layer_range(u))
-            during = recomputed + numel(u) * csize  # per-parameter gradients before the join
-            inputs -= saved_input
-            graphs -= graph
-            in_flight[u] = numel(u) * rsize
-            grads += in_flight[u]
-        elif kind == "reduce":
-            shards += shard_numel(u) * 4
-        elif kind in ("wait_reduce", "accumulate"):
-            grads -= in_flight.pop(u)
-        per_op.append((gathered, grads, inputs, graphs))
-        peak_transient = max(peak_transient, gathered + grads + inputs + graphs + shards + during)
+    peak_transient = max((b.peak for b in per_op), default=0)
     if schedule.grad and schedule.num_units > 1:  # the layer shards are joined into one (L, n) stack
-        peak_transient = max(peak_transient, shards + model.num_layers * model.layer.shard_numel * 4)
-    cols = list(zip(*per_op)) if per_op else [[0]] * 4
-    during_graphs = max((layer_graph * len(schedule.layer_range(u)) for k, u in schedule.ops
-                         if k == "backward" and u != OUTER), default=0)
+        peak_transient = max(peak_transient, per_op[-1].shards + model.num_layers * model.layer.shard_numel * 4)
     persistent = shard_bytes * (1 + optimizer_states) if schedule.grad else shard_bytes
+    col = lambda f: max((getattr(b, f) for b in per_op), default=0)  # noqa: E731
+    during_graphs = max((sizes.during(op) - sizes.gathered(op.unit) for op in schedule.ops
+                         if op.kind == OpKind.BACKWARD), default=0)
     return MemoryPlan(
         params=shard_bytes,
         grads=shard_bytes if schedule.grad else 0,
         optimizer=optimizer_states * shard_bytes if schedule.grad else 0,
-        gathered=max(cols[0]),
-        unsharded_grads=max(cols[1]),
-        saved_inputs=max(cols[2]),
-        graphs=max(max(cols[3]), during_graphs, post_graph),
+        gathered=col("gathered"),
+        unsharded_grads=col("unreduced"),
+        saved_inputs=col("inputs"),
+        graphs=max(col("graphs"), during_graphs, sizes.act.post_graph),
         peak=persistent + peak_transient,
-        per_op=tuple(per_op),
+        per_op=tuple((b.gathered, b.unreduced, b.inputs, b.graphs) for b in per_op),
     )
-
-
-def _activation_sizes(model: ShardedModel, batch: Any) -> tuple[int, int, int, int]:
-    """(bytes of a layer input, bytes pre's graph keeps, bytes one layer's graph keeps, bytes
-    post's graph keeps).
-
-    Runs ``pre``, layer 0 and ``post`` on zero parameters (values do not matter, shapes do),
-    with ``saved_tensors_hooks`` counting each storage autograd saves once, parameters
-    excluded. A measurement at plan time only: the executor itself uses no hooks.
-    """
-    dev, dtype = model.device, model.precision.compute
-    outer = torch.zeros(model.outer.padded, dtype=dtype, device=dev)
-    layer = torch.zeros(model.layer.padded, dtype=dtype, device=dev)
-    params = {outer.untyped_storage().data_ptr(), layer.untyped_storage().data_ptr()}
-
-    def graph_bytes(fn) -> tuple[int, Any]:
-        seen: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            s = t.untyped_storage()
-            if s.data_ptr() not in params:
-                seen[s.data_ptr()] = s.nbytes()
-            return t
-
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = fn()
-        return sum(seen.values()), out
-
-    outer_leaves = units.leaves(model.outer.views(outer))
-    pre_graph, (h, extras) = graph_bytes(lambda: units.pre(model, outer_leaves, batch))
-    h_bytes = h.numel() * h.element_size()
-    x = h.detach().requires_grad_()
-    post_graph, _ = graph_bytes(lambda: units.post(model, outer_leaves, x, batch))
-    if model.num_layers == 0:
-        return h_bytes, pre_graph, 0, post_graph
-    ex = tuple(e.detach() if isinstance(e, torch.Tensor) else e for e in extras)
-    layer_graph, _ = graph_bytes(lambda: units.layers(model, 0, [units.leaves(model.layer.views(layer))], x, ex))
-    return h_bytes, pre_graph, layer_graph, post_graph

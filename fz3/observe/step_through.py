@@ -1,25 +1,25 @@
-"""Stepping through a step layer by layer, and finding where values stopped being finite.
-
-Both consume the executor's frames (``fz3.executor.Frame``); neither changes what it runs.
-"""
+"""Stepping through a step layer by layer: the executor's frames, with names."""
 
 from __future__ import annotations
 
 from typing import Any, Generator, NamedTuple
 
+import optree
 import torch
 import torch.distributed as dist
 
-from ..comm.collectives import all_gather, wait
-from ..step.executor import Frame, Result, execute
+from ..schedule.ops import OUTER, Op, OpKind
+from ..schedule.schedule import Policy, Schedule
 from ..sharding.layout import FlatLayout
 from ..sharding.model import Params, ShardedModel
-from ..step.record import Recorder
-from ..schedule.schedule import OUTER, Op, Policy, Schedule, unit_name
+from ..step.executor import execute
+from ..step.state import Frame, Result
+from ..step.front import check_call, prepare
 
 
 class StepFrame(NamedTuple):
-    """One compute op of a step, as ``fz3.step_through`` shows it."""
+    """One compute op of a step, as ``fz3.step_through`` shows it. ``print(frame)`` shows
+    shapes, dtypes and norms, never whole tensors."""
 
     phase: str  # "forward" | "loss" | "backward" | "done"
     unit: int | None  # OUTER (-1) or the layer unit; None for the final frame
@@ -32,22 +32,37 @@ class StepFrame(NamedTuple):
     loss: torch.Tensor | None = None  # the final frame: mean loss over ranks
     result: Params | None = None  # the final frame: gradient shards, identical to value_and_grad's
 
+    def __repr__(self) -> str:
+        head = f"StepFrame({self.phase}" + ("" if self.op is None else f" {self.op}, op {self.index}") + ")"
+        rows = [head]
+        if self.phase == "done":
+            rows.append(f"  loss    {_brief(self.loss)}")
+            rows.append(f"  grads   {_brief(self.result)}")
+            return "\n".join(rows)
+        rows.append(f"  params  {len(self.params)} tensors, {_brief(list(self.params.values()))}")
+        rows.append(f"  inputs  {_brief(self.inputs)}")
+        rows.append(f"  outputs {_brief(self.outputs)}")
+        if self.grads is not None:
+            rows.append(f"  grads   {len(self.grads)} tensors, {_brief(list(self.grads.values()))}")
+        return "\n".join(rows)
+
+    __str__ = __repr__
+
 
 def step_through(model: ShardedModel, params: Params, batch: Any, schedule: Schedule | Policy | None = None, *,
-                 recorder: Recorder | None = None) -> Generator[StepFrame, None, None]:
+                 recorder=None) -> Generator[StepFrame, None, None]:
     """Run one real step (the same executor as ``value_and_grad``), yielding a frame after
     every compute op and a final ``phase == "done"`` frame with the loss and gradients.
 
-    Stopping early (``break``, or ``close()`` on the generator) drains every collective this
-    rank has in flight, so nothing is left half-done. **Every rank must stop at the same op**:
-    a rank that stops earlier issues fewer collectives than the others, which then wait for
-    it forever. Decide from values that are equal on every rank (the op index, the loss, a
-    statistic passed through ``any_rank``), never from a rank-local value alone.
+    **Collective**: every rank must call it and iterate it alike. Stopping early (``break``,
+    or ``close()`` on the generator) drains every collective this rank has in flight, so
+    nothing is left half-done. **Every rank must stop at the same op**: a rank that stops
+    earlier issues fewer collectives than the others, which then wait for it forever. Decide
+    from values that are equal on every rank (the op index, the loss, a statistic passed
+    through ``fz3.any_rank``), never from a rank-local value alone.
     """
-    from ..step.front import check_params, check_schedule
-
-    sched = check_schedule(model, schedule, grad=True)
-    check_params(model, params)
+    sched = prepare(model, schedule, grad=True, entry="step_through")
+    check_call(model, params, batch)
     gen = execute(model, sched, params, batch, recorder)
     try:
         while True:
@@ -65,8 +80,8 @@ def step_through(model: ShardedModel, params: Params, batch: Any, schedule: Sche
 def describe(model: ShardedModel, schedule: Schedule, f: Frame) -> StepFrame:
     """A ``Frame`` with names: parameters and gradients as ``{module name: tensor}``."""
     kind, u = f.op
-    phase = "forward" if kind.startswith("forward") else kind
-    if u == OUTER or kind == "loss":
+    phase = "forward" if kind in (OpKind.FORWARD, OpKind.FORWARD_SAVE) else str(kind)
+    if u == OUTER or kind == OpKind.LOSS:
         params = model.outer.named_views(f.params)
         grads = None if f.grad is None else model.outer.named_views(f.grad)
     else:
@@ -85,59 +100,24 @@ def _prefixed(layout: FlatLayout, flat: torch.Tensor, prefix: str) -> dict[str, 
 
 
 def any_rank(model: ShardedModel, flag: bool) -> bool:
-    """True on every rank if ``flag`` is True on any rank: a collective decision (one all-reduce)."""
+    """True on every rank if ``flag`` is True on any rank: a collective decision.
+    **Collective**: one all-reduce of one number over the sharding group."""
     t = torch.tensor([int(flag)], device=model.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=model.comm.group)
     return bool(t.item())
 
 
-class NonFiniteError(FloatingPointError):
-    """NaN or Inf appeared; names the first op (over all ranks) where it did."""
-
-
-def drain_checking_finite(model: ShardedModel, schedule: Schedule, gen: Generator[Frame, None, Result]) -> Result:
-    """Run the executor to the end, noting after every compute op whether its outputs (and in
-    backward its gradients) are all finite; then one all-gather of those flags, so every rank
-    raises the same ``NonFiniteError`` naming the first op and the ranks where it happened.
-
-    The flags stay on the device during the step (no sync per op): the check costs one read
-    of each activation and one small collective per step.
-    """
-    ops: list[Frame] = []
-    flags: list[torch.Tensor] = []
-    while True:
-        try:
-            f = next(gen)
-        except StopIteration as stop:
-            result: Result = stop.value
-            break
-        tensors = [t for t in _tensors(f.outputs) if t.is_floating_point()]
-        if f.grad is not None:
-            tensors.append(f.grad)
-        ok = torch.stack([torch.isfinite(t).all() for t in tensors]).all() if tensors else torch.tensor(True)
-        ops.append(f)
-        flags.append(ok)
-    if not flags:
-        return result
-    mine = (~torch.stack(flags)).to(torch.int32).to(model.device)  # 1 where non-finite
-    everyone = wait(all_gather(model.comm, torch.empty(model.world_size * mine.numel(), dtype=torch.int32,
-                                                       device=model.device), mine))
-    bad = everyone.view(model.world_size, -1).cpu()
-    if bool(bad.any()):
-        first = int(bad.any(dim=0).nonzero()[0])
-        ranks = bad[:, first].nonzero().flatten().tolist()
-        f = ops[first]
-        what = "loss" if f.op.kind == "loss" else f"{f.op.kind} of {unit_name(f.op.unit)}"
-        layers = "" if f.op.unit == OUTER or f.op.kind == "loss" else \
-            f" (layers {list(schedule.layer_range(f.op.unit))})"
-        raise NonFiniteError(f"non-finite values first appeared in the {what}{layers}, op {f.index} of the "
-                             f"schedule, on ranks {ranks}")
-    return result
-
-
-def _tensors(x: Any) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (tuple, list)):
-        return [t for item in x for t in _tensors(item)]
-    return []
+def _brief(x: Any) -> str:
+    """Shapes, dtypes and norms of the tensors in ``x``; other leaves by type."""
+    leaves = optree.tree_leaves(x, none_is_leaf=True)
+    if not leaves:
+        return "()"
+    parts = []
+    for t in leaves[:4]:
+        if isinstance(t, torch.Tensor):
+            norm = f" |{float(t.detach().float().norm()):.4g}|" if t.is_floating_point() and t.numel() else ""
+            parts.append(f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}{norm}")
+        else:
+            parts.append("None" if t is None else type(t).__name__)
+    more = f" +{len(leaves) - 4} more" if len(leaves) > 4 else ""
+    return ", ".join(parts) + more

@@ -21,13 +21,12 @@ from typing import Iterator
 
 import torch.distributed as dist
 
+from ..schedule.ops import COMPLETES, OUTER, Category, OpKind, unit_name
 from ..step.record import Event, Recorder
-from ..schedule.schedule import OUTER, unit_name
 
 log = logging.getLogger(__name__)
 LANES = {"compute": 0, "waits": 1, "issue": 2, "in flight": 3, "device": 4}
-COMPUTE = ("forward", "forward_save", "loss", "backward")
-WAITS = ("wait", "wait_reduce")
+LANE_OF = {Category.COMPUTE: "compute", Category.WAIT: "waits", Category.ISSUE: "issue", Category.LIFETIME: "issue"}
 
 
 @contextlib.contextmanager
@@ -61,16 +60,16 @@ def chrome_trace(rec: Recorder, rank: int = 0) -> dict:
     issued: dict[tuple[int, str, int], Event] = {}
     for e in events:
         kind, u = e.op
-        lane = "compute" if kind in COMPUTE else "waits" if kind in WAITS else "issue"
+        lane = LANE_OF[OpKind(kind).category]
         out.append({"name": str(e.op), "cat": "op", "ph": "X", "pid": rank, "tid": LANES[lane],
                     "ts": us(e.t_begin_ns), "dur": max((e.t_end_ns - e.t_begin_ns) / 1e3, 0.001),
                     "args": {"step": e.step, "index": e.index, "live_units": e.live_units, "bytes": e.nbytes,
                              "gathered_bytes": e.gathered_bytes, "grad_bytes": e.grad_bytes,
                              "saved_bytes": e.saved_bytes}})
-        if kind in ("gather", "reduce"):
+        if OpKind(kind).category is Category.ISSUE:
             issued[(e.step, kind, u)] = e
-        elif kind in WAITS:
-            start = issued.pop((e.step, "gather" if kind == "wait" else "reduce", u), None)
+        elif kind in COMPLETES:
+            start = issued.pop((e.step, COMPLETES[kind], u), None)
             if start is not None:
                 out.append({"name": f"{start.op.kind} {unit_name(u)}", "cat": "inflight", "ph": "X", "pid": rank,
                             "tid": LANES["in flight"], "ts": us(start.t_begin_ns),
@@ -89,10 +88,11 @@ def trace_summary(rec: Recorder) -> str:
     for e in rec.events:
         kind, u = e.op
         ms = (e.t_end_ns - e.t_begin_ns) / 1e6
-        r = rows[OUTER if kind == "loss" else u]
-        if kind in COMPUTE:
+        r = rows[OUTER if kind == OpKind.LOSS else u]
+        category = OpKind(kind).category
+        if category is Category.COMPUTE:
             r[0] += ms
-        elif kind in WAITS:
+        elif category is Category.WAIT:
             r[1] += ms
         r[2] += e.nbytes / 2**20
     steps = len({e.step for e in rec.events}) or 1

@@ -10,12 +10,13 @@ from ..sharding.layout import FlatLayout
 from ..sharding.model import Params, ShardedModel
 
 
-def no_decay_for_vectors(name: str, shape: tuple[int, ...]) -> bool:
-    """The usual rule: decay matrices and embeddings, not biases or norm weights."""
+def decay_matrices(name: str, shape: tuple[int, ...]) -> bool:
+    """True where weight decay applies, by the usual rule: matrices and embeddings decay,
+    biases and norm weights (vectors) do not."""
     return len(shape) >= 2
 
 
-def decay_mask(model: ShardedModel, decay: Callable[[str, tuple[int, ...]], bool] = no_decay_for_vectors) -> Params:
+def decay_mask(model: ShardedModel, decay: Callable[[str, tuple[int, ...]], bool] = decay_matrices) -> Params:
     """Bool shards broadcastable to params, True where ``decay(name, shape)`` holds.
 
     Names are the module's own; every layer shares one mask, so layers are asked about as

@@ -4,14 +4,13 @@ blocks that are not structurally identical, and ranks that built different model
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+import torch
 from torch import nn
 
+from ..comm.collectives import Comm
 from ..comm.failures import differing_ranks, gather_objects
-
-if TYPE_CHECKING:
-    from .model import ShardedModel
+from ..compare import first_difference
+from .layout import FlatLayout
 
 
 def check_not_wrapped(module: nn.Module) -> None:
@@ -48,16 +47,12 @@ def check_identical(path: str, blocks: list[list[tuple[tuple[str, ...], nn.Param
 
     ref = sig(blocks[0]) if blocks else []
     for i, ps in enumerate(blocks[1:], start=1):
-        got = sig(ps)
-        if got == ref:
-            continue
-        for j in range(max(len(ref), len(got))):
-            a = ref[j] if j < len(ref) else None
-            b = got[j] if j < len(got) else None
-            if a != b:
-                raise ValueError(f"{path}.{i} differs from {path}.0 at parameter #{j}: "
-                                 f"{path}.0 has {_fmt(a)}, {path}.{i} has {_fmt(b)}. fz3 stacks "
-                                 f"structurally identical blocks; keep different blocks outside {path!r}")
+        diff = first_difference(ref, sig(ps))
+        if diff is not None:
+            j, a, b = diff
+            raise ValueError(f"{path}.{i} differs from {path}.0 at parameter #{j}: "
+                             f"{path}.0 has {_fmt(a)}, {path}.{i} has {_fmt(b)}. fz3 stacks "
+                             f"structurally identical blocks; keep different blocks outside {path!r}")
 
 
 def _fmt(entry) -> str:
@@ -67,20 +62,20 @@ def _fmt(entry) -> str:
     return f"{names[0]} {list(shape)} {dtype}"
 
 
-def check_same_on_all_ranks(model: ShardedModel) -> None:
-    """One small all-gather: every rank must have built the same layouts, or collectives hang.
-    On a mismatch, every rank raises, naming the ranks and the first differing parameter."""
-    comm = model.comm
-    digest = model.outer.fingerprint() + model.layer.fingerprint()
-    differ = differing_ranks(comm.group, list(digest) + [model.num_layers], model.device)
+def check_same_on_all_ranks(comm: Comm, outer: FlatLayout, layer: FlatLayout, num_layers: int, layers_path: str,
+                            device: torch.device) -> None:
+    """Every rank must have built the same layouts, or collectives hang. On a mismatch, every
+    rank raises, naming the ranks and the first differing parameter. **Collective**: one small
+    all-gather (and one more on a mismatch)."""
+    digest = outer.fingerprint() + layer.fingerprint()
+    differ = differing_ranks(comm.group, list(digest) + [num_layers], device)
     if not differ:
         return
-    mine = [("layers", model.num_layers)] + [(n, s.shape, str(s.dtype)) for s in model.outer.slots for n in s.names[:1]]
-    mine += [(f"{model.layers_path}.*.{s.name}", s.shape, str(s.dtype)) for s in model.layer.slots]
+    mine = [("layers", num_layers)] + [(n, s.shape, str(s.dtype)) for s in outer.slots for n in s.names[:1]]
+    mine += [(f"{layers_path}.*.{s.name}", s.shape, str(s.dtype)) for s in layer.slots]
     everyone = gather_objects(comm.group, mine)
     r = differ[0]
-    a, b = everyone[0], everyone[r]
-    i = next((i for i in range(max(len(a), len(b))) if (a[i:i + 1] or [None]) != (b[i:i + 1] or [None])), 0)
-    show = lambda d: "nothing" if i >= len(d) else " ".join(str(x) for x in d[i])  # noqa: E731
+    _, a, b = first_difference(everyone[0], everyone[r]) or (0, None, None)
+    show = lambda d: "nothing" if d is None else " ".join(str(x) for x in d)  # noqa: E731
     raise ValueError(f"ranks {differ} built a different model than rank 0: rank 0 has {show(a)}, rank {r} has "
                      f"{show(b)}. Every rank must call fz3.shard on the same architecture and dtypes")

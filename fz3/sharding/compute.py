@@ -6,19 +6,21 @@ Nothing here communicates. Gathered buffers arrive as ``(full,)`` for the outer 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch.func import functional_call
 
 from .layout import FlatLayout
-from .model import ShardedModel
+from .model import BoundFunction, ShardedModel
 
 Extras = tuple[Any, ...]
 
 
 def bind(layout: FlatLayout, tensors: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``{"m.<name>": tensor}`` for ``functional_call`` on a ``_Bound`` (tied names share one tensor)."""
+    """``{"m.<name>": tensor}`` for ``functional_call`` on a ``BoundFunction`` (tied names
+    share one tensor)."""
     return {"m." + n: t for s, t in zip(layout.slots, tensors) for n in s.names}
 
 
@@ -27,36 +29,64 @@ def leaves(views: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [v.detach().requires_grad_() for v in views]
 
 
-def pre(model: ShardedModel, params: Sequence[torch.Tensor], batch: Any) -> tuple[torch.Tensor, Extras]:
+@contextlib.contextmanager
+def mode(model: ShardedModel) -> Iterator[None]:
+    """The skeleton in ``model.training`` mode for one step, as it was afterwards: two step
+    functions on models in different modes share the skeleton without changing each other."""
+    before = model.skeleton.training
+    if before != model.training:
+        model.skeleton.train(model.training)
+    try:
+        yield
+    finally:
+        if before != model.training:
+            model.skeleton.train(before)
+
+
+def run_pre(model: ShardedModel, params: Sequence[torch.Tensor], batch: Any) -> tuple[torch.Tensor, Extras]:
     out = functional_call(model.pre, bind(model.outer, params), (batch,), tie_weights=False)
     h, extras = (out[0], tuple(out[1:])) if isinstance(out, tuple) and out else (out, ())
     if not isinstance(h, torch.Tensor):
         raise TypeError(f"pre returned {type(out).__name__}; return h or (h, *extra) with h a tensor")
     if h.is_meta:
-        raise ValueError("pre's output is on the meta device: pre used a parameter outside the outer unit (one "
-                         "of the layers'?). pre and post may use only parameters outside the layer stack")
+        raise ValueError("pre's output is on the meta device: pre used a parameter outside the outer "
+                         "unit (one of the layers'?). pre and post may use only parameters outside "
+                         "the layer stack")
     return h, extras
 
 
-def post(model: ShardedModel, params: Sequence[torch.Tensor], h: torch.Tensor, batch: Any) -> torch.Tensor:
-    loss = functional_call(model.post, bind(model.outer, params), (h, batch), tie_weights=False)
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise TypeError(f"post must return a scalar loss tensor, got {type(loss).__name__}"
-                        f"{'' if not isinstance(loss, torch.Tensor) else f' of shape {list(loss.shape)}'}")
-    if loss.is_meta:
-        raise ValueError("post's loss is on the meta device: post used a parameter outside the outer unit (one "
-                         "of the layers'?). pre and post may use only parameters outside the layer stack")
-    return loss.reshape(())
+def run_loss(model: ShardedModel, fn: BoundFunction, has_aux: bool, params: Sequence[torch.Tensor],
+             h: torch.Tensor, batch: Any) -> tuple[torch.Tensor, Any]:
+    """``(loss, aux)``: ``fn(m, h, batch)`` returns the scalar loss, or ``(loss, aux)`` when
+    ``has_aux``; ``aux`` is None without it."""
+    out = functional_call(fn, bind(model.outer, params), (h, batch), tie_weights=False)
+    name = "post" if fn is model.post else "the loss function"
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(f"{name} was given with has_aux=True and must return (loss, aux), got "
+                            f"{type(out).__name__}")
+        out, aux = out
+    else:
+        aux = None
+    if not isinstance(out, torch.Tensor) or out.numel() != 1:
+        shape = f" of shape {list(out.shape)}" if isinstance(out, torch.Tensor) else ""
+        hint = "" if has_aux else " (returning (loss, aux)? pass has_aux=True)"
+        raise TypeError(f"{name} must return a scalar loss tensor, got {type(out).__name__}{shape}{hint}")
+    if out.is_meta:
+        raise ValueError(f"{name} used a parameter outside the outer unit (one of the layers'?): "
+                         f"its loss is on the meta device. pre and post may use only parameters "
+                         f"outside the layer stack")
+    return out.reshape(()), aux
 
 
-def layers(model: ShardedModel, first: int, params: Sequence[Sequence[torch.Tensor]], h: torch.Tensor,
-           extras: Extras) -> torch.Tensor:
+def run_layers(model: ShardedModel, first: int, params: Sequence[Sequence[torch.Tensor]], h: torch.Tensor,
+               extras: Extras) -> torch.Tensor:
     """Run layers ``first, first+1, ...`` (one parameter list each) on ``h``."""
     for j, p in enumerate(params):
         h = functional_call(model.blocks[first + j], bind(model.layer, p), (h, *extras), tie_weights=False)
         if not isinstance(h, torch.Tensor):
             raise TypeError(f"layer {first + j} returned {type(h).__name__}, not a tensor; pass "
-                            f"layer=lambda block, h, *extra: block(h, *extra)[0] to fz3.shard")
+                            f"call_layer=lambda layer, h, *extra: layer(h, *extra)[0] to fz3.shard")
     return h
 
 
@@ -65,7 +95,8 @@ def layer_views(layout: FlatLayout, flat: torch.Tensor) -> list[list[torch.Tenso
     return [layout.views(row) for row in flat]
 
 
-def flat_grads(layout: FlatLayout, grads: Sequence[Sequence[torch.Tensor | None]], like: torch.Tensor) -> torch.Tensor:
+def flat_grads(layout: FlatLayout, grads: Sequence[Sequence[torch.Tensor | None]],
+               like: torch.Tensor) -> torch.Tensor:
     """``(k, padded)``: k layers' flat gradients from their per-parameter gradients (None =
     zero), padding zero, in one ``torch.cat``. Autograd through the views of the gathered
     buffer would instead scatter each view's gradient into a full-size zero buffer and add
@@ -82,6 +113,30 @@ def _parts(layout: FlatLayout, grads: Sequence[torch.Tensor | None], like: torch
     if layout.pad:
         parts.append(torch.zeros(layout.pad, dtype=like.dtype, device=like.device))
     return parts
+
+
+def layer_leaves(views: Sequence[Sequence[torch.Tensor]], x: torch.Tensor, extras: Extras,
+                 grad_positions: Sequence[int]) -> tuple[list[list[torch.Tensor]], torch.Tensor, Extras]:
+    """Autograd leaves for a layer unit: parameters (per layer), input, differentiable extras."""
+    params = [leaves(v) for v in views]
+    x_leaf = x.detach().requires_grad_()
+    extras = tuple(e.detach().requires_grad_() if j in grad_positions else e for j, e in enumerate(extras))
+    return params, x_leaf, extras
+
+
+def layer_flat_grad(layout: FlatLayout, world: int, grads: Sequence[torch.Tensor | None], k: int,
+                    like: torch.Tensor, *, by_layer: bool) -> torch.Tensor:
+    """``(world, k, n)``: a unit of k layers' flat gradient from its per-parameter gradients
+    (layer by layer), each layer's ``(world, n)`` in rank order. ``by_layer``: the memory may
+    be layer-major (an all-reduce sums in any order); otherwise it is rank-major, since a
+    reduce-scatter hands rank r the r-th contiguous chunk."""
+    per = len(layout.slots)
+    layers = [grads[j * per:(j + 1) * per] for j in range(k)]
+    if k == 1 or by_layer:
+        # One cat, layer-major (k, world, n), seen as (world, k, n); for one layer the two
+        # orders are the same memory.
+        return flat_grads(layout, layers, like).view(k, world, -1).transpose(0, 1)
+    return torch.stack([flat_grads(layout, [g], like).view(world, -1) for g in layers], 1)
 
 
 def differentiable(extras: Extras) -> list[int]:

@@ -10,11 +10,12 @@ Unflattening a gathered buffer gives views, never copies (``FlatLayout.views``).
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Iterable, Mapping, NamedTuple
 
 import torch
+
+from ..compare import fingerprint
 
 
 class Slot(NamedTuple):
@@ -79,5 +80,4 @@ class FlatLayout:
 
     def fingerprint(self) -> bytes:
         """A digest of names, shapes, dtypes and padding: equal on ranks that built the same model."""
-        text = repr([(s.names, s.shape, str(s.dtype)) for s in self.slots] + [self.padded])
-        return hashlib.sha256(text.encode()).digest()[:8]
+        return fingerprint([(s.names, s.shape, str(s.dtype)) for s in self.slots] + [self.padded])

@@ -10,6 +10,7 @@ substitutes gathered parameters into it with ``torch.func.functional_call``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -35,10 +36,10 @@ class Params(NamedTuple):
 
 PreFn = Callable[..., Any]  # (m, batch) -> h | (h, *extra)
 PostFn = Callable[..., torch.Tensor]  # (m, h, batch) -> scalar loss
-LayerFn = Callable[..., torch.Tensor]  # (block, h, *extra) -> h
+CallLayer = Callable[..., torch.Tensor]  # (layer, h, *extra) -> h
 
 
-class _Bound(nn.Module):
+class BoundFunction(nn.Module):
     """Calls ``fn(m, *args)``; lets ``functional_call`` substitute ``m``'s parameters (names ``m.*``)."""
 
     def __init__(self, fn: Callable[..., Any], m: nn.Module):
@@ -50,8 +51,8 @@ class _Bound(nn.Module):
         return self.fn(self.m, *args)
 
 
-def _call_block(block: nn.Module, h: torch.Tensor, *extra: Any) -> torch.Tensor:
-    return block(h, *extra)
+def _call_layer(layer: nn.Module, h: torch.Tensor, *extra: Any) -> torch.Tensor:
+    return layer(h, *extra)
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,14 +63,17 @@ class ShardedModel:
     layer: FlatLayout
     num_layers: int
     layers_path: str
-    pre: _Bound  # pre_fn bound to the skeleton
-    post: _Bound  # post_fn bound to the skeleton
-    blocks: tuple[_Bound, ...]  # layer_fn bound to each skeleton block
+    pre: BoundFunction  # pre_fn bound to the skeleton
+    post: BoundFunction  # post_fn bound to the skeleton
+    blocks: tuple[BoundFunction, ...]  # call_layer bound to each layer of the skeleton's stack
     skeleton: nn.Module  # the module with meta parameters (and real buffers)
     comm: Comm
     precision: Precision
     device: torch.device
     mesh: Any = None  # the DeviceMesh given to fz3.shard, if any (checkpoints use it)
+    check_batch: Callable[[Any], None] | None = None  # the adapter's batch check (local), if any
+
+    training: bool = True  # dropout and the like on; set per model copy, never in place
 
     @property
     def world_size(self) -> int:
@@ -84,19 +88,20 @@ class ShardedModel:
         """Global rank 0: the one rank that keeps gathered state dicts (one per job, not per replica)."""
         return dist.get_rank() == 0
 
-    def outer_names(self) -> list[str]:
-        return [n for s in self.outer.slots for n in s.names]
-
-    def layer_names(self, i: int) -> list[str]:
-        return [f"{self.layers_path}.{i}.{n}" for s in self.layer.slots for n in s.names]
-
     def train(self, mode: bool = True) -> "ShardedModel":
-        """Set the skeleton's training mode (dropout on/off); returns self."""
-        self.skeleton.train(mode)
-        return self
+        """A copy of this model in training mode (``mode=False``: eval); this one is unchanged.
+
+        As with equinox's ``inference_mode``: two step functions built on a model and on its
+        ``eval()`` copy share the skeleton and the shards' layout, and each step runs in its own
+        model's mode."""
+        return dataclasses.replace(self, training=mode)
 
     def eval(self) -> "ShardedModel":
         return self.train(False)
+
+    def bind(self, fn: Callable[..., Any]) -> BoundFunction:
+        """``fn(m, *args)`` bound to the skeleton, for ``functional_call`` (e.g. a loss function)."""
+        return BoundFunction(fn, self.skeleton)
 
 
 def shard(
@@ -105,7 +110,7 @@ def shard(
     pre: PreFn | None = None,
     post: PostFn | None = None,
     *,
-    layer: LayerFn | None = None,
+    call_layer: CallLayer | None = None,
     group: dist.ProcessGroup | None = None,
     mesh: Any = None,
     device: torch.device | str | None = None,
@@ -126,7 +131,8 @@ def shard(
       pre: ``pre(m, batch) -> h`` or ``-> (h, *extra)``; ``m`` is the module with the outer
         unit's parameters substituted.
       post: ``post(m, h, batch) -> loss`` (a scalar).
-      layer: optional ``layer(block, h, *extra) -> h``; default calls ``block(h, *extra)``.
+      call_layer: how to call one layer, ``call_layer(layer, h, *extra) -> h``; default
+        ``layer(h, *extra)`` (pass one for layers that return tuples).
       device: where shards and compute live; default: the module's device (cuda:current for NCCL).
       precision: compute / reduce dtypes (fp32 master shards always).
 
@@ -136,7 +142,11 @@ def shard(
         from ..hf.adapters import adapter_for
 
         adapter = adapter_for(module)
-        layers, pre, post, layer = adapter.layers, adapter.pre, adapter.post, layer or adapter.layer
+        layers, pre, post = adapter.layers, adapter.pre, adapter.post
+        call_layer = call_layer or adapter.layer
+        check_batch = getattr(adapter, "check_batch", None)
+    else:
+        check_batch = None
     if layers is None or pre is None or post is None:
         raise TypeError("fz3.shard needs layers=, pre= and post= (or none of them, for a model with a built-in "
                         "adapter): layers='<path of the nn.ModuleList>', pre(m, batch) -> h, post(m, h, batch) -> loss")
@@ -198,22 +208,24 @@ def shard(
 
     skeleton = _skeleton(module, device)
     skel_stack = resolve_layers(skeleton, layers)
-    layer_fn = layer or _call_block
+    call_layer = call_layer or _call_layer
     model = ShardedModel(
         outer=outer_layout,
         layer=layer_layout,
         num_layers=len(stack),
         layers_path=layers,
-        pre=_Bound(pre, skeleton),
-        post=_Bound(post, skeleton),
-        blocks=tuple(_Bound(layer_fn, b) for b in skel_stack),
+        pre=BoundFunction(pre, skeleton),
+        post=BoundFunction(post, skeleton),
+        blocks=tuple(BoundFunction(call_layer, b) for b in skel_stack),
         skeleton=skeleton,
         comm=comm,
         precision=precision,
         device=device,
         mesh=mesh,
+        training=module.training,
+        check_batch=check_batch,
     )
-    check_same_on_all_ranks(model)
+    check_same_on_all_ranks(comm, outer_layout, layer_layout, len(stack), layers, device)
     return model, Params(outer_shard, layer_shards)
 
 

@@ -21,10 +21,11 @@ from typing import Any, Literal, Sequence
 import optree
 import torch
 
+from ..comm.collectives import all_reduce, wait
 from .executor import execute
 from ..sharding.model import Params, ShardedModel
 from ..schedule.schedule import Policy, Schedule, deferred
-from .front import check_params, check_schedule, drain
+from .front import check_call, drain, prepare
 
 
 class Accumulate:
@@ -40,22 +41,33 @@ class Accumulate:
         k = len(micro_batches)
         if k == 0:
             raise ValueError("micro_batches is empty; pass a sequence of k >= 1 batches")
-        check_params(self.model, params)
+        for mb in micro_batches:
+            check_call(self.model, params, mb)
+        comm = self.model.comm
         losses, acc = [], None
         carry: dict[int, torch.Tensor] = {}
         for i, mb in enumerate(micro_batches):
             last = i == k - 1
             sched = self.schedule if self.policy == "reduce" or last else self.deferred
-            loss, grads = drain(execute(self.model, sched, params, mb, loss_scale=1.0 / k, carry=carry))
-            losses.append(loss)
+            # Hybrid sharding: the reduce policy sums shards over micro-batches first and
+            # across replicas once, below (FSDP2 keeps a partial reduce output the same way).
+            result = drain(execute(self.model, sched, params, mb, loss_scale=1.0 / k, carry=carry,
+                                   reduce_replicas=self.policy == "defer"))
+            losses.append(result.loss)
             if self.policy == "reduce":  # acc holds buffers this function received and owns
-                acc = grads if acc is None else optree.tree_map(torch.Tensor.add_, acc, grads)
+                acc = result.grads if acc is None else optree.tree_map(torch.Tensor.add_, acc, result.grads)
             else:
-                acc = grads
+                acc = result.grads
+        if self.policy == "reduce" and comm.replicas > 1:
+            pending = [all_reduce(comm, t, group=comm.replicate_group, label="accumulated gradient shards")
+                       for t in optree.tree_leaves(acc)]
+            for p in pending:
+                wait(p)
         return torch.stack(losses).mean(), acc
 
 
 def accumulate(model: ShardedModel, schedule: Schedule | Policy | None = None, *,
                policy: Literal["reduce", "defer"] = "reduce") -> Accumulate:
-    """A step over k micro-batches: ``f(params, [batch_1, ..., batch_k]) -> (loss, grads)``."""
-    return Accumulate(model, check_schedule(model, schedule, grad=True), policy)
+    """A step over k micro-batches: ``f(params, [batch_1, ..., batch_k]) -> (loss, grads)``.
+    **Collective**: the schedule is compared across ranks here; every rank must call it."""
+    return Accumulate(model, prepare(model, schedule, grad=True, entry="accumulate"), policy)

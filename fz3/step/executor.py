@@ -1,316 +1,297 @@
 """The layer-scan executor: one training step, top to bottom, as an interpreter of a Schedule.
 
-``execute`` is a generator: it runs the schedule's ops in order and yields a ``Frame``
-after every compute op; its return value is the ``Result``. ``fz3.value_and_grad`` drains
-it, ``fz3.step_through`` hands the frames to the user. Closing it early drains every
-collective still in flight, so no rank is left inside one.
+``execute`` runs the schedule's ops in order, one short handler per op kind, all sharing a
+``StepState``; it yields a ``Frame`` after every compute op and returns the ``Result``.
+``fz3.value_and_grad`` drains it, ``fz3.step_through`` hands the frames to the user. Closing
+it early drains every collective still in flight, so no rank is left inside one. The
+handlers follow, in the order a step meets them; the buffer lifetimes are noted below.
 
-Per unit, the buffers and their lifetimes:
+[Note: buffer lifetimes, per unit]
 - gather: a ``(world*n,)`` buffer in the compute dtype, alive until ``free``; a unit of k>1
   layers is copied once into ``(k, full)`` layer order (rank-major gather order otherwise).
-- forward: keeps the unit's input (``forward``: recompute in backward) or its autograd
-  graph (``forward_save``). A unit freed while its graph is alive keeps its buffer object
-  with zero-sized storage (``released``) and is re-gathered into that same storage before
-  its backward, as FSDP2 does with ``untyped_storage().resize_()``: the graph's saved views
-  then see the re-gathered values.
+- forward: keeps the unit's input (``forward``: recompute in backward, with the RNG state
+  it started from) or its autograd graph (``forward_save``). A unit freed while its graph
+  is alive keeps its buffer object with zero-sized storage (``Released``) and is re-gathered
+  into that same storage before its backward, as FSDP2 does with ``untyped_storage().resize_()``:
+  the graph's saved views then see the re-gathered values.
 - backward: one flat gradient ``(world, k, n)`` in rank-major order, alive until its reduce
-  is waited; the gradient shards land in the step's fp32 gradient pytree.
+  is waited; the fp32 gradient shard it reduces into is allocated at the reduce (as
+  activations are freed, like autograd's own ``.grad``).
+- loss: the mean over ranks is all-reduced as soon as it exists and waited at the end.
 """
 
 from __future__ import annotations
 
-from typing import Any, Generator, NamedTuple
+from typing import Any, Callable, Generator
 
+import optree
 import torch
 
-from . import units
-from .comm import Pending, all_gather, all_reduce, reduce_scatter, wait
-from .model import Params, ShardedModel
-from .record import Recorder, nbytes, owned_bytes, pending_bytes
-from .schedule import OUTER, Op, Schedule
+from .. import rng
+from ..comm.collectives import all_gather, all_reduce, reduce_scatter, wait
+from ..schedule.ops import OUTER, Op, OpKind
+from ..schedule.schedule import Schedule
+from ..sharding import compute
+from ..sharding.model import Params, ShardedModel
+from .state import Frame, Loss, Reducing, Result, Saved, StepState, nbytes, pending_bytes, regrow, release
 
 
-class Frame(NamedTuple):
-    """Yielded after each compute op. References only: building it costs nothing."""
-
-    index: int  # position of the op in the schedule
-    op: Op
-    params: torch.Tensor  # the unit's gathered parameters: (outer.padded,) or (k, layer.padded)
-    inputs: Any  # forward: the unit's input (the batch for outer); backward: gradient w.r.t. its output
-    outputs: Any  # forward: its output (h, or (h, *extra) for pre; the loss for `loss`); backward: grad w.r.t. its input
-    grad: torch.Tensor | None  # backward: the unit's full flat gradient before reduction, (world, k, n) or (padded,)
-
-
-class Result(NamedTuple):
-    loss: torch.Tensor  # () fp32, mean over ranks
-    grads: Params | None  # shards of the gradient of the mean loss (None for forward-only)
-
-
-class _Saved(NamedTuple):
-    graph: bool  # True: out/leaves hold the forward graph; False: recompute from x with rng
-    x: Any  # the unit's input: h (its autograd leaf for a graph), or the batch for outer
-    out: Any  # graph only: the unit's output
-    leaves: list  # graph only: parameter leaves (per layer for layer units)
-    extras: tuple  # the extras the unit was called with (leaves at differentiable positions, graph only)
-    rng: torch.Tensor | None  # recompute only: RNG state before the forward (dropout masks repeat)
-
-
-def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
-            recorder: Recorder | None = None, *, loss_scale: float | torch.Tensor = 1.0,
-            carry: dict[int, torch.Tensor] | None = None) -> Generator[Frame, None, Result]:
-    """Run ``schedule`` on ``batch``. ``loss_scale`` multiplies the backward's seed (fp16
-    loss scaling; 1/k for k accumulated micro-batches). ``carry``: unsharded flat gradients
-    accumulated by ``accumulate`` ops, added in at the next ``reduce`` of each unit."""
-    comm, dev = model.comm, model.device
-    world, rank = comm.world_size, comm.rank
-    everyone = world * comm.replicas  # ranks the loss is averaged over
-    cdt, rdt = model.precision.compute, model.precision.reduce
-    grad = schedule.grad
-    num_layers = schedule.num_layers
-
-    gathering: dict[int, Pending] = {}
-    gathered: dict[int, torch.Tensor] = {}
-    released: dict[int, tuple[torch.Tensor, Any]] = {}  # unit -> (buffer with empty storage, its version)
-    saved: dict[int, _Saved] = {}
-    flat_grads: dict[int, torch.Tensor] = {}
-    reducing: dict[int, tuple[Pending, torch.Tensor]] = {}
-    replicating: list[Pending] = []  # hybrid sharding: gradient shards being summed across replicas
-    reduces = grad and any(k == "reduce" for k, _ in schedule.ops)  # False: a deferred micro-batch
-    # Gradient shards, allocated unit by unit as their reduces are issued (as activations are
-    # freed, like autograd's own .grad), joined into the (L, n) stack at the end.
-    shards: dict[int, torch.Tensor] = {}
-    h: torch.Tensor | None = None  # activation flowing forward
-    extras: tuple = ()  # pre's extra outputs, passed to every layer
-    dpos: list[int] = []  # which extras carry gradient
-    g_h: torch.Tensor | None = None  # gradient flowing backward (w.r.t. h)
-    g_extras: dict[int, torch.Tensor] = {}  # summed gradients w.r.t. differentiable extras
-    post_grads: tuple = ()
-    loss_pending: Pending | None = None
-    rng_end = None
+def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any, recorder=None, *,
+            loss: Loss | None = None, loss_scale: float | torch.Tensor = 1.0,
+            carry: dict[int, torch.Tensor] | None = None,
+            reduce_replicas: bool = True) -> Generator[Frame, None, Result]:
+    """Run ``schedule`` on ``batch``. ``loss``: the function the ``loss`` op runs (default:
+    the model's ``post``). ``loss_scale`` multiplies the backward's seed (fp16 loss scaling;
+    1/k for k accumulated micro-batches). ``carry``: unsharded flat gradients accumulated by
+    ``accumulate`` ops, added in at the next ``reduce`` of each unit. ``reduce_replicas``
+    (hybrid sharding): sum the gradient shards across replicas (False: the caller does it
+    once for several micro-batches). ``recorder``: a ``fz3.Recorder``, or None (no cost)."""
+    state = StepState(model, schedule, params, batch, loss or Loss(model.post), loss_scale, carry,
+                      reduce_replicas)
     if recorder is not None:
-        recorder.begin_step(schedule, dev)
-
+        recorder.begin_step(schedule, model.device)
     try:
-        for i, op in enumerate(schedule.ops):
-            if recorder is not None:
-                start = recorder.start()
-            kind, u = op
-            frame = None
-            rows = None if u == OUTER else schedule.layer_range(u)
-
-            if kind == "gather":
-                # Cast before the gather: bf16 moves half the bytes (no-op in fp32).
-                src = (params.outer if rows is None else params.layers[rows.start:rows.stop]).to(cdt)
-                direct = rows is None or len(rows) == 1  # the gather buffer is the parameter buffer
-                if direct and u in released:  # back into the storage the live graph saved views of
-                    out = _regrow(released[u][0]).view(-1)
-                else:
-                    out = torch.empty(world * src.numel(), dtype=cdt, device=dev)
-                gathering[u] = all_gather(comm, out, src.reshape(-1), op)
-
-            elif kind == "wait":
-                out = wait(gathering.pop(u))
-                if rows is None:
-                    buf = out
-                elif len(rows) == 1:
-                    buf = out.view(1, -1)
-                elif u in released:  # rank-major (world, k, n) -> layer-major (k, world*n), in place
-                    buf = _regrow(released[u][0])
-                    buf.copy_(out.view(world, len(rows), -1).transpose(0, 1).reshape(buf.shape))
-                else:
-                    buf = out.view(world, len(rows), -1).transpose(0, 1).reshape(len(rows), -1)
-                if u in released:
-                    # The graph's saved views now hold the same values again; collectives and
-                    # the copy bumped the version counter (gloo: when the work completes), which
-                    # autograd would take for an in-place change. Restore it.
-                    with released.pop(u)[1]:
-                        pass
-                gathered[u] = buf
-
-            elif kind == "free":
-                buf = gathered.pop(u)
-                if u in saved and saved[u].graph:  # a live graph holds views of buf: free the storage only
-                    released[u] = (_release(buf), torch.autograd._unsafe_preserve_version_counter(buf))
-
-            elif kind in ("forward", "forward_save") and u == OUTER:
-                # pre's graph is kept whenever gradients are wanted: it decides which extras
-                # (rotary tables, masks, ...) carry gradient, and costs one activation.
-                views = model.outer.views(gathered[u])
-                lv = units.leaves(views) if grad else views
-                with torch.set_grad_enabled(grad):
-                    h0, ex0 = units.pre(model, lv, batch)
-                dpos = units.differentiable(ex0)
-                if grad:
-                    saved[u] = _Saved(True, batch, (h0, ex0), lv, (), None)
-                h, extras = h0.detach(), tuple(e.detach() if j in dpos else e for j, e in enumerate(ex0))
-                frame = Frame(i, op, gathered[u], batch, (h, *extras), None)
-
-            elif kind in ("forward", "forward_save"):
-                x, views = h, units.layer_views(model.layer, gathered[u])
-                if kind == "forward_save":
-                    lv, xl, el = _layer_leaves(views, x, extras, dpos)
-                    with torch.enable_grad():
-                        out = units.layers(model, rows.start, lv, xl, el)
-                    saved[u] = _Saved(True, xl, out, lv, el, None)
-                    h = out.detach()
-                else:
-                    rng = _rng_state(dev) if grad else None
-                    with torch.no_grad():
-                        h = units.layers(model, rows.start, views, x, extras)
-                    if grad:
-                        saved[u] = _Saved(False, x, None, [], (), rng)
-                frame = Frame(i, op, gathered[u], x, h, None)
-
-            elif kind == "loss":
-                views = model.outer.views(gathered[OUTER])
-                if grad:
-                    lv, hl = units.leaves(views), h.detach().requires_grad_()
-                    with torch.enable_grad():
-                        loss = units.post(model, lv, hl, batch)
-                    # Seed 1/ranks: the reduces are sums over ranks, the loss a mean.
-                    g = torch.autograd.grad(loss, [hl, *lv], torch.full_like(loss, 1.0 / everyone) * loss_scale,
-                                            allow_unused=True)
-                    g_h, post_grads = _or_zeros(g[0], hl), g[1:]
-                    rng_end = _rng_state(dev)
-                else:
-                    with torch.no_grad():
-                        loss = units.post(model, views, h, batch)
-                loss_pending = all_reduce(comm, loss.detach().float() / everyone, group=comm.group,
-                                          label="the loss's mean")
-                frame = Frame(i, op, gathered[OUTER], h, loss, None)
-
-            elif kind == "backward" and u == OUTER:
-                s = saved.pop(u)
-                (h0, ex0), lv = s.out, s.leaves
-                outs = [(t, g) for t, g in [(h0, g_h)] + [(ex0[j], g_extras.get(j)) for j in dpos]
-                        if t.requires_grad and g is not None]
-                gs = (torch.autograd.grad([t for t, _ in outs], lv, [g for _, g in outs], allow_unused=True)
-                      if outs else [None] * len(lv))
-                total = [a if b is None else b if a is None else a + b for a, b in zip(gs, post_grads)]
-                flat_grads[u] = units.flat_grads(model.outer, [total], h0)[0].to(rdt)
-                frame = Frame(i, op, gathered[u], g_h, None, flat_grads[u])
-
-            elif kind == "backward":
-                s = saved.pop(u)
-                if s.graph:
-                    out, lv, xl, el = s.out, s.leaves, s.x, s.extras
-                else:
-                    views = units.layer_views(model.layer, gathered[u])
-                    lv, xl, el = _layer_leaves(views, s.x, extras, dpos)
-                    rng_now = _set_rng(dev, s.rng)
-                    with torch.enable_grad():
-                        out = units.layers(model, rows.start, lv, xl, el)
-                    _set_rng(dev, rng_now)
-                flat_params = [p for layer in lv for p in layer]
-                g = torch.autograd.grad(out, [*flat_params, xl, *(el[j] for j in dpos)], g_h,
-                                        allow_unused=True)
-                n = len(flat_params)
-                g_out = g_h
-                g_h = _or_zeros(g[n], xl)
-                for j, ge in zip(dpos, g[n + 1:]):
-                    if ge is not None:
-                        g_extras[j] = ge if j not in g_extras else g_extras[j] + ge
-                per, k = len(model.layer.slots), len(lv)
-                by_layer = [g[j * per:(j + 1) * per] for j in range(k)]
-                if k == 1 or schedule.reduce == "all_reduce":
-                    # One cat, layer-major (k, world, n), seen as (world, k, n): an all-reduce sums
-                    # in any order, and for one layer the two orders are the same memory.
-                    flat = units.flat_grads(model.layer, by_layer, out).view(k, world, -1).transpose(0, 1)
-                else:  # the reduce-scatter hands rank r the r-th contiguous chunk: (world, k, n) in memory
-                    flat = torch.stack([units.flat_grads(model.layer, [gj], out).view(world, -1) for gj in by_layer], 1)
-                flat_grads[u] = flat.to(rdt)  # (world, k, n), each layer's (world, n) in rank order
-                frame = Frame(i, op, gathered[u], g_out, g_h, flat_grads[u])
-
-            elif kind == "accumulate":
-                g = flat_grads.pop(u)
-                carry[u] = g if u not in carry else carry[u].add_(g)
-
-            elif kind == "reduce":
-                g = flat_grads.pop(u)
-                if carry and u in carry:  # gradients deferred from earlier micro-batches
-                    g = carry.pop(u).add_(g)
-                n = model.outer.shard_numel if rows is None else len(rows) * model.layer.shard_numel
-                dest = shards[u] = torch.empty(n, dtype=torch.float32, device=dev)  # fully written by the reduce
-                if schedule.reduce == "all_reduce":  # in place, on the layer-major memory of g
-                    g = g if rows is None else g.transpose(0, 1).contiguous()  # (k, world, n): no copy
-                    reducing[u] = (all_reduce(comm, g, label=op), dest)
-                else:
-                    out = dest.view(-1) if rdt == torch.float32 else torch.empty(dest.numel(), dtype=rdt, device=dev)
-                    reducing[u] = (reduce_scatter(comm, out, g.contiguous().view(-1), op), dest)
-
-            elif kind == "wait_reduce":
-                p, dest = reducing.pop(u)
-                out = wait(p)
-                if schedule.reduce == "all_reduce":  # this rank's chunk of each layer
-                    mine = out.view(world, -1)[rank] if rows is None else out[:, rank]
-                    dest.view(mine.shape).copy_(mine)
-                elif out.data_ptr() != dest.data_ptr():
-                    dest.copy_(out)
-                if comm.replicas > 1:  # hybrid sharding: sum the shard across replicas, waited at the end
-                    replicating.append(all_reduce(comm, dest, group=comm.replicate_group, label=op))
-
-            if recorder is not None:
-                live = len(gathering) + len(gathered) - (OUTER in gathering or OUTER in gathered)
-                moved = (nbytes(gathering[u].out) if kind == "gather" else
-                         pending_bytes(reducing[u][0]) if kind == "reduce" else 0)
-                owned = owned_bytes(gathering, gathered, flat_grads, reducing, saved)
-                recorder.record(i, start, live, moved, owned)
-            if frame is not None:
-                yield frame
-
-        loss = wait(loss_pending)
-        loss_pending = None
-        if comm.replicas > 1:
-            loss = wait(all_reduce(comm, loss, group=comm.replicate_group, label="the loss's mean"))
-        while replicating:
-            wait(replicating.pop())
-        if grad:
-            _set_rng(dev, rng_end)  # as after plain autograd: the forward consumed the RNG, backward none
-        if not reduces:
-            return Result(loss, None)
-        stack = [shards[u].view(len(schedule.layer_range(u)), -1) for u in range(schedule.num_units)]
-        layers = stack[0] if len(stack) == 1 else torch.cat(stack) if stack else \
-            torch.empty(0, model.layer.shard_numel, device=dev)
-        return Result(loss, Params(shards[OUTER], layers))
+        with compute.mode(model):
+            for index, op in enumerate(schedule.ops):
+                start = recorder.start() if recorder is not None else None
+                frame = HANDLERS[op.kind](state, op, index)
+                if recorder is not None:
+                    recorder.record(index, start, state.live_units(), _moved(state, op), state.owned_bytes())
+                if frame is not None:
+                    yield frame
+            return _finish(state)
     finally:
-        # Normal end: nothing is left. Early close (step_through stopped, an error): finish what
-        # this rank issued, so the collective sequence stays the same on every rank.
-        for p in list(gathering.values()) + [p for p, _ in reducing.values()] + replicating + \
-                ([loss_pending] if loss_pending is not None else []):
-            wait(p)
+        state.drain(wait)
 
 
-def _layer_leaves(views, x, extras, dpos):
-    """Autograd leaves for a layer unit: parameters (per layer), input, differentiable extras."""
-    lv = [units.leaves(v) for v in views]
-    xl = x.detach().requires_grad_()
-    el = tuple(e.detach().requires_grad_() if j in dpos else e for j, e in enumerate(extras))
-    return lv, xl, el
+# The handlers, in the order a step meets them: (state, op, index) -> Frame | None.
+
+
+def _gather(s: StepState, op: Op, index: int) -> None:
+    u, m = op.unit, s.model
+    rows = None if u == OUTER else s.schedule.layer_range(u)
+    # Cast before the gather: bf16 moves half the bytes (no-op in fp32).
+    shard = (s.params.outer if rows is None else s.params.layers[rows.start:rows.stop]).to(m.precision.compute)
+    direct = rows is None or len(rows) == 1  # the gather buffer is the parameter buffer
+    if direct and u in s.released:  # back into the storage the live graph saved views of
+        out = regrow(s.released[u].buffer).view(-1)
+    else:
+        out = torch.empty(m.world_size * shard.numel(), dtype=m.precision.compute, device=m.device)
+    s.gathering[u] = all_gather(m.comm, out, shard.reshape(-1), op)
+
+
+def _wait(s: StepState, op: Op, index: int) -> None:
+    u, world = op.unit, s.model.world_size
+    out = wait(s.gathering.pop(u))
+    rows = None if u == OUTER else s.schedule.layer_range(u)
+    if rows is None:
+        buf = out
+    elif len(rows) == 1:
+        buf = out.view(1, -1)
+    elif u in s.released:  # rank-major (world, k, n) -> layer-major (k, world*n), in place
+        buf = regrow(s.released[u].buffer)
+        buf.copy_(out.view(world, len(rows), -1).transpose(0, 1).reshape(buf.shape))
+    else:
+        buf = out.view(world, len(rows), -1).transpose(0, 1).reshape(len(rows), -1)
+    if u in s.released:
+        # The graph's saved views now hold the same values again; collectives and the copy
+        # bumped the version counter (gloo: when the work completes), which autograd would
+        # take for an in-place change. Restore it.
+        with s.released.pop(u).version:
+            pass
+    s.gathered[u] = buf
+
+
+def _forward(s: StepState, op: Op, index: int) -> Frame:
+    return _forward_outer(s, op, index) if op.unit == OUTER else _forward_layers(s, op, index)
+
+
+def _forward_outer(s: StepState, op: Op, index: int) -> Frame:
+    # pre's graph is kept whenever gradients are wanted: it decides which extras (rotary
+    # tables, masks, ...) carry gradient, and costs one activation.
+    grad = s.schedule.grad
+    views = s.model.outer.views(s.gathered[OUTER])
+    params = compute.leaves(views) if grad else views
+    with torch.set_grad_enabled(grad):
+        h, extras = compute.run_pre(s.model, params, s.batch)
+    s.grad_positions = compute.differentiable(extras)
+    if grad:
+        s.saved[OUTER] = Saved(True, s.batch, (h, extras), params, (), None)
+    s.h = h.detach()
+    s.extras = tuple(e.detach() if j in s.grad_positions else e for j, e in enumerate(extras))
+    return Frame(index, op, s.gathered[OUTER], s.batch, (s.h, *s.extras), None)
+
+
+def _forward_layers(s: StepState, op: Op, index: int) -> Frame:
+    u, x = op.unit, s.h
+    first = s.schedule.layer_range(u).start
+    views = compute.layer_views(s.model.layer, s.gathered[u])
+    if op.kind == OpKind.FORWARD_SAVE:
+        params, x_leaf, extras = compute.layer_leaves(views, x, s.extras, s.grad_positions)
+        with torch.enable_grad():
+            out = compute.run_layers(s.model, first, params, x_leaf, extras)
+        s.saved[u] = Saved(True, x_leaf, out, params, extras, None)
+        s.h = out.detach()
+    else:
+        before = rng.capture(s.model.device) if s.schedule.grad else None
+        with torch.no_grad():
+            s.h = compute.run_layers(s.model, first, views, x, s.extras)
+        if s.schedule.grad:
+            s.saved[u] = Saved(False, x, None, [], (), before)
+    return Frame(index, op, s.gathered[u], x, s.h, None)
+
+
+def _loss(s: StepState, op: Op, index: int) -> Frame:
+    views = s.model.outer.views(s.gathered[OUTER])
+    fn, has_aux = s.loss_fn
+    if s.schedule.grad:
+        params, h = compute.leaves(views), s.h.detach().requires_grad_()
+        with torch.enable_grad():
+            loss, aux = compute.run_loss(s.model, fn, has_aux, params, h, s.batch)
+        # Seed 1/ranks: the reduces are sums over ranks, the loss a mean.
+        seed = torch.full_like(loss, 1.0 / _ranks(s)) * s.loss_scale
+        g = torch.autograd.grad(loss, [h, *params], seed, allow_unused=True)
+        s.grad_h, s.head_grads = _or_zeros(g[0], h), g[1:]
+        s.rng_after = rng.capture(s.model.device)
+    else:
+        with torch.no_grad():
+            loss, aux = compute.run_loss(s.model, fn, has_aux, views, s.h, s.batch)
+    s.loss, s.aux = loss.detach(), _detached(aux)
+    s.loss_mean = all_reduce(s.model.comm, s.loss.float() / _ranks(s), group=s.model.comm.group,
+                             label="the loss's mean")
+    return Frame(index, op, s.gathered[OUTER], s.h, loss, None)
+
+
+def _backward(s: StepState, op: Op, index: int) -> Frame:
+    return _backward_outer(s, op, index) if op.unit == OUTER else _backward_layers(s, op, index)
+
+
+def _backward_layers(s: StepState, op: Op, index: int) -> Frame:
+    u, model = op.unit, s.model
+    saved = s.saved.pop(u)
+    first = s.schedule.layer_range(u).start
+    if saved.graph:
+        out, params, x_leaf, extras = saved.out, saved.leaves, saved.x, saved.extras
+    else:  # recompute from the saved input, replaying the forward's RNG
+        params, x_leaf, extras = compute.layer_leaves(compute.layer_views(model.layer, s.gathered[u]), saved.x, s.extras,
+                                                       s.grad_positions)
+        now = rng.swap(saved.rng, model.device)
+        with torch.enable_grad():
+            out = compute.run_layers(model, first, params, x_leaf, extras)
+        rng.restore(now, model.device)
+    flat_params = [p for layer in params for p in layer]
+    wrt = [*flat_params, x_leaf, *(extras[j] for j in s.grad_positions)]
+    g = torch.autograd.grad(out, wrt, s.grad_h, allow_unused=True)
+    n = len(flat_params)
+    grad_out, s.grad_h = s.grad_h, _or_zeros(g[n], x_leaf)
+    for j, ge in zip(s.grad_positions, g[n + 1:]):
+        if ge is not None:
+            s.grad_extras[j] = ge if j not in s.grad_extras else s.grad_extras[j] + ge
+    s.unreduced[u] = compute.layer_flat_grad(model.layer, model.world_size, g[:n], len(params), out,
+                                             by_layer=s.schedule.reduce == "all_reduce").to(model.precision.reduce)
+    return Frame(index, op, s.gathered[u], grad_out, s.grad_h, s.unreduced[u])
+
+
+def _backward_outer(s: StepState, op: Op, index: int) -> Frame:
+    saved = s.saved.pop(OUTER)
+    (h, extras), params = saved.out, saved.leaves
+    outputs = [(h, s.grad_h)] + [(extras[j], s.grad_extras.get(j)) for j in s.grad_positions]
+    outputs = [(t, g) for t, g in outputs if t.requires_grad and g is not None]
+    grads = torch.autograd.grad([t for t, _ in outputs], params, [g for _, g in outputs],
+                                allow_unused=True) if outputs else [None] * len(params)
+    total = [a if b is None else b if a is None else a + b for a, b in zip(grads, s.head_grads)]
+    s.unreduced[OUTER] = compute.flat_grads(s.model.outer, [total], h)[0].to(s.model.precision.reduce)
+    return Frame(index, op, s.gathered[OUTER], s.grad_h, None, s.unreduced[OUTER])
+
+
+def _free(s: StepState, op: Op, index: int) -> None:
+    u = op.unit
+    buf = s.gathered.pop(u)
+    saved = s.saved.get(u)
+    if saved is not None and saved.graph:  # a live graph holds views of buf: free the storage only
+        s.released[u] = release(buf)
+
+
+def _reduce(s: StepState, op: Op, index: int) -> None:
+    u, m = op.unit, s.model
+    g = s.unreduced.pop(u)
+    if s.carry and u in s.carry:  # gradients deferred from earlier micro-batches
+        g = s.carry.pop(u).add_(g)
+    rows = None if u == OUTER else s.schedule.layer_range(u)
+    n = s.schedule.unit_elements(u, m.outer.shard_numel, m.layer.shard_numel)
+    shard = s.shards[u] = torch.empty(n, dtype=torch.float32, device=m.device)  # fully written by the reduce
+    if s.schedule.reduce == "all_reduce":  # in place, on the layer-major memory of g
+        g = g if rows is None else g.transpose(0, 1).contiguous()  # (k, world, n): no copy
+        s.reducing[u] = Reducing(all_reduce(m.comm, g, label=op), shard)
+    else:
+        rdt = m.precision.reduce
+        out = shard if rdt == torch.float32 else torch.empty(n, dtype=rdt, device=m.device)
+        s.reducing[u] = Reducing(reduce_scatter(m.comm, out, g.contiguous().view(-1), op), shard)
+
+
+def _wait_reduce(s: StepState, op: Op, index: int) -> None:
+    u, comm = op.unit, s.model.comm
+    pending, shard = s.reducing.pop(u)
+    out = wait(pending)
+    if s.schedule.reduce == "all_reduce":  # this rank's chunk of each layer
+        mine = out.view(comm.world_size, -1)[comm.rank] if u == OUTER else out[:, comm.rank]
+        shard.view(mine.shape).copy_(mine)
+    elif out.data_ptr() != shard.data_ptr():
+        shard.copy_(out)
+    if comm.replicas > 1 and s.reduces_replicas:  # hybrid: sum the shard across replicas, waited at the end
+        s.replicating.append(all_reduce(comm, shard, group=comm.replicate_group, label=op))
+
+
+def _accumulate(s: StepState, op: Op, index: int) -> None:
+    g = s.unreduced.pop(op.unit)
+    s.carry[op.unit] = g if op.unit not in s.carry else s.carry[op.unit].add_(g)
+
+
+HANDLERS: dict[OpKind, Callable[[StepState, Op, int], Frame | None]] = {
+    OpKind.GATHER: _gather, OpKind.WAIT: _wait, OpKind.FORWARD: _forward, OpKind.FORWARD_SAVE: _forward,
+    OpKind.LOSS: _loss, OpKind.BACKWARD: _backward, OpKind.FREE: _free, OpKind.REDUCE: _reduce,
+    OpKind.WAIT_REDUCE: _wait_reduce, OpKind.ACCUMULATE: _accumulate,
+}
+
+
+def _finish(s: StepState) -> Result:
+    comm = s.model.comm
+    loss = wait(s.loss_mean)
+    s.loss_mean = None
+    if comm.replicas > 1:
+        loss = wait(all_reduce(comm, loss, group=comm.replicate_group, label="the loss's mean"))
+    while s.replicating:
+        wait(s.replicating.pop())
+    if s.schedule.grad:
+        rng.restore(s.rng_after, s.model.device)  # as after plain autograd: forward drew, backward none
+    if not s.shards:  # forward-only, or a deferred micro-batch
+        return Result(loss, None, s.aux)
+    layer_shards = [s.shards[u].view(len(s.schedule.layer_range(u)), -1) for u in range(s.schedule.num_units)]
+    layers = layer_shards[0] if len(layer_shards) == 1 else torch.cat(layer_shards) if layer_shards else \
+        torch.empty(0, s.model.layer.shard_numel, device=s.model.device)
+    return Result(loss, Params(s.shards[OUTER], layers), s.aux)
+
+
+# Helpers of the handlers.
+
+
+def _ranks(s: StepState) -> int:
+    """Ranks the loss is averaged over (every replica's too, with hybrid sharding)."""
+    return s.model.world_size * s.model.comm.replicas
+
+
+def _moved(s: StepState, op: Op) -> int:
+    """Bytes a collective op moves (the full, unsharded buffer); 0 for other ops."""
+    if op.kind == OpKind.GATHER:
+        return nbytes(s.gathering[op.unit].out)
+    if op.kind == OpKind.REDUCE:
+        return pending_bytes(s.reducing[op.unit].pending)
+    return 0
+
+
+def _detached(aux: Any) -> Any:
+    return optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, aux, none_is_leaf=True)
 
 
 def _or_zeros(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(like) if g is None else g
-
-
-def _release(buf: torch.Tensor) -> torch.Tensor:
-    buf.untyped_storage().resize_(0)
-    return buf
-
-
-def _regrow(buf: torch.Tensor) -> torch.Tensor:
-    buf.untyped_storage().resize_(buf.numel() * buf.element_size())
-    return buf
-
-
-def _rng_state(dev: torch.device) -> torch.Tensor:
-    return torch.cuda.get_rng_state(dev) if dev.type == "cuda" else torch.get_rng_state()
-
-
-def _set_rng(dev: torch.device, state: torch.Tensor) -> torch.Tensor:
-    """Set the device's RNG state; return the state it replaces."""
-    now = _rng_state(dev)
-    if dev.type == "cuda":
-        torch.cuda.set_rng_state(state, dev)
-    else:
-        torch.set_rng_state(state)
-    return now

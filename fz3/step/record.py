@@ -14,8 +14,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..comm.collectives import Pending
-from ..schedule.schedule import Op, Schedule
+from ..schedule.ops import Op
+from ..schedule.schedule import Schedule
 
 
 class Event(NamedTuple):
@@ -74,24 +74,3 @@ class Recorder:
         self._cuda[-1][1].synchronize()
         first = self._cuda[0][0]
         return [(first.elapsed_time(a), first.elapsed_time(b)) for a, b in self._cuda]
-
-
-# What the executor owns, counted from its own tables (only when recording).
-
-
-def nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def pending_bytes(p: Pending) -> int:
-    """A reduce's full gradient: the reduce-scatter's input, or the all-reduce's buffer."""
-    return nbytes(p.keep if p.keep is not None else p.out)
-
-
-def owned_bytes(gathering: dict, gathered: dict, flat_grads: dict, reducing: dict, saved: dict) -> tuple[int, int, int]:
-    """Bytes of the buffers the executor holds: gathered parameters, unreduced gradients,
-    inputs saved for recompute. Computed only when recording."""
-    params = sum(nbytes(p.out) for p in gathering.values()) + sum(nbytes(b) for b in gathered.values())
-    grads = sum(nbytes(g) for g in flat_grads.values()) + sum(pending_bytes(p) for p, _ in reducing.values())
-    inputs = sum(nbytes(s.x) for s in saved.values() if not s.graph and isinstance(s.x, torch.Tensor))
-    return params, grads, inputs

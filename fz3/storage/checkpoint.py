@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import rng
+from ..compare import first_difference
 from ..sharding.layout import FlatLayout
 from ..sharding.model import Params, ShardedModel
 
@@ -44,7 +46,7 @@ def save(path: str, model: ShardedModel, state: Any) -> None:
         shutil.rmtree(partial, ignore_errors=True)
     _barrier(model)
     flat = _flatten(model, state, "")
-    flat[f"rng.rank{dist.get_rank()}"] = _rng(model)
+    flat[f"rng.rank{dist.get_rank()}"] = rng.pack(rng.capture(model.device))
     dcp.save(flat, checkpoint_id=partial, process_group=_everyone(model))
     if dist.get_rank() == 0:  # DCP's save returns on the coordinator only after every rank has written
         with open(os.path.join(partial, META), "w") as f:
@@ -74,13 +76,13 @@ def load(path: str, model: ShardedModel, template: Any, *, restore_rng: bool = T
     rng_key = f"rng.rank{dist.get_rank()}"
     with_rng = restore_rng and dist.get_rank() < meta["ranks"]  # ranks beyond the saved job keep theirs
     if with_rng:
-        flat[rng_key] = _rng(model)
+        flat[rng_key] = rng.pack(rng.capture(model.device))
     try:
         dcp.load(flat, checkpoint_id=path, process_group=_everyone(model))
     except (Exception, CheckpointException) as e:  # DCP raises every rank's failure on all of them
         raise ValueError(f"checkpoint {path} could not be read (damaged or truncated?): {e}") from e
     if with_rng:
-        _set_rng(model, flat.pop(rng_key))
+        rng.restore(rng.unpack(flat.pop(rng_key), model.device), model.device)
     return _unflatten(model, template, flat, "")
 
 
@@ -100,8 +102,7 @@ def _flatten(model: ShardedModel, x: Any, key: str, for_load: bool = False) -> d
 
 def _unflatten(model: ShardedModel, x: Any, flat: dict[str, Any], key: str) -> Any:
     if isinstance(x, Params):
-        return Params(_local(model.outer, flat[f"{key}outer"], model.rank).reshape(-1),
-                      _local(model.layer, flat[f"{key}layers"], model.rank))
+        return Params(_local(model.outer, flat[f"{key}outer"]).reshape(-1), _local(model.layer, flat[f"{key}layers"]))
     if isinstance(x, tuple) and hasattr(x, "_fields"):
         return type(x)(*(_unflatten(model, item, flat, f"{key}{f}.") for f, item in zip(x._fields, x)))
     if isinstance(x, dict):
@@ -127,7 +128,7 @@ def _dtensor(model: ShardedModel, layout: FlatLayout, shards: torch.Tensor, for_
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=(layout.numel, 1))
 
 
-def _local(layout: FlatLayout, t: Any, rank: int) -> torch.Tensor:
+def _local(layout: FlatLayout, t: Any) -> torch.Tensor:
     """The DTensor's local chunk, padded back to (rows, shard) with zeros."""
     local = t.to_local()
     out = torch.zeros(local.shape[0], layout.shard_numel, dtype=local.dtype, device=local.device)
@@ -178,27 +179,15 @@ def _check_model(path: str, meta: dict, model: ShardedModel) -> None:
         raise ValueError(f"checkpoint {path} has {meta['num_layers']} layers, the model {model.num_layers} "
                          f"({os.path.join(path, META)})")
     for unit in ("outer", "layer"):
-        for i, (a, b) in enumerate(zip(meta[unit] + [None] * len(mine[unit]), mine[unit] + [None] * len(meta[unit]))):
-            if a != b:
-                raise ValueError(f"checkpoint {path} was saved from another model: {unit} parameter #{i} is "
-                                 f"{_slot(a)} there and {_slot(b)} here ({os.path.join(path, META)})")
+        diff = first_difference(meta[unit], mine[unit])
+        if diff is not None:
+            i, there, here = diff
+            raise ValueError(f"checkpoint {path} was saved from another model: {unit} parameter #{i} is "
+                             f"{_slot(there)} there and {_slot(here)} here ({os.path.join(path, META)})")
 
 
 def _slot(s) -> str:
     return "nothing" if s is None else f"{s[0][0]} {s[1]}"
-
-
-def _rng(model: ShardedModel) -> torch.Tensor:
-    if model.device.type == "cuda":
-        return torch.cat([torch.get_rng_state(), torch.cuda.get_rng_state(model.device)])
-    return torch.get_rng_state()
-
-
-def _set_rng(model: ShardedModel, state: torch.Tensor) -> None:
-    cpu = torch.get_rng_state().numel()
-    torch.set_rng_state(state[:cpu].clone())
-    if model.device.type == "cuda":
-        torch.cuda.set_rng_state(state[cpu:].clone(), model.device)
 
 
 def _everyone(model: ShardedModel) -> dist.ProcessGroup | None:

@@ -20,9 +20,9 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from ..comm.collectives import all_gather, wait
 from ..sharding.layout import FlatLayout
 from ..sharding.model import Params, ShardedModel
+from .gather import gather_unit
 
 
 class ExportReport(NamedTuple):
@@ -33,7 +33,8 @@ class ExportReport(NamedTuple):
 
 def export(path: str, model: ShardedModel, params: Params, *,
            format: Literal["safetensors", "torch"] | None = None) -> ExportReport:
-    """Write the consolidated weights (and persistent buffers) under ``path``; every rank must call it."""
+    """Write the consolidated weights (and persistent buffers) under ``path``.
+    **Collective**: one all-gather per unit; every rank must call it."""
     fmt = format or ("safetensors" if _has_safetensors() else "torch")
     rank0 = model.is_root
     units: list[tuple[FlatLayout, torch.Tensor, str]] = [(model.outer, params.outer, "")]
@@ -46,13 +47,12 @@ def export(path: str, model: ShardedModel, params: Params, *,
     skeleton_params = dict(model.skeleton.named_parameters(remove_duplicate=False))
     buffers = {k: v for k, v in model.skeleton.state_dict(keep_vars=True).items() if k not in skeleton_params}
     for k, (layout, shard, prefix) in enumerate(units):
-        full = torch.empty(layout.padded, dtype=shard.dtype, device=shard.device)
-        wait(all_gather(model.comm, full, shard.contiguous()))
-        held = full.numel() * full.element_size()
+        gathered = gather_unit(model, layout, shard)
+        held = layout.padded * shard.element_size()
         if rank0:
             tensors = {}
-            for s, v in zip(layout.slots, layout.views(full)):
-                tensors[prefix + s.name] = v.to(device="cpu", dtype=s.dtype).clone()
+            for s, t in gathered:
+                tensors[prefix + s.name] = t
                 aliases.update({prefix + alias: prefix + s.name for alias in s.names[1:]})
             if k == 0:
                 tensors.update({b: t.detach().cpu().clone() for b, t in buffers.items()})
@@ -64,7 +64,7 @@ def export(path: str, model: ShardedModel, params: Params, *,
             total += sum(t.numel() * t.element_size() for t in tensors.values())
             del tensors
         peak = max(peak, held)
-        del full
+        del gathered
     if rank0:
         index = {"metadata": {"total_size": total, "format": fmt}, "weight_map": weight_map, "fz3_aliases": aliases}
         with open(os.path.join(path, f"{stem}.{ext}.index.json"), "w") as f:

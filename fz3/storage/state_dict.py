@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from ..comm.collectives import all_gather, wait
-from ..sharding.layout import FlatLayout
 from ..sharding.model import Params, ShardedModel
+from .gather import gather_unit
 
 
 def full_state_dict(model: ShardedModel, tree: Params, *, buffers: bool = True) -> dict[str, torch.Tensor] | None:
     """Gather ``tree`` (params, grads, an optimizer moment: anything shaped like params) into
     ``{original name: full tensor}`` on (global) rank 0, in ``module.state_dict()`` order, cast
-    to each parameter's original dtype; ``None`` on other ranks. Every rank must call it.
+    to each parameter's original dtype; ``None`` on other ranks. **Collective**: every rank must call it.
 
     One unit is gathered at a time, so the extra memory on ranks other than 0 is one unit.
     ``buffers=True`` adds the module's persistent buffers, so the result loads into the
@@ -20,9 +19,11 @@ def full_state_dict(model: ShardedModel, tree: Params, *, buffers: bool = True) 
     """
     rank0 = model.is_root
     found: dict[str, torch.Tensor] = {}
-    _gather_unit(model, model.outer, tree.outer, "", found, rank0)
-    for i in range(model.num_layers):
-        _gather_unit(model, model.layer, tree.layers[i], f"{model.layers_path}.{i}.", found, rank0)
+    units = [(model.outer, tree.outer, "")]
+    units += [(model.layer, tree.layers[i], f"{model.layers_path}.{i}.") for i in range(model.num_layers)]
+    for layout, shard, prefix in units:
+        for slot, t in gather_unit(model, layout, shard) or []:
+            found.update({prefix + n: t for n in slot.names})
     if not rank0:
         return None
     out: dict[str, torch.Tensor] = {}
@@ -34,14 +35,3 @@ def full_state_dict(model: ShardedModel, tree: Params, *, buffers: bool = True) 
             out[name] = t.detach().cpu().clone()
     return out
 
-
-def _gather_unit(model: ShardedModel, layout: FlatLayout, shard: torch.Tensor, prefix: str,
-                 found: dict[str, torch.Tensor], keep: bool) -> None:
-    full = torch.empty(layout.padded, dtype=shard.dtype, device=shard.device)
-    wait(all_gather(model.comm, full, shard.contiguous()))
-    if not keep:
-        return
-    for s, v in zip(layout.slots, layout.views(full)):
-        t = v.to(device="cpu", dtype=s.dtype, copy=True)
-        for n in s.names:
-            found[prefix + n] = t

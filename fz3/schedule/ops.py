@@ -1,0 +1,172 @@
+"""What an op is and what it does: op kinds as an ``Enum``, and one table of what each kind
+does to a unit's state. Everything that interprets a schedule without running it (the
+validator, the memory model, the cost model, the trace lanes) is a fold over this table.
+
+A unit has three independent pieces of state:
+
+==============  ===============================================================
+``params``      ``ABSENT -> GATHERING -> GATHERED -> ABSENT`` (gather, wait, free)
+``activation``  ``NONE -> KEPT -> NONE``: a forward keeps the unit's input (``forward``,
+                recompute in backward) or its graph (``forward_save``) until its backward
+``grad``        ``NONE -> UNREDUCED -> REDUCING -> REDUCED`` (backward, reduce,
+                wait_reduce), or ``UNREDUCED -> CARRIED`` (accumulate: summed into a
+                buffer that the next micro-batch reduces)
+==============  ===============================================================
+
+Compute ops also need their unit ``GATHERED`` and must come in the compute order (see
+``fz3.schedule.schedule.compute_order``); that rule is global, not per unit, and lives with
+the schedule.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import NamedTuple
+
+OUTER = -1  # the outer unit: every parameter outside the layer stack
+
+
+class Category(Enum):
+    """What an op does, as the streams and lanes see it."""
+
+    ISSUE = "issue"  # starts a collective (async)
+    WAIT = "wait"  # blocks until a collective is done
+    COMPUTE = "compute"  # runs the model's math
+    LIFETIME = "lifetime"  # ends a buffer's life (free, accumulate)
+
+
+class OpKind(str, Enum):
+    """The kinds of op. A ``str`` enum: ``OpKind("gather")`` and ``Op("gather", 0)`` work."""
+
+    GATHER = "gather"  # issue the all-gather of the unit's shards
+    WAIT = "wait"  # block until the unit's gather is done
+    FORWARD = "forward"  # compute the unit; keep its input (recompute in backward)
+    FORWARD_SAVE = "forward_save"  # compute the unit; keep its autograd graph
+    LOSS = "loss"  # post + loss, and its vjp (the outer unit)
+    BACKWARD = "backward"  # vjp of the unit (recomputing it first after ``forward``)
+    FREE = "free"  # release the unit's gathered parameters
+    REDUCE = "reduce"  # issue the reduce-scatter (or all-reduce) of its flat gradient
+    WAIT_REDUCE = "wait_reduce"  # block until its gradient shard is ready
+    ACCUMULATE = "accumulate"  # add its flat gradient into a carried buffer instead
+
+    __hash__ = str.__hash__  # hash like the string, so "gather" and OpKind.GATHER are one key
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+    @property
+    def category(self) -> Category:
+        return _CATEGORY[self]
+
+
+_CATEGORY = {
+    OpKind.GATHER: Category.ISSUE, OpKind.REDUCE: Category.ISSUE,
+    OpKind.WAIT: Category.WAIT, OpKind.WAIT_REDUCE: Category.WAIT,
+    OpKind.FORWARD: Category.COMPUTE, OpKind.FORWARD_SAVE: Category.COMPUTE,
+    OpKind.LOSS: Category.COMPUTE, OpKind.BACKWARD: Category.COMPUTE,
+    OpKind.FREE: Category.LIFETIME, OpKind.ACCUMULATE: Category.LIFETIME,
+}
+COMPUTE_KINDS = frozenset(k for k in OpKind if k.category is Category.COMPUTE)
+COMPLETES = {OpKind.WAIT: OpKind.GATHER, OpKind.WAIT_REDUCE: OpKind.REDUCE}  # wait -> the issue it ends
+
+
+class Op(NamedTuple):
+    kind: OpKind
+    unit: int = OUTER
+
+    def __str__(self) -> str:
+        return "loss" if self.kind == OpKind.LOSS else f"{self.kind} {unit_name(self.unit)}"
+
+
+def unit_name(u: int) -> str:
+    return "outer" if u == OUTER else f"layers.{u}"
+
+
+class Params(Enum):
+    ABSENT = "absent"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+class Activation(Enum):
+    NONE = "none"
+    KEPT = "kept"
+
+
+class Grad(Enum):
+    NONE = "none"
+    UNREDUCED = "unreduced"
+    REDUCING = "reducing"
+    REDUCED = "reduced"
+    CARRIED = "carried"
+
+
+class UnitState(NamedTuple):
+    params: Params = Params.ABSENT
+    activation: Activation = Activation.NONE
+    grad: Grad = Grad.NONE
+
+
+class Change(NamedTuple):
+    """One field of ``UnitState``: the states it may be in before the op, and after."""
+
+    field: str
+    before: frozenset
+    after: Enum
+
+
+def _c(field: str, before: set, after: Enum) -> Change:
+    return Change(field, frozenset(before), after)
+
+
+_GATHERED = _c("params", {Params.GATHERED}, Params.GATHERED)  # compute needs it, leaves it
+# The table. A forward in a forward-only schedule keeps nothing (the fold skips KEPT there).
+TABLE: dict[OpKind, tuple[Change, ...]] = {
+    OpKind.GATHER: (_c("params", {Params.ABSENT}, Params.GATHERING),),
+    OpKind.WAIT: (_c("params", {Params.GATHERING}, Params.GATHERED),),
+    OpKind.FORWARD: (_GATHERED, _c("activation", {Activation.NONE}, Activation.KEPT)),
+    OpKind.FORWARD_SAVE: (_GATHERED, _c("activation", {Activation.NONE}, Activation.KEPT)),
+    OpKind.LOSS: (_GATHERED,),
+    OpKind.BACKWARD: (_GATHERED, _c("activation", {Activation.KEPT}, Activation.NONE),
+                      _c("grad", {Grad.NONE}, Grad.UNREDUCED)),
+    OpKind.FREE: (_c("params", {Params.GATHERED}, Params.ABSENT),),
+    OpKind.REDUCE: (_c("grad", {Grad.UNREDUCED}, Grad.REDUCING),),
+    OpKind.WAIT_REDUCE: (_c("grad", {Grad.REDUCING}, Grad.REDUCED),),
+    OpKind.ACCUMULATE: (_c("grad", {Grad.UNREDUCED}, Grad.CARRIED),),
+}
+
+
+def apply(kind: OpKind, unit: int, state: UnitState, *, grad: bool = True) -> UnitState | str:
+    """The unit's state after an op of ``kind``, or the reason it cannot run (a string)."""
+    new = state
+    for change in TABLE[kind]:
+        now = getattr(state, change.field)
+        if now not in change.before:
+            return _why(kind, change.field, now, unit_name(unit))
+        if change.field == "activation" and not grad:
+            continue  # forward-only: nothing is kept for a backward
+        new = new._replace(**{change.field: change.after})
+    return new
+
+
+def _why(kind: OpKind, field: str, now: Enum, name: str) -> str:
+    if field == "params":
+        if kind == OpKind.GATHER:
+            return f"{name} is already {'being gathered' if now is Params.GATHERING else 'gathered'}"
+        if kind == OpKind.WAIT:
+            return f"no gather of {name} is in flight"
+        if kind == OpKind.FREE:
+            return f"{name} is not gathered (never gathered, not waited, or freed already)"
+        why = "its gather was not waited" if now is Params.GATHERING else "it is not gathered"
+        return f"{name} is used but {why}"
+    if field == "activation":
+        return f"{name} has no forward to take the backward of" if now is Activation.NONE else \
+            f"{name} ran its forward twice"
+    if kind == OpKind.WAIT_REDUCE:
+        return f"no reduce of {name} is in flight"
+    if now is Grad.NONE:
+        return f"the gradient of {name} does not exist yet (its backward has not run)"
+    twice = "reduced twice" if kind == OpKind.REDUCE else "reduced or accumulated twice"
+    return f"the gradient of {name} is {twice}"

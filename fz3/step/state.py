@@ -1,0 +1,156 @@
+"""``StepState``: everything one step's ops share, by unit, for one call of the executor.
+
+The handlers in ``fz3/step/executor.py`` read and write it; nothing else does. It answers
+the two questions others ask about a running step: which bytes it owns (for ``Recorder``)
+and which collectives are still in flight (to drain them when a step ends early).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from ..comm.collectives import Pending
+from ..rng import RngState
+from ..schedule.ops import OUTER, Op
+from ..schedule.schedule import Schedule
+from ..sharding.model import BoundFunction, Params, ShardedModel
+
+
+class Frame(NamedTuple):
+    """Yielded after each compute op. References only: building it costs nothing."""
+
+    index: int  # position of the op in the schedule
+    op: Op
+    params: torch.Tensor  # the unit's gathered parameters: (outer.padded,) or (k, layer.padded)
+    inputs: Any  # forward: the unit's input (the batch for outer); backward: grad w.r.t. its output
+    outputs: Any  # forward: its output (h, or (h, *extra) for pre; the loss for `loss`); backward: grad w.r.t. its input
+    grad: torch.Tensor | None  # backward: the unit's full flat gradient before reduction
+
+
+class Result(NamedTuple):
+    loss: torch.Tensor  # () fp32, mean over ranks
+    grads: Params | None  # shards of the gradient of the mean loss (None for forward-only)
+    aux: Any = None  # this rank's auxiliary output of the loss function (has_aux), detached
+
+
+class Loss(NamedTuple):
+    """The function the ``loss`` op runs: ``fn(m, h, batch) -> loss``, or ``(loss, aux)``."""
+
+    fn: BoundFunction
+    has_aux: bool = False
+
+
+class Saved(NamedTuple):
+    """What a unit's forward kept for its backward."""
+
+    graph: bool  # True: out/leaves hold the forward graph; False: recompute from x with rng
+    x: Any  # the unit's input: h (its autograd leaf for a graph), or the batch for outer
+    out: Any  # graph only: the unit's output
+    leaves: list  # graph only: parameter leaves (per layer for layer units)
+    extras: tuple  # graph only: the extras the unit was called with (leaves where differentiable)
+    rng: RngState | None  # recompute only: the RNG state before the forward (dropout repeats)
+
+
+class Released(NamedTuple):
+    """A unit freed while its forward graph holds views of its buffer: the buffer object with
+    zero-sized storage, regrown in place by its next gather (FSDP2's ``resize_`` trick)."""
+
+    buffer: torch.Tensor
+    version: Any  # restores the buffer's autograd version counter after the re-gather
+
+
+class Reducing(NamedTuple):
+    pending: Pending
+    shard: torch.Tensor  # (shard,) fp32: where this rank's reduced gradient lands
+
+
+@dataclass(eq=False)
+class StepState:
+    model: ShardedModel
+    schedule: Schedule
+    params: Params
+    batch: Any
+    loss_fn: Loss
+    loss_scale: float | torch.Tensor = 1.0  # multiplies the backward's seed (fp16 scaling, 1/k)
+    carry: dict[int, torch.Tensor] | None = None  # flat gradients accumulated across micro-batches
+    reduces_replicas: bool = True  # hybrid: sum the shard across replicas at each wait_reduce
+
+    # parameters, by unit
+    gathering: dict[int, Pending] = field(default_factory=dict)
+    gathered: dict[int, torch.Tensor] = field(default_factory=dict)
+    released: dict[int, Released] = field(default_factory=dict)
+    saved: dict[int, Saved] = field(default_factory=dict)
+    # gradients, by unit
+    unreduced: dict[int, torch.Tensor] = field(default_factory=dict)  # flat, (world, k, n) or (padded,)
+    reducing: dict[int, Reducing] = field(default_factory=dict)
+    replicating: list[Pending] = field(default_factory=list)
+    shards: dict[int, torch.Tensor] = field(default_factory=dict)
+    # the activation flowing forward, and its gradient flowing back
+    h: torch.Tensor | None = None
+    extras: tuple = ()  # pre's extra outputs, passed to every layer
+    grad_positions: list[int] = field(default_factory=list)  # which extras carry gradient
+    grad_h: torch.Tensor | None = None
+    grad_extras: dict[int, torch.Tensor] = field(default_factory=dict)  # summed over layers
+    head_grads: tuple = ()  # post's gradients w.r.t. the outer unit's parameters
+    # the loss
+    loss: torch.Tensor | None = None  # this rank's
+    aux: Any = None
+    loss_mean: Pending | None = None
+    rng_after: RngState | None = None  # the RNG as plain autograd would leave it
+
+    def live_units(self) -> int:
+        """Layer units gathered or in flight (the outer unit is resident)."""
+        units = self.gathering.keys() | self.gathered.keys()
+        return len(units) - (OUTER in units)
+
+    def owned_bytes(self) -> tuple[int, int, int]:
+        """Bytes of the buffers the step holds: gathered parameters, unreduced gradients,
+        inputs kept for recompute (the memory plan predicts the same three, op by op)."""
+        params = sum(nbytes(p.out) for p in self.gathering.values()) + \
+            sum(nbytes(b) for b in self.gathered.values())
+        grads = sum(nbytes(g) for g in self.unreduced.values()) + \
+            sum(pending_bytes(r.pending) for r in self.reducing.values())
+        inputs = sum(nbytes(s.x) for s in self.saved.values()
+                     if not s.graph and isinstance(s.x, torch.Tensor))
+        return params, grads, inputs
+
+    def in_flight(self) -> list[Pending]:
+        """Collectives issued and not waited for, in issue order per kind."""
+        loss = [self.loss_mean] if self.loss_mean is not None else []
+        return [*self.gathering.values(), *(r.pending for r in self.reducing.values()),
+                *self.replicating, *loss]
+
+    def drain(self, wait: Callable[[Pending], Any]) -> None:
+        """Wait for everything still in flight: a step that ends early (``step_through``
+        stopped, an error) leaves the collective sequence the same on every rank."""
+        for p in self.in_flight():
+            wait(p)
+        self.gathering.clear()
+        self.reducing.clear()
+        self.replicating.clear()
+        self.loss_mean = None
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def pending_bytes(p: Pending) -> int:
+    """A reduce's full gradient: the reduce-scatter's input, or the all-reduce's buffer."""
+    return nbytes(p.keep if p.keep is not None else p.out)
+
+
+def release(buf: torch.Tensor) -> Released:
+    """Free ``buf``'s storage, keeping the tensor object (and the views a graph saved of it)."""
+    version = torch.autograd._unsafe_preserve_version_counter(buf)
+    buf.untyped_storage().resize_(0)
+    return Released(buf, version)
+
+
+def regrow(buf: torch.Tensor) -> torch.Tensor:
+    """Give a released buffer its storage back (contents undefined until written)."""
+    buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+    return buf

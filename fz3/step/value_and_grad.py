@@ -1,0 +1,72 @@
+"""``value_and_grad`` and ``apply``: the step functions, prepared once, run through the executor."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..schedule.schedule import Policy, Schedule
+from ..sharding.model import Params, ShardedModel
+from .executor import execute
+from .finite import drain_checking_finite
+from .front import check_call, check_in_sync, drain, loss_of, prepare
+
+
+class ValueAndGrad:
+    """``f(params, batch) -> (loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``);
+    ``f.schedule`` is the schedule it runs."""
+
+    def __init__(self, model: ShardedModel, schedule: Schedule, *, loss: Callable[..., Any] | None = None,
+                 has_aux: bool = False, recorder=None, check_finite: bool = False, check_sync: bool = False):
+        self.model, self.schedule, self.recorder = model, schedule, recorder
+        self.loss = loss_of(model, loss, has_aux)
+        self.check_finite, self.check_sync = check_finite, check_sync
+        self.steps = 0  # calls so far (checked across ranks with check_sync)
+
+    def __call__(self, params: Params, batch: Any, *, loss_scale: float | torch.Tensor = 1.0):
+        """``loss_scale`` multiplies the gradients, not the loss (fp16 loss scaling)."""
+        check_call(self.model, params, batch)
+        if self.check_sync:
+            check_in_sync(self.model, self.steps, batch)
+        self.steps += 1
+        gen = execute(self.model, self.schedule, params, batch, self.recorder, loss=self.loss,
+                      loss_scale=loss_scale)
+        result = drain_checking_finite(self.model, self.schedule, gen) if self.check_finite else drain(gen)
+        value = (result.loss, result.aux) if self.loss.has_aux else result.loss
+        return value, result.grads
+
+
+def value_and_grad(model: ShardedModel, schedule: Schedule | Policy | None = None, *,
+                   loss: Callable[..., Any] | None = None, has_aux: bool = False, recorder=None,
+                   check_finite: bool = False, check_sync: bool = False) -> ValueAndGrad:
+    """``f(params, batch) -> (loss, grads)``: the mean loss over ranks and this rank's shards
+    of its gradient, same pytree structure as ``params``.
+
+    ``schedule``: a ``Schedule`` (validated here, before anything runs), a ``Policy`` to
+    plan one from, or None for the default policy. It is computed once, here, and compared
+    across ranks. **Collective**: one small all-gather; every rank must call this.
+    ``loss``: ``loss(m, h, batch)`` with ``post``'s signature, run instead of ``post``;
+    ``has_aux=True``: it returns ``(loss, aux)`` and the step returns ``((loss, aux),
+    grads)``, ``aux`` being this rank's own value, detached (as ``jax.value_and_grad``).
+    ``recorder``: collects every op's timestamps (``fz3.Recorder``). ``check_finite``: raise
+    ``fz3.NonFiniteError`` on every rank, naming the first unit and phase where activations
+    or gradients stopped being finite (one extra read per activation, one collective per step).
+    ``check_sync`` (debugging): before each step, one all-gather checks that every rank is at
+    the same step with batches of the same shapes and dtypes; raises instead of hanging.
+    Training or eval mode is the model's (``model.eval()`` is a copy in eval mode).
+    """
+    sched = prepare(model, schedule, grad=True, entry="value_and_grad")
+    return ValueAndGrad(model, sched, loss=loss, has_aux=has_aux, recorder=recorder, check_finite=check_finite,
+                        check_sync=check_sync)
+
+
+def apply(model: ShardedModel, params: Params, batch: Any, *, schedule: Schedule | Policy | None = None,
+          loss: Callable[..., Any] | None = None, has_aux: bool = False, recorder=None):
+    """The mean loss over ranks, forward only: no graph, no gradients, units freed after use.
+    ``loss``/``has_aux`` as in ``value_and_grad`` (returns ``(loss, aux)`` with ``has_aux``).
+    **Collective**: every rank must call it (the schedule is compared across ranks first)."""
+    sched = prepare(model, schedule, grad=False, entry="apply")
+    check_call(model, params, batch)
+    result = drain(execute(model, sched, params, batch, recorder, loss=loss_of(model, loss, has_aux)))
+    return (result.loss, result.aux) if has_aux else result.loss
