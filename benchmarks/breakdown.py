@@ -127,12 +127,10 @@ def collectives_only(model, sched, spec: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from fz3 import comm as c
-    from fz3.schedule.schedule import OUTER
+    from fz3.comm import collectives as c
 
     world = dist.get_world_size()
-    size = {u: model.outer.padded if u == OUTER else len(sched.layer_range(u)) * model.layer.padded
-            for _, u in sched.ops}
+    size = {u: len(unit.rows) * model.parts[unit.part].layout.padded for u, unit in enumerate(sched.units)}
     times = []
     for s in range(spec["warmup"] + spec["steps"]):
         t0 = time.perf_counter()

@@ -25,6 +25,7 @@ import sys
 import time
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # lets the deterministic check run cuBLAS
+import optree  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -109,7 +110,7 @@ def features(device: torch.device, quick: bool = False) -> dict:
         out.update(plan_transient_mib=predicted / 2**20, measured_step_peak_mib=measured / 2**20,
                    plan_ratio=predicted / measured)
     frames = list(fz3.step_through(model, params, batch, sched))
-    out["step_through_max_rel_diff"] = max(float((a - b).norm() / b.norm()) for a, b in zip(frames[-1].result, grads))
+    out["step_through_max_rel_diff"] = max(float((a - b).norm() / b.norm()) for a, b in zip(frames[-1].result.parts, grads.parts))
     # Bit-identical needs deterministic kernels (flash / memory-efficient attention backward
     # accumulate with atomics): the math attention backend and deterministic algorithms.
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -120,12 +121,12 @@ def features(device: torch.device, quick: bool = False) -> dict:
         frames = list(fz3.step_through(model, params, batch, sched))
     torch.use_deterministic_algorithms(False)
     out["step_through_identical_deterministic"] = bool(torch.equal(frames[-1].loss, loss_d)) and all(
-        torch.equal(a, b) for a, b in zip(frames[-1].result, grads_d))
+        torch.equal(a, b) for a, b in zip(frames[-1].result.parts, grads_d.parts))
     opt = fz3.optim.adamw(lr=1e-3, weight_decay=0.1, mask=fz3.decay_mask(model))
     st = opt.init(params)
     pure, _ = fz3.optim.step(opt, grads, st, params)
-    fused, _ = fz3.optim.step(opt, grads, opt.init(params), fz3.Params(*(t.clone() for t in params)), donate=True)
-    out["fused_vs_pure_max_abs"] = max(float((a - b).abs().max()) for a, b in zip(pure, fused))
+    fused, _ = fz3.optim.step(opt, grads, opt.init(params), optree.tree_map(torch.Tensor.clone, params), donate=True)
+    out["fused_vs_pure_max_abs"] = max(float((a - b).abs().max()) for a, b in zip(pure.parts, fused.parts))
     print("features " + json.dumps(out), flush=True)
     return out
 

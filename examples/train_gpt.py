@@ -84,10 +84,10 @@ def main() -> None:
     step_fn = fz3.value_and_grad(model)
     data = corpus()
     if rank == 0:
-        n = model.outer.numel + model.num_layers * model.layer.numel
+        n = model.numel
         print(f"fz3: {n / 1e6:.2f}M parameters, {world} ranks ({model.comm.replicas} x {model.world_size}), "
               f"{model.num_layers} layers; "
-              f"each rank holds {params.outer.numel() + params.layers.numel()} of them", flush=True)
+              f"each rank holds {sum(t.numel() for t in params.parts)} of them", flush=True)
 
     start = 1
     if args.resume and (os.path.isdir(args.ckpt) or os.path.isdir(args.ckpt + ".old")):

@@ -72,7 +72,7 @@ def main() -> None:
     step_fn = fz3.value_and_grad(model)
     data = corpus()
     if rank == 0:
-        n = model.outer.numel + model.num_layers * model.layer.numel
+        n = model.numel
         print(f"fz3 RobertaForMaskedLM: {n / 1e6:.2f}M parameters on {world} ranks", flush=True)
     t0 = time.perf_counter()
     for step in range(1, args.steps + 1):

@@ -10,8 +10,9 @@ from .observe.memory import MemoryPlan, memory_plan
 from .observe.step_through import StepFrame, any_rank, step_through
 from .observe.trace import chrome_trace, trace, trace_summary
 from .optim.masks import decay_mask
-from .schedule.ops import OUTER, Category, Op, OpKind
-from .schedule.schedule import Policy, Schedule, ScheduleError, deferred, plan, validate
+from .schedule.ops import Category, Op, OpKind
+from .schedule.schedule import Policy, Schedule, ScheduleError, Unit, deferred, plan, validate
+from .schedule.structure import PartShape, Role
 from .sharding.layout import FlatLayout, Slot
 from .sharding.model import Params, ShardedModel, shard
 from .sharding.precision import Precision
@@ -26,7 +27,7 @@ from .storage.state_dict import full_state_dict
 
 __all__ = [
     "Accumulate", "Category", "Event", "ExportReport", "FlatLayout", "Frame", "MemoryPlan", "NonFiniteError",
-    "OUTER", "Op", "OpKind", "Params", "Policy", "Precision", "RankLostError", "Recorder", "Result", "Schedule",
+    "Op", "OpKind", "PartShape", "Role", "Unit", "Params", "Policy", "Precision", "RankLostError", "Recorder", "Result", "Schedule",
     "ScheduleError", "ShardedModel", "Slot", "StepFrame", "ValueAndGrad", "accumulate", "any_rank", "apply",
     "chrome_trace", "decay_mask", "deferred", "export", "full_state_dict", "load", "memory_plan", "optim", "plan",
     "read_export", "save", "shard", "step_through", "trace", "trace_summary", "validate", "value_and_grad",

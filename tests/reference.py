@@ -48,3 +48,20 @@ def assert_rel_norm(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
 
 def sharded_grads(model, grads) -> dict[str, torch.Tensor] | None:
     return fz3.full_state_dict(model, grads, buffers=False)
+
+
+def padding_is_zero(model, tree, rank: int) -> bool:
+    """Every part's padding (the tail of the last ranks' shards) is zero in ``tree``."""
+    for part, t in zip(model.parts, tree.parts):
+        n = part.layout.shard_numel
+        start = part.layout.numel - rank * n
+        if start < n and t.reshape(part.rows, n)[:, max(start, 0):].any():
+            return False
+    return True
+
+
+def clone(tree):
+    """A copy of a Params-shaped tree (new buffers)."""
+    import optree
+
+    return optree.tree_map(torch.Tensor.clone, tree)

@@ -14,7 +14,7 @@ import dist
 import fz3
 from fz3.models.gpt import GPT, GPTConfig
 from fz3.models import shard_gpt
-from reference import batches, gpt
+from reference import batches, gpt, padding_is_zero
 
 CFG = GPTConfig(vocab=37, seq=8, dim=36, heads=4, layers=3, tie=True)
 
@@ -54,11 +54,7 @@ def reshard_ranks(rank, world, folder, load_from):
                     assert torch.equal(got[k][n], want[k][n]), (load_from, world, k, n)
         assert state["step"] == 2 and state["scale"] == fz3.optim.LossScale(scale=512.0, good_steps=3)
         assert int(state["opt"].count) == 2
-        for t in state["params"]:  # padding is zero again at the new world size
-            n = model.outer.shard_numel if t.dim() == 1 else model.layer.shard_numel
-            layout = model.outer if t.dim() == 1 else model.layer
-            real = max(0, min(n, layout.numel - rank * n))
-            assert not t.reshape(-1, n)[:, real:].any()
+        assert padding_is_zero(model, state["params"], rank)  # zero again at the new world size
     name = f"w{world}"
     fz3.save(os.path.join(folder, name), model, state)
     full = _full(model, state)
@@ -86,11 +82,13 @@ def resume_ranks(rank, world, folder, phase):
         params, st, l1 = _train(model, params, world, rank, 3, opt=opt)
         fz3.save(path, model, {"params": params, "opt": st, "step": 3})
         params, st, l2 = _train(model, params, world, rank, 3, start=3, opt=opt, state=st)
-        return pickle.dumps((l1 + l2, [t.clone() for t in params], [t.clone() for t in st.mu], [t.clone() for t in st.nu]))
+        return pickle.dumps((l1 + l2, [t.clone() for t in params.parts], [t.clone() for t in st.mu.parts],
+                             [t.clone() for t in st.nu.parts]))
     template = {"params": params, "opt": opt.init(params), "step": 0}
     state = fz3.load(path, model, template)
     params, st, l2 = _train(model, state["params"], world, rank, 3, start=state["step"], opt=opt, state=state["opt"])
-    return pickle.dumps((l2, [t.clone() for t in params], [t.clone() for t in st.mu], [t.clone() for t in st.nu]))
+    return pickle.dumps((l2, [t.clone() for t in params.parts], [t.clone() for t in st.mu.parts],
+                             [t.clone() for t in st.nu.parts]))
 
 
 def test_exact_resume(tmp_path):
@@ -106,7 +104,7 @@ def export_ranks(rank, world, folder):
     module = gpt(cfg)
     model, params = shard_gpt(module)
     x, y = batches(cfg, 1)[0]
-    unit = max(model.outer.padded, model.layer.padded) * 4
+    unit = max(p.layout.padded for p in model.parts) * 4
     for fmt in ("safetensors", "torch"):
         out = os.path.join(folder, fmt)
         report = fz3.export(out, model, params, format=fmt)
@@ -117,7 +115,7 @@ def export_ranks(rank, world, folder):
             fresh.load_state_dict(fz3.read_export(out), strict=True)
             assert fresh.head.weight is fresh.tok.weight or torch.equal(fresh.head.weight, fresh.tok.weight)
             assert torch.equal(fresh(x, y), module(x, y))
-            assert len(report.files) == 1 + cfg.layers
+            assert len(report.files) == len(model.parts) - 1 + cfg.layers  # one file a layer and a part
     # A Hugging Face model: from_pretrained on the exported folder gives the same outputs.
     import transformers as tf
 
@@ -153,7 +151,7 @@ def crash_ranks(rank, world, folder, phase):
         fz3.save(path, model, {"params": params, "step": 1})
         return "ok"
     if phase == "crash":
-        state = {"params": fz3.Params(params.outer + 1, params.layers + 1), "step": 2,
+        state = {"params": fz3.Params(tuple(t + 1 for t in params.parts)), "step": 2,
                  f"bomb{rank}": _DieWhilePickled(rank) if rank == 1 else 0}
         try:
             fz3.save(path, model, state)
@@ -162,7 +160,7 @@ def crash_ranks(rank, world, folder, phase):
         return "saved?!"
     # phase "check": the first checkpoint is intact and loadable
     loaded = fz3.load(path, model, {"params": params, "step": 0})
-    assert loaded["step"] == 1 and all(torch.equal(a, b) for a, b in zip(loaded["params"], params))
+    assert loaded["step"] == 1 and all(torch.equal(a, b) for a, b in zip(loaded["params"].parts, params.parts))
     return "ok"
 
 
@@ -181,8 +179,8 @@ def load_errors_ranks(rank, world, folder):
     with pytest.raises(FileNotFoundError, match="no checkpoint at .*nowhere"):
         fz3.load(os.path.join(folder, "nowhere"), model, {"params": params})
     other, oparams = shard_gpt(gpt(dataclasses.replace(CFG, dim=40)))
-    with pytest.raises(ValueError, match=r"saved from another model: outer parameter #0 is tok.weight \[37, 36\] "
-                                         r"there and tok.weight \[37, 40\] here .*fz3.json"):
+    with pytest.raises(ValueError, match=r"saved from another model: part pre parameter #0 is pos.weight \[8, 36\] "
+                                         r"there and pos.weight \[8, 40\] here .*fz3.json"):
         fz3.load(path, other, {"params": oparams})
     with pytest.raises(ValueError, match=r"has no \['step'\]"):
         fz3.load(path, model, {"params": params, "step": 0})

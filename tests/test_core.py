@@ -17,8 +17,8 @@ import dist
 import fz3
 from fz3.models.gpt import GPT, GPTConfig, post, pre
 from fz3.models import shard_gpt
-from reference import (assert_close, assert_rel_norm, batches, concat, gpt, reference_grads,
-                       sharded_grads)
+from reference import (assert_close, assert_rel_norm, batches, clone, concat, gpt, padding_is_zero,
+                       reference_grads, sharded_grads)
 
 # Sizes chosen so no unit divides evenly by 2, 3 or 4 ranks (padding is exercised).
 UNEVEN = GPTConfig(vocab=37, seq=8, dim=36, heads=4, layers=3)
@@ -52,11 +52,7 @@ def check_equal_to_reference(rank, world, delay, cfg, policies):
         got = sharded_grads(model, grads)
         if rank == 0:
             assert_close(got, ref, what=f"{policy} world={world}")
-        # Padding stays zero in the gradient shards.
-        for layout, g in ((model.outer, grads.outer.reshape(1, -1)), (model.layer, grads.layers)):
-            start = layout.numel - rank * layout.shard_numel
-            if start < layout.shard_numel:
-                assert not g[:, max(start, 0):].any(), "gradient padding is not zero"
+        assert padding_is_zero(model, grads, rank), "gradient padding is not zero"
     fwd = fz3.apply(model, params, bs[rank])
     assert abs(float(fwd) - ref_loss) <= 1e-5 * abs(ref_loss)
 
@@ -76,16 +72,16 @@ def check_adamw(rank, world, delay, steps=10):
                                    {"params": no_decay, "weight_decay": 0.0}], **hp)
     opt = fz3.optim.adamw(**hp, weight_decay=0.1, mask=fz3.decay_mask(model))
     state = opt.init(params)
-    fused_params = fz3.Params(*(t.clone() for t in params))
+    fused_params = clone(params)
     fused_state = opt.init(fused_params)
     step = fz3.value_and_grad(model)
     for s in range(steps):
         bs = batches(cfg, world, step=s)
-        before = [t.clone() for t in params]
+        before = clone(params).parts
         loss, grads = step(params, bs[rank])
         updates, new_state = opt.update(grads, state, params)
         new_params = fz3.optim.apply_updates(params, updates)
-        assert all(torch.equal(a, b) for a, b in zip(before, params)), "update mutated params"
+        assert all(torch.equal(a, b) for a, b in zip(before, params.parts)), "update mutated params"
         params, state = new_params, new_state
         _, fused_grads = step(fused_params, bs[rank])
         fused_params, fused_state = fz3.optim.step(opt, fused_grads, fused_state, fused_params, donate=True)
@@ -103,10 +99,7 @@ def check_adamw(rank, world, delay, steps=10):
                 # with the world size) into lr-sized elementwise differences: compare norms.
                 assert_rel_norm(got, want, 1e-5, what=f"adamw {what} world={world}")
     assert int(state.count) == steps and int(fused_state.count) == steps
-    for layout, p in ((model.outer, fused_params.outer.reshape(1, -1)), (model.layer, fused_params.layers)):
-        start = layout.numel - rank * layout.shard_numel
-        if start < layout.shard_numel:
-            assert not p[:, max(start, 0):].any(), "parameter padding is not zero after fused steps"
+    assert padding_is_zero(model, fused_params, rank), "parameter padding is not zero after fused steps"
 
 
 def check_state_dict_roundtrip(rank, world):

@@ -30,14 +30,14 @@ def error_ranks(rank, world):
     _raises(TypeError, "needs layers=, pre= and post=", fz3.shard, m, "blocks")
     _raises(TypeError, "no built-in adapter for GPT .*pass layers=", fz3.shard, m)
 
-    odd = GPT(CFG)
+    odd = GPT(CFG)  # layers of two kinds are no longer refused: each run becomes a stack (test_units.py)
     odd.blocks[1].fc = nn.Linear(CFG.dim, 3 * CFG.dim)
-    _raises(ValueError, r"blocks.1 differs from blocks.0 at parameter #7: blocks.0 has fc.weight \[64, 16\].*"
-            r"blocks.1 has fc.weight \[48, 16\]", fz3.shard, odd, "blocks", pre, post)
+    assert [p.name for p in fz3.shard(odd, "blocks", pre, post)[0].parts] == \
+        ["pre", "blocks[0:1]", "blocks[1:2]", "post"]
 
     shared = GPT(CFG)
     shared.blocks[0].fc.weight = shared.blocks[1].fc.weight
-    _raises(ValueError, "blocks.1.fc.weight is the same Parameter as blocks.0.fc.weight; blocks of the stack must not share", fz3.shard, shared, "blocks", pre, post)
+    _raises(ValueError, "blocks.1.fc.weight is the same Parameter as blocks.0.fc.weight; layers of a stack must not share", fz3.shard, shared, "blocks", pre, post)
 
     cross = GPT(CFG)
     cross.alias = cross.blocks[0].fc  # a layer's weight now also lives outside the stack
@@ -51,11 +51,14 @@ def error_ranks(rank, world):
     model, params = shard_gpt(m)
     x = torch.randint(0, CFG.vocab, (2, CFG.seq))
     step = fz3.value_and_grad(model)
-    wrong = fz3.Params(params.outer, params.layers[:1])
-    _raises(ValueError, r"params.layers is \[1, \d+\] torch.float32 on cpu; this model's shards are \[2, \d+\]",
-            step, wrong, (x, x))
-    _raises(ValueError, r"params.outer is .* torch.float64", step,
-            fz3.Params(params.outer.double(), params.layers), (x, x))
+    pre_, blocks, post_ = params.parts
+    wrong = fz3.Params((pre_, blocks[:1], post_))
+    _raises(ValueError, r"params of part blocks is \[1, \d+\] torch.float32 on cpu; this model's shards are "
+            r"\[2, \d+\]", step, wrong, (x, x))
+    _raises(ValueError, r"params of part pre is .* torch.float64", step,
+            fz3.Params((pre_.double(), blocks, post_)), (x, x))
+    _raises(TypeError, r"params is Params of 2 parts; pass the Params that fz3.shard returned for this model "
+            r"\(3 parts: \['pre', 'blocks', 'post'\]\)", step, fz3.Params((pre_, blocks)), (x, x))
 
     bad_post, _ = fz3.shard(m, "blocks", pre, lambda m_, h, b: h.sum(-1))
     _raises(TypeError, r"post must return a scalar loss tensor, got Tensor of shape \[2, 8\]",
@@ -67,7 +70,7 @@ def error_ranks(rank, world):
             self.blocks = nn.ModuleList(nn.GRU(4, 4, batch_first=True) for _ in range(2))
 
     tupled, tparams = fz3.shard(Tupled(), "blocks", lambda m_, b: b, lambda m_, h, b: h.sum())
-    _raises(TypeError, r"layer 0 returned tuple, not a tensor; pass call_layer=lambda layer, h, \*extra: layer\(h",
+    _raises(TypeError, r"layer blocks.0 returned tuple, not a tensor; pass call_layer=lambda layer, h, \*extra: layer\(h",
             fz3.value_and_grad(tupled), tparams, torch.zeros(1, 3, 4))
     return "ok"
 

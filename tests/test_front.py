@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import dist
 import fz3
-from fz3 import OUTER, Op
+from fz3 import Op
 from fz3.models import shard_gpt
 from fz3.models.gpt import GPTConfig
 from reference import assert_close, batches, concat, gpt
@@ -25,24 +25,30 @@ CFG = GPTConfig(vocab=37, seq=8, dim=36, heads=4, layers=3)
 # Schedules that used to crash instead of saying what is wrong (no processes needed).
 
 
-def test_layers_per_unit_zero_is_named_not_a_zero_division():
-    ops = fz3.plan(2).ops
-    with pytest.raises(fz3.ScheduleError, match=r"at its fields: layers_per_unit=0 must be >= 1"):
-        fz3.validate(fz3.Schedule(ops, num_layers=2, layers_per_unit=0))
-    assert "layers_per_unit=0 must be >= 1" in str(fz3.Schedule(ops, num_layers=2, layers_per_unit=0))
+def test_a_unit_of_no_layers_is_named_not_a_zero_division():
+    # Before the unit list, Schedule(..., layers_per_unit=0) raised ZeroDivisionError; units
+    # are data now, and a unit holding no rows is named as a bad field.
+    plan = fz3.plan(2)
+    empty = tuple(u._replace(rows=range(0)) for u in plan.units)
+    with pytest.raises(fz3.ScheduleError, match=r"at its fields: unit 'pre' has no rows"):
+        fz3.validate(fz3.Schedule(plan.ops, empty))
+    assert "unit 'pre' has no rows" in str(fz3.Schedule(plan.ops, empty))  # printing does not raise
+    with pytest.raises(ValueError, match=r"layers_per_unit=0 must be >= 1"):
+        fz3.Policy(layers_per_unit=0)
 
 
 def test_bad_reduce_field_is_named_as_a_field():
     with pytest.raises(fz3.ScheduleError) as e:
-        fz3.validate(fz3.Schedule(fz3.plan(1).ops, num_layers=1, reduce="ring"))
+        fz3.validate(fz3.Schedule(fz3.plan(1).ops, fz3.plan(1).units, reduce="ring"))
     assert "at its fields: reduce='ring'" in str(e.value) and "end of schedule" not in str(e.value)
     assert e.value.index is None and e.value.op is None
 
 
 def test_printing_an_invalid_schedule_shows_it_and_marks_the_bad_op():
-    ops = list(fz3.plan(2, fz3.Policy(prefetch=0)).ops)
-    i = ops.index(Op("wait", 0))
-    bad = fz3.Schedule(tuple(ops[:i] + ops[i + 1:]), num_layers=2)
+    plan = fz3.plan(2, fz3.Policy(prefetch=0))
+    ops = list(plan.ops)
+    i = ops.index(Op("wait", 1))
+    bad = fz3.Schedule(tuple(ops[:i] + ops[i + 1:]), plan.units)
     text = str(bad)
     lines = text.splitlines()
     assert len(lines) == 2 + len(bad.ops)
@@ -50,13 +56,14 @@ def test_printing_an_invalid_schedule_shows_it_and_marks_the_bad_op():
     assert len(marked) == 1 and "forward" in marked[0] and "its gather was not waited" in marked[0]
     # after the bad op the state is unknown: shown as "?"
     assert lines[-1].rstrip().endswith("?")
-    end_bad = fz3.Schedule(tuple(o for o in fz3.plan(1).ops if o != Op("free", OUTER)), num_layers=1)
-    assert "invalid: invalid schedule at end of schedule: units never freed: outer" in str(end_bad)
+    one = fz3.plan(1)
+    end_bad = fz3.Schedule(tuple(o for o in one.ops if o != Op("free", 2)), one.units)
+    assert "invalid: invalid schedule at end of schedule: units never freed: post" in str(end_bad)
 
 
 def test_op_kinds_are_an_enum_with_categories():
     assert Op("gather", 0) == Op(fz3.OpKind.GATHER, 0) and hash(Op("gather", 0)) == hash(Op(fz3.OpKind.GATHER, 0))
-    assert fz3.Schedule((Op("gather", OUTER),), num_layers=0).ops[0].kind is fz3.OpKind.GATHER
+    assert fz3.Schedule((Op("gather", 0),), fz3.plan(1).units).ops[0].kind is fz3.OpKind.GATHER
     assert {k.category for k in fz3.OpKind} == set(fz3.Category)
     assert fz3.OpKind.WAIT_REDUCE.category is fz3.Category.WAIT and str(fz3.OpKind.FREE) == "free"
 
@@ -85,8 +92,8 @@ def entry_ranks(rank, world):
         refusal = "apply needs a forward-only schedule" if entry == "apply" else r"schedule op \d+ is accumulate"
         with pytest.raises(ValueError, match=refusal):
             run(fz3.deferred(default))
-        wrong = fz3.Params(params.outer, params.layers[:1])
-        with pytest.raises(ValueError, match=r"params.layers is \[1, \d+\] torch.float32 on cpu"):
+        wrong = fz3.Params((params.parts[0], params.parts[1][:1], params.parts[2]))
+        with pytest.raises(ValueError, match=r"params of part blocks is \[1, \d+\] torch.float32 on cpu"):
             run(None, wrong)
         with pytest.raises(TypeError, match=r"batch\[0\] is on meta, the model on cpu"):
             run(None, params, (b[0].to("meta"), b[1]))

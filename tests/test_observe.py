@@ -36,7 +36,7 @@ def memory_ranks(rank, world):
         owned = [(e.gathered_bytes, e.grad_bytes, e.saved_bytes) for e in rec.step_events()]
         assert owned == [p[:3] for p in plan.per_op], policy
         assert max(e.live_units for e in rec.events) <= sched.max_live_units
-        assert plan.params == (params.outer.numel() + params.layers.numel()) * 4 == plan.grads
+        assert plan.params == sum(t.numel() for t in params.parts) * 4 == plan.grads
         assert plan.optimizer == 2 * plan.params and plan.peak > plan.params * 4
         assert "peak per rank" in str(plan)
 
@@ -56,10 +56,10 @@ def memory_ranks(rank, world):
             if f.phase == "loss":
                 gen.close()
                 break
-            if f.op.kind == "forward_save" or f.unit == fz3.OUTER:
+            if f.op.kind == "forward_save" or f.name == "pre":
                 param_ptrs = {v.untyped_storage().data_ptr() for v in f.params.values()}
                 measured += sum(b for p, b in seen.items() if p not in param_ptrs)
-        kept = plan.per_op[sched.ops.index(fz3.Op("loss")) - 1][3]  # graphs alive when forward ends
+        kept = plan.per_op[sched.ops.index(fz3.Op("loss", sched.post)) - 1][3]  # graphs alive when forward ends
         assert abs(kept - measured) <= 0.1 * measured, (policy, kept, measured)
     return "ok"
 
@@ -95,7 +95,7 @@ def test_chrome_trace(tmp_path):
         assert len(inflight) == 2 * sum(1 for e in ops[:n_ops] if e["name"].split()[0] in ("gather", "reduce"))
         assert all(e["args"]["bytes"] > 0 for e in inflight)
         text = (tmp_path / f"trace-{rank}.json.txt").read_text()
-        assert "outer" in text and "layers.3" in text and "blocked ms" in text
+        assert "pre" in text and "post" in text and "blocks.3" in text and "blocked ms" in text
         assert (tmp_path / f"timeline-{rank}.png").stat().st_size > 1000
 
 

@@ -25,7 +25,7 @@ CFG = GPTConfig(vocab=37, seq=8, dim=36, heads=4, layers=3)
 
 def disagreement_ranks(rank, world):
     # Different models on different ranks: every rank raises, naming ranks and parameter.
-    for change, want in ((dict(layers=4), r"rank 0 has layers 3, rank 1 has layers 4"),
+    for change, want in ((dict(layers=4), r"rank 0 has part blocks stack rows 3, rank 1 has part blocks stack rows 4"),
                          (dict(dim=40), r"rank 0 has tok.weight \(37, 36\) torch.float32, rank 1 has tok.weight \(37, 40\)"),
                          (None, r"rank 0 has tok.weight \(37, 36\) torch.float32, rank 1 has tok.weight \(37, 36\) "
                                 r"torch.float64")):
@@ -78,7 +78,7 @@ def wrapped_ranks(rank, world):
         fz3.shard(m, "blocks", pre, post)
     # post touching a layer's parameter (outside the outer unit) is named
     model, params = fz3.shard(gpt(CFG), "blocks", pre, lambda m, h, b: (h.sum() + m.blocks[0].fc.weight.sum()))
-    with pytest.raises(ValueError, match="post used a parameter outside the outer unit"):
+    with pytest.raises(ValueError, match="post used a parameter outside its part"):
         fz3.value_and_grad(model)(params, batches(CFG, 1)[0])
     return "ok"
 
@@ -124,7 +124,7 @@ def determinism_ranks(rank, world):
         loss, grads = step(params, batches(cfg, world, step=s)[rank])
         params, state = fz3.optim.step(opt, grads, state, params)
         losses.append(float(loss))
-    return pickle.dumps((losses, [t.clone() for t in params]))
+    return pickle.dumps((losses, [t.clone() for t in params.parts]))
 
 
 def test_two_runs_are_bitwise_identical():

@@ -63,10 +63,11 @@ def clip_ranks(rank, world, steps=4):
     if rank == 0:
         assert_rel_norm(got, {n: p.detach() for n, p in ref.named_parameters(remove_duplicate=False)}, 1e-5,
                         what=f"clip+adamw world={world}")
-    # the tied weight (outer unit) changed on every rank, including the last, shorter shard
-    n = model.outer.shard_numel
-    real = max(0, min(n, model.outer.numel - rank * n))
-    assert real > 0 and not torch.equal(first.outer[:real], params.outer[:real])
+    # the tied weight (its own shared part) changed on every rank, including the last, shorter shard
+    tied = model.part_index("tied:tok.weight")
+    n = model.parts[tied].layout.shard_numel
+    real = max(0, min(n, model.parts[tied].layout.numel - rank * n))
+    assert real > 0 and not torch.equal(first.parts[tied][:real], params.parts[tied][:real])
     return "ok"
 
 

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..schedule.footprint import footprint
-from ..schedule.ops import COMPLETES, OUTER, Category, Op, OpKind
+from ..schedule.ops import COMPLETES, Category, Op, OpKind
+from ..schedule.structure import Role
 from ..schedule.schedule import Policy, Schedule, plan
 from .workload import Work, Workload
 
@@ -85,14 +86,14 @@ def estimate(work: Workload, schedule: Schedule | Policy, cluster: Cluster, *, s
     """Predict one training step on ``cluster``: ``shard`` ranks per sharding group (default:
     every device, plain ZeRO-3), ``replicas`` groups (hybrid sharding)."""
     shard = shard or cluster.devices // replicas
-    sched = schedule if isinstance(schedule, Schedule) else plan(work.num_layers, schedule)
+    sched = schedule if isinstance(schedule, Schedule) else plan(work, schedule)
     t = _Timeline(work, sched, cluster, shard, replicas)
     for op in sched.ops:
         t.run(op)
     opt = t.slow * math.ceil(work.params / shard) * 28 / cluster.mem_bw  # fused AdamW: read p, g, m, v; write p, m, v
     step = max(t.t_comp, t.t_host) + opt
-    model_flops = work.layer_fwd.flops * 3 * work.num_layers + work.post.flops + 3 * work.pre_fwd.flops
-    hw_flops = model_flops + work.layer_fwd.flops * sum(t.layers_in(u) for u in t.recompute)
+    model_flops = sum(p.rows * (p.fwd.flops + p.bwd.flops) for p in work.parts)
+    hw_flops = model_flops + sum(work.parts[sched.units[u].part].fwd.flops * t.layers_in(u) for u in t.recompute)
     peak = cluster.peak_flops or cluster.flops
     limiter = _limiter(t.comp_total, t.exposed, t.t_host, step, t.spans_nodes)
     return Estimate(step, t.comp_total, t.comm_total, t.exposed, t.t_host, opt, work.tokens / step,
@@ -118,7 +119,7 @@ class _Timeline:
         self.comp_total = self.comm_total = self.exposed = self.sent = 0.0
 
     def layers_in(self, u: int) -> int:
-        return 1 if u == OUTER else len(self.sched.layer_range(u))
+        return len(self.sched.units[u].rows)
 
     def run(self, op: Op) -> None:
         c = self.c
@@ -136,19 +137,18 @@ class _Timeline:
             self.t_comp = max(self.t_comp, ready)
 
     def _compute(self, op: Op) -> None:
-        work, c, u, k = self.work, self.c, op.unit, self.layers_in(op.unit)
-        if op.kind == OpKind.LOSS:
-            w = work.post
-        elif u == OUTER:
-            w = work.pre_bwd if op.kind == OpKind.BACKWARD else work.pre_fwd
-        elif op.kind == OpKind.BACKWARD:
-            w = work.layer_bwd.scale(k) + (work.layer_fwd.scale(k) if u in self.recompute else Work())
+        c, u, k = self.c, op.unit, self.layers_in(op.unit)
+        unit = self.sched.units[u]
+        part = self.work.parts[unit.part]
+        stack = unit.role is Role.STACK
+        if op.kind == OpKind.BACKWARD:
+            w = part.bwd.scale(k) + (part.fwd.scale(k) if u in self.recompute else Work())
         else:
-            w = work.layer_fwd.scale(k)
-            if op.kind == OpKind.FORWARD:
+            w = part.fwd.scale(k)
+            if op.kind == OpKind.FORWARD and stack:
                 self.recompute.add(u)
         dur = self.slow * (w.flops / c.flops + w.bytes / c.mem_bw + w.ops * c.op_overhead)
-        dur += self.slow * (c.unit_overhead + (0 if u == OUTER else k * c.call_overhead))
+        dur += self.slow * (c.unit_overhead + (k * c.call_overhead if stack else 0))
         self.t_host += w.ops * c.op_overhead
         self.t_comp = max(self.t_comp, self.t_host) + dur
         self.comp_total += dur
@@ -158,7 +158,8 @@ class _Timeline:
         self.t_host += c.collective_overhead
         if not c.overlap:
             self.t_comp += self.slow * c.collective_overhead
-        elements = self.sched.unit_elements(op.unit, self.work.outer_numel, self.work.layer_numel)
+        unit = self.sched.units[op.unit]
+        elements = len(unit.rows) * self.work.parts[unit.part].numel
         nbytes = elements * (self.work.param_bytes if gather else self.work.grad_bytes)
         passes = 2 if not gather and self.sched.reduce == "all_reduce" else 1
         dur = self._ring(nbytes, shard, self.spans_nodes, passes)
@@ -199,10 +200,11 @@ class WorkloadSizes:
 
     def __init__(self, work: Workload, sched: Schedule, shard: int):
         self.work, self.sched, self.ranks = work, sched, shard
-        self.recomputes = {op.unit for op in sched.ops if op.kind == OpKind.FORWARD and op.unit != OUTER}
+        self.recomputes = {op.unit for op in sched.ops if op.kind == OpKind.FORWARD}
 
     def _elements(self, u: int) -> int:
-        return self.sched.unit_elements(u, self.work.outer_numel, self.work.layer_numel)
+        unit = self.sched.units[u]
+        return len(unit.rows) * self.work.parts[unit.part].numel
 
     def gathered(self, u: int) -> int:
         return self._elements(u) * self.work.param_bytes
@@ -210,23 +212,27 @@ class WorkloadSizes:
     def unreduced(self, u: int) -> int:
         return self._elements(u) * self.work.grad_bytes
 
-    def shard(self, u: int) -> int:
-        return math.ceil(self._elements(u) / self.ranks) * 4
+    def part_shard(self, part: int) -> int:
+        p = self.work.parts[part]
+        return p.rows * math.ceil(p.numel / self.ranks) * 4
 
     def kept(self, op: Op) -> tuple[int, int]:
-        if op.unit == OUTER:
-            return 0, int(self.work.pre_graph_bytes)
-        if op.kind == OpKind.FORWARD_SAVE:
-            return 0, int(self.work.layer_graph_bytes * len(self.sched.layer_range(op.unit)))
-        return int(self.work.act_bytes), 0
+        unit = self.sched.units[op.unit]
+        part, k = self.work.parts[unit.part], len(unit.rows)
+        if unit.role is not Role.STACK:
+            return 0, int(part.graph_bytes)
+        return (0, int(part.graph_bytes * k)) if op.kind == OpKind.FORWARD_SAVE else (int(part.input_bytes), 0)
 
     def during(self, op: Op) -> int:
+        unit = self.sched.units[op.unit]
+        part = self.work.parts[unit.part]
+        reads = sum(self.gathered(v) for v in (op.unit, *unit.reads))
         if op.kind == OpKind.LOSS:
-            return int(self.work.post_graph_bytes)
+            return int(part.graph_bytes) + reads
         if op.kind != OpKind.BACKWARD:
             return 0
-        k = len(self.sched.layer_range(op.unit)) if op.unit in self.recomputes else 0
-        return int(self.work.layer_graph_bytes * k) + self.gathered(op.unit)
+        k = len(unit.rows) if op.unit in self.recomputes and unit.role is Role.STACK else 0
+        return int(part.graph_bytes * k) + reads
 
 
 def memory_bytes(work: Workload, sched: Schedule, shard: int, optimizer_states: int = 2) -> float:

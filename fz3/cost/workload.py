@@ -1,7 +1,8 @@
-"""What one rank's micro-batch costs, per unit: FLOPs, bytes touched and ATen ops of ``pre``,
-one layer and ``post``, counted once by running them on zero parameters under a dispatch
-mode (``Workload.from_model``) or in closed form for a transformer (``Workload.transformer``).
-``fz3/cost.py`` turns these counts into time on a described cluster."""
+"""What one rank's micro-batch costs, per part: FLOPs, bytes touched and ATen ops of each
+function (one layer of each stack), counted once by running them on zero parameters under a
+dispatch mode (``Workload.from_model``) or in closed form for a transformer
+(``Workload.transformer``). ``fz3/cost/estimate.py`` turns these counts into time on a
+described cluster."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from typing import Any, NamedTuple
 
 import optree
 import torch
+
+from ..observe.activations import activation_sizes, walk_parts
+from ..schedule.structure import PartShape, Role
 
 
 class Work(NamedTuple):
@@ -23,87 +27,98 @@ class Work(NamedTuple):
         return Work(self.flops * k, self.bytes * k, self.ops * k)
 
 
-class Workload(NamedTuple):
-    """One rank's micro-batch through one model, counted per unit."""
+class PartWork(NamedTuple):
+    """One part of the model, per row (per layer for a stack)."""
 
-    num_layers: int
-    outer_numel: int  # parameters outside the stack
-    layer_numel: int  # parameters per layer
-    pre_fwd: Work
-    pre_bwd: Work
-    layer_fwd: Work
-    layer_bwd: Work
-    post: Work  # forward and backward of post + loss
-    act_bytes: float  # one layer's input activation (saved by recompute)
-    layer_graph_bytes: float  # what autograd keeps for one layer (saved by forward_save)
+    name: str
+    role: Role
+    rows: int  # layers of a stack; 1 otherwise
+    numel: int  # parameters per row
+    fwd: Work  # post: forward and backward of post + loss together
+    bwd: Work = Work()
+    input_bytes: float = 0.0  # a row's input activation (kept by recompute)
+    graph_bytes: float = 0.0  # what autograd keeps for a row's graph
+    reads: tuple[int, ...] = ()  # shared parts its compute reads
+
+
+class Workload(NamedTuple):
+    """One rank's micro-batch through one model, counted per part."""
+
+    parts: tuple[PartWork, ...]
     tokens: int  # per rank per micro-batch
     param_bytes: int = 4  # compute dtype
     grad_bytes: int = 4  # reduce dtype
-    pre_graph_bytes: float = 0.0  # what autograd keeps for pre's graph (kept until its backward)
-    post_graph_bytes: float = 0.0  # ... for post + loss (alive during the loss op)
 
     @property
     def params(self) -> int:
-        return self.outer_numel + self.num_layers * self.layer_numel
+        return sum(p.rows * p.numel for p in self.parts)
+
+    @property
+    def num_layers(self) -> int:
+        return sum(p.rows for p in self.parts if p.role is Role.STACK)
+
+    @property
+    def structure(self) -> tuple[PartShape, ...]:
+        return tuple(PartShape(p.name, p.role, p.rows, p.reads) for p in self.parts)
 
     @staticmethod
     def from_model(model: Any, batch: Any) -> "Workload":
-        """Count a ShardedModel's units on ``batch``: one run of ``pre``, one layer and ``post``
-        (forward and backward) on zero parameters, locally, under a FLOP and op counter."""
-        from ..observe.activations import activation_sizes
-        from ..sharding import compute
-
+        """Count a ShardedModel's parts on ``batch``: one run of each function (one layer of
+        each stack), forward and backward, on zero parameters, locally, under a FLOP and op
+        counter."""
         cnt = OpCounter()
-        dtype, dev = model.precision.compute, model.device
+        tokens = [0]
 
-        def leaves(layout):
-            return compute.leaves(layout.views(torch.zeros(layout.padded, dtype=dtype, device=dev)))
+        def measure(i, run, params, inputs):
+            with cnt.phase(f"fwd{i}"):
+                out = run()
+            h = out[0] if isinstance(out, tuple) else out
+            if model.parts[i].role is Role.PRE:
+                tokens[0] = h.shape[0] * h.shape[1] if h.dim() >= 3 else h.shape[0]
+            wrt = [t for t in (*params, *inputs) if t.requires_grad]
+            with cnt.phase(f"bwd{i}"):
+                if h.requires_grad and wrt:
+                    torch.autograd.grad(h, wrt, torch.ones_like(h), allow_unused=True)
+            return out
 
-        outer = leaves(model.outer)
-        with cnt.phase("pre_fwd"):
-            h, extras = compute.run_pre(model, outer, batch)
-        with cnt.phase("pre_bwd"):
-            if h.requires_grad:
-                torch.autograd.grad(h, outer, torch.ones_like(h), allow_unused=True)
-        x = h.detach().requires_grad_()
-        ex = tuple(e.detach() if isinstance(e, torch.Tensor) else e for e in extras)
-        lw = leaves(model.layer)
-        with cnt.phase("layer_fwd"):
-            out = compute.run_layers(model, 0, [lw], x, ex) if model.num_layers else x
-        with cnt.phase("layer_bwd"):
-            if model.num_layers:
-                torch.autograd.grad(out, [*lw, x], torch.ones_like(out), allow_unused=True)
-        with cnt.phase("post"):
-            loss, _ = compute.run_loss(model, model.post, False, outer, x, batch)
-            torch.autograd.grad(loss, [x, *outer], allow_unused=True)
+        walk_parts(model, batch, measure)
         act = activation_sizes(model, batch)
-        tokens = h.shape[0] * h.shape[1] if h.dim() >= 3 else h.shape[0]
-        size = torch.empty((), dtype=dtype).element_size()
-        return Workload(model.num_layers, model.outer.numel, model.layer.numel, cnt.work["pre_fwd"],
-                        cnt.work["pre_bwd"], cnt.work["layer_fwd"], cnt.work["layer_bwd"], cnt.work["post"],
-                        act.layer_input, act.layer_graph, int(tokens), size,
-                        torch.empty((), dtype=model.precision.reduce).element_size(), act.pre_graph,
-                        act.post_graph)
+        parts = []
+        for i, p in enumerate(model.parts):
+            fwd, bwd = cnt.work.get(f"fwd{i}", Work()), cnt.work.get(f"bwd{i}", Work())
+            if p.role is Role.POST:  # the loss op runs both
+                fwd, bwd = fwd + bwd, Work()
+            parts.append(PartWork(p.name, p.role, p.rows, p.layout.numel, fwd, bwd, act[i].input, act[i].graph,
+                                  p.reads))
+        size = torch.empty((), dtype=model.precision.compute).element_size()
+        return Workload(tuple(parts), int(tokens[0]), size,
+                        torch.empty((), dtype=model.precision.reduce).element_size())
 
     @staticmethod
     def transformer(layers: int, hidden: int, ffn: int, vocab: int, seq: int, micro_batch: int, *,
                     positions: int = 0, param_bytes: int = 2, grad_bytes: int = 4, kv_dim: int | None = None,
-                    gated: bool = False, flash: bool = True) -> "Workload":
+                    gated: bool = False, flash: bool = True, tied: bool = True) -> "Workload":
         """A pre-LN transformer in closed form (Megatron's counts): per layer 2h^2 + 2h*kv_dim
         attention weights (kv_dim = h without grouped-query attention) and 2h*ffn MLP weights
         (3h*ffn when ``gated``, SwiGLU); matmul FLOPs 2 x tokens x weights, attention scores
-        and values 4 x tokens x seq x h; backward twice the forward."""
+        and values 4 x tokens x seq x h; backward twice the forward. ``tied``: the LM head is
+        the token embedding (one shared part read by pre and post)."""
         t = seq * micro_batch
         w_layer = 2 * hidden * hidden + 2 * hidden * (kv_dim or hidden) + (3 if gated else 2) * hidden * ffn
         fwd = Work(2 * t * w_layer + 4 * t * seq * hidden, bytes=param_bytes * (w_layer + 12 * t * hidden), ops=25)
         head = Work(2 * t * hidden * vocab * 3, bytes=param_bytes * (hidden * vocab + 3 * t * vocab), ops=12)
         graph = t * hidden * param_bytes * 17 + (0 if flash else micro_batch * seq * seq * param_bytes * 2)
-        outer = vocab * hidden + positions * hidden + 2 * hidden
-        return Workload(layers, outer, w_layer + 9 * hidden + ffn, Work(0, t * hidden * param_bytes * 3, 4),
-                        Work(0, t * hidden * param_bytes * 3, 4), fwd, fwd.scale(2.0), head,
-                        t * hidden * param_bytes, graph, t, param_bytes, grad_bytes,
-                        pre_graph_bytes=t * hidden * param_bytes,  # the embedding's output (dropout mask)
-                        post_graph_bytes=t * vocab * (param_bytes + 4))  # logits, and fp32 softmax for the loss
+        embed = Work(0, t * hidden * param_bytes * 3, 4)
+        table = vocab * hidden
+        parts = (
+            PartWork("pre", Role.PRE, 1, positions * hidden + (0 if tied else table), embed, embed,
+                     graph_bytes=t * hidden * param_bytes, reads=(3,) if tied else ()),  # the embedding's output
+            PartWork("layers", Role.STACK, layers, w_layer + 9 * hidden + ffn, fwd, fwd.scale(2.0),
+                     t * hidden * param_bytes, graph),
+            PartWork("post", Role.POST, 1, 2 * hidden + (0 if tied else table), head,
+                     graph_bytes=t * vocab * (param_bytes + 4), reads=(3,) if tied else ()),  # logits, fp32 softmax
+        ) + ((PartWork("tied:embedding", Role.SHARED, 1, table, Work()),) if tied else ())
+        return Workload(parts, t, param_bytes, grad_bytes)
 
 
 class OpCounter:

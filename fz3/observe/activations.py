@@ -1,5 +1,6 @@
-"""What a unit's forward leaves behind: the sizes the memory plan and the cost model need,
-measured once on a batch (values do not matter, shapes do)."""
+"""Running each part of a model once, on zero parameters, to measure it: what its forward
+leaves behind (the memory plan) and what it costs (the cost model's ``Workload``). Values do
+not matter, shapes do. A measurement at plan time only: the executor itself uses no hooks."""
 
 from __future__ import annotations
 
@@ -7,49 +8,78 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from ..schedule.structure import Role
 from ..sharding import compute
 from ..sharding.model import ShardedModel
 
+# measure(part index, run, params, inputs) -> run()'s output: ``run`` computes the part (one
+# layer of a stack); ``params`` and ``inputs`` (h, none for pre) are the leaves it depends on.
+Measure = Callable[[int, Callable[[], Any], list[torch.Tensor], list[torch.Tensor]], Any]
 
-class ActivationSizes(NamedTuple):
+
+class PartActivations(NamedTuple):
     """Bytes, for one rank's batch."""
 
-    layer_input: int  # one layer's input h (kept by recompute)
-    pre_graph: int  # what autograd keeps for pre's graph
-    layer_graph: int  # ... for one layer's graph (kept by forward_save, rebuilt by recompute)
-    post_graph: int  # ... for post + loss
+    input: int  # one row's input h (what recompute keeps for a layer)
+    graph: int  # what autograd keeps for one row: pre/between keep it, a layer keeps it when
+    # saved and rebuilds it when recomputed, post holds it during the loss op
 
 
-def activation_sizes(model: ShardedModel, batch: Any) -> ActivationSizes:
-    """Runs ``pre``, layer 0 and ``post`` on zero parameters, with ``saved_tensors_hooks``
-    counting each storage autograd saves once, parameters excluded. A measurement at plan
-    time only: the executor itself uses no hooks."""
+def walk_parts(model: ShardedModel, batch: Any, measure: Measure) -> list[int]:
+    """Run pre, one layer of each stack, the between functions and post, in order, each
+    through ``measure``; return the bytes of h entering each part."""
     dev, dtype = model.device, model.precision.compute
-    outer = torch.zeros(model.outer.padded, dtype=dtype, device=dev)
-    layer = torch.zeros(model.layer.padded, dtype=dtype, device=dev)
-    params = {outer.untyped_storage().data_ptr(), layer.untyped_storage().data_ptr()}
-    outer_leaves = compute.leaves(model.outer.views(outer))
-    pre_graph, (h, extras) = _graph_bytes(lambda: compute.run_pre(model, outer_leaves, batch), params)
-    h_bytes = h.numel() * h.element_size()
-    x = h.detach().requires_grad_()
-    post_graph, _ = _graph_bytes(lambda: compute.run_loss(model, model.post, False, outer_leaves, x, batch), params)
-    if model.num_layers == 0:
-        return ActivationSizes(h_bytes, pre_graph, 0, post_graph)
-    ex = tuple(e.detach() if isinstance(e, torch.Tensor) else e for e in extras)
-    layer_leaves = [compute.leaves(model.layer.views(layer))]
-    layer_graph, _ = _graph_bytes(lambda: compute.run_layers(model, 0, layer_leaves, x, ex), params)
-    return ActivationSizes(h_bytes, pre_graph, layer_graph, post_graph)
+    views = [compute.leaves(p.layout.views(torch.zeros(p.layout.padded, dtype=dtype, device=dev)))
+             for p in model.parts]
+
+    def own(i: int) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+        bound, leaves = {}, []
+        for v in (i, *model.parts[i].reads):
+            bound.update(compute.bind(model.parts[v].layout, views[v]))
+            leaves += views[v]
+        return bound, leaves
+
+    inputs: list[int] = []
+    h, extras = None, ()
+    for i, part in enumerate(model.parts):
+        fn = model.functions[i]
+        inputs.append(0 if h is None else h.numel() * h.element_size())
+        x = None if h is None else h.detach().requires_grad_()
+        bound, leaves = own(i)
+        if part.role is Role.PRE:
+            h, extras = measure(i, lambda: compute.run_stage(fn, bound, (batch,), part.name), leaves, [])
+        elif part.role is Role.BETWEEN:
+            h, extras = measure(i, lambda: compute.run_stage(fn, bound, (x, batch), part.name), leaves, [x])
+        elif part.role is Role.STACK and part.rows:
+            ex = tuple(e.detach() if isinstance(e, torch.Tensor) else e for e in extras)
+            measure(i, lambda: compute.run_layers(fn[:1], part.layout, [views[i]], x, ex, [part.prefix()]),
+                    views[i], [x])
+        elif part.role is Role.POST:
+            measure(i, lambda: compute.run_loss(fn, False, bound, x, batch, "post"), leaves, [x])
+        h = None if h is None else h.detach()
+    return inputs
 
 
-def _graph_bytes(fn: Callable[[], Any], exclude: set[int]) -> tuple[int, Any]:
-    seen: dict[int, int] = {}
+def activation_sizes(model: ShardedModel, batch: Any) -> tuple[PartActivations, ...]:
+    """Per part, in order: the storages autograd saves running it, each counted once,
+    parameters excluded."""
+    graphs = [0] * len(model.parts)
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in exclude:
-            seen[s.data_ptr()] = s.nbytes()
-        return t
+    def measure(i: int, run: Callable[[], Any], params: list[torch.Tensor], inputs: list[torch.Tensor]) -> Any:
+        exclude = {t.untyped_storage().data_ptr() for t in params}
+        seen: dict[int, int] = {}
 
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return sum(seen.values()), out
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            s = t.untyped_storage()
+            if s.data_ptr() not in exclude:
+                seen[s.data_ptr()] = s.nbytes()
+            return t
+
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = run()
+        graphs[i] = sum(seen.values())
+        return out
+
+    inputs = walk_parts(model, batch, measure)
+    return tuple(PartActivations(inputs[i] if p.role is Role.STACK else 0, graphs[i])
+                 for i, p in enumerate(model.parts))

@@ -18,23 +18,24 @@ from typing import Any, NamedTuple
 import torch
 
 from ..schedule.footprint import footprint
-from ..schedule.ops import OUTER, Op, OpKind
+from ..schedule.ops import Op, OpKind
 from ..schedule.schedule import Schedule
 from ..sharding.model import ShardedModel
-from .activations import ActivationSizes, activation_sizes
+from ..schedule.structure import Role
+from .activations import PartActivations, activation_sizes
 
 MiB = 2**20
 
 
 class MemoryPlan(NamedTuple):
     params: int  # sharded fp32 parameters
-    grads: int  # sharded fp32 gradients (allocated unit by unit as reduces are issued)
+    grads: int  # sharded fp32 gradients (a part's allocated at its first reduce, returned as they are)
     optimizer: int  # sharded optimizer state
     gathered: int  # peak gathered parameter buffers
     unsharded_grads: int  # peak unreduced flat gradients
     saved_inputs: int  # peak layer inputs kept for recompute
     graphs: int  # peak autograd graphs kept (forward_save units, pre) and recomputed (during backward)
-    peak: int  # persistent + the largest transient total at any op
+    peak: int  # persistent + the largest transient total at any op (gradient shards included as allocated)
     per_op: tuple[tuple[int, int, int, int], ...]  # (gathered, unsharded grads, saved inputs, graphs) after each op
 
     def __str__(self) -> str:
@@ -49,17 +50,16 @@ class MemoryPlan(NamedTuple):
 class ModelSizes:
     """``fz3.schedule.footprint.Sizes`` of a sharded model on one batch."""
 
-    def __init__(self, model: ShardedModel, schedule: Schedule, act: ActivationSizes):
+    def __init__(self, model: ShardedModel, schedule: Schedule, act: tuple[PartActivations, ...]):
         self.model, self.schedule, self.act = model, schedule, act
         self.csize = torch.empty((), dtype=model.precision.compute).element_size()
         self.rsize = torch.empty((), dtype=model.precision.reduce).element_size()
-        self.recomputes = {op.unit for op in schedule.ops if op.kind == OpKind.FORWARD and op.unit != OUTER}
+        self.recomputes = {op.unit for op in schedule.ops if op.kind == OpKind.FORWARD}
 
     def _elements(self, u: int, shard: bool = False) -> int:
-        m = self.model
-        if shard:
-            return self.schedule.unit_elements(u, m.outer.shard_numel, m.layer.shard_numel)
-        return self.schedule.unit_elements(u, m.outer.padded, m.layer.padded)
+        unit = self.schedule.units[u]
+        layout = self.model.parts[unit.part].layout
+        return len(unit.rows) * (layout.shard_numel if shard else layout.padded)
 
     def gathered(self, u: int) -> int:
         return self._elements(u) * self.csize
@@ -67,43 +67,46 @@ class ModelSizes:
     def unreduced(self, u: int) -> int:
         return self._elements(u) * self.rsize
 
-    def shard(self, u: int) -> int:
-        return self._elements(u, shard=True) * 4
+    def part_shard(self, part: int) -> int:
+        p = self.model.parts[part]
+        return p.rows * p.layout.shard_numel * 4
 
     def kept(self, op: Op) -> tuple[int, int]:
-        if op.unit == OUTER:  # pre's graph is kept whenever gradients are wanted
-            return 0, self.act.pre_graph
-        if op.kind == OpKind.FORWARD_SAVE:
-            return 0, self.act.layer_graph * len(self.schedule.layer_range(op.unit))
-        return self.act.layer_input, 0
+        unit = self.schedule.units[op.unit]
+        act, k = self.act[unit.part], len(unit.rows)
+        if unit.role is not Role.STACK:  # pre's and between's graphs are kept whenever gradients are wanted
+            return 0, act.graph
+        return (0, act.graph * k) if op.kind == OpKind.FORWARD_SAVE else (act.input, 0)
 
     def during(self, op: Op) -> int:
-        if op.kind == OpKind.LOSS:
-            return self.act.post_graph
+        unit = self.schedule.units[op.unit]
+        if op.kind == OpKind.LOSS:  # the head's graph, and its per-parameter gradients before the join
+            return self.act[unit.part].graph + self._read_bytes(op.unit)
         if op.kind != OpKind.BACKWARD:
             return 0
         # a recomputed unit's graph, and its per-parameter gradients before they are joined
-        k = len(self.schedule.layer_range(op.unit)) if op.unit in self.recomputes else 0
-        return self.act.layer_graph * k + self.gathered(op.unit)
+        k = len(unit.rows) if op.unit in self.recomputes and unit.role is Role.STACK else 0
+        return self.act[unit.part].graph * k + self._read_bytes(op.unit)
+
+    def _read_bytes(self, u: int) -> int:
+        return sum(self.gathered(v) for v in (u, *self.schedule.units[u].reads))
 
 
 def memory_plan(model: ShardedModel, schedule: Schedule, batch: Any, *, optimizer_states: int = 2) -> MemoryPlan:
     """Predict this rank's memory for ``schedule`` on batches shaped like ``batch``.
 
     Within an op it also counts what lives only during it: a recomputed unit's graph and its
-    per-parameter gradients before they are joined into one flat gradient (backward), the
-    head's graph (loss), and the join of the gradient shards into the layer stack (end).
+    per-parameter gradients before they are joined into one flat gradient (backward, loss),
+    and the head's graph (loss).
     """
     sizes = ModelSizes(model, schedule, activation_sizes(model, batch))
     per_op = footprint(schedule, sizes)
-    shard_bytes = (model.outer.shard_numel + model.num_layers * model.layer.shard_numel) * 4
+    shard_bytes = sum(p.rows * p.layout.shard_numel for p in model.parts) * 4
     peak_transient = max((b.peak for b in per_op), default=0)
-    if schedule.grad and schedule.num_units > 1:  # the layer shards are joined into one (L, n) stack
-        peak_transient = max(peak_transient, per_op[-1].shards + model.num_layers * model.layer.shard_numel * 4)
     persistent = shard_bytes * (1 + optimizer_states) if schedule.grad else shard_bytes
     col = lambda f: max((getattr(b, f) for b in per_op), default=0)  # noqa: E731
-    during_graphs = max((sizes.during(op) - sizes.gathered(op.unit) for op in schedule.ops
-                         if op.kind == OpKind.BACKWARD), default=0)
+    during_graphs = max((sizes.during(op) - sizes._read_bytes(op.unit) for op in schedule.ops
+                         if op.kind in (OpKind.BACKWARD, OpKind.LOSS)), default=0)
     return MemoryPlan(
         params=shard_bytes,
         grads=shard_bytes if schedule.grad else 0,
@@ -111,7 +114,7 @@ def memory_plan(model: ShardedModel, schedule: Schedule, batch: Any, *, optimize
         gathered=col("gathered"),
         unsharded_grads=col("unreduced"),
         saved_inputs=col("inputs"),
-        graphs=max(col("graphs"), during_graphs, sizes.act.post_graph),
+        graphs=max(col("graphs"), during_graphs),
         peak=persistent + peak_transient,
         per_op=tuple((b.gathered, b.unreduced, b.inputs, b.graphs) for b in per_op),
     )

@@ -8,7 +8,8 @@ import optree
 import torch
 import torch.distributed as dist
 
-from ..schedule.ops import OUTER, Op, OpKind
+from ..schedule.ops import Op, OpKind
+from ..schedule.structure import Role
 from ..schedule.schedule import Policy, Schedule
 from ..sharding.layout import FlatLayout
 from ..sharding.model import Params, ShardedModel
@@ -22,7 +23,8 @@ class StepFrame(NamedTuple):
     shapes, dtypes and norms, never whole tensors."""
 
     phase: str  # "forward" | "loss" | "backward" | "done"
-    unit: int | None  # OUTER (-1) or the layer unit; None for the final frame
+    unit: int | None  # the unit (index into the schedule's units); None for the final frame
+    name: str  # the unit's name ("pre", "blocks.3", "post"); "" for the final frame
     op: Op | None
     index: int  # the op's position in the schedule (-1 for the final frame)
     params: dict[str, torch.Tensor]  # gathered parameters by original module name (views: clone to keep)
@@ -70,7 +72,7 @@ def step_through(model: ShardedModel, params: Params, batch: Any, schedule: Sche
                 frame = next(gen)
             except StopIteration as stop:
                 result: Result = stop.value
-                yield StepFrame("done", None, None, -1, {}, None, None, None, result.loss, result.grads)
+                yield StepFrame("done", None, "", None, -1, {}, None, None, None, result.loss, result.grads)
                 return
             yield describe(model, sched, frame)
     finally:
@@ -81,18 +83,24 @@ def describe(model: ShardedModel, schedule: Schedule, f: Frame) -> StepFrame:
     """A ``Frame`` with names: parameters and gradients as ``{module name: tensor}``."""
     kind, u = f.op
     phase = "forward" if kind in (OpKind.FORWARD, OpKind.FORWARD_SAVE) else str(kind)
-    if u == OUTER or kind == OpKind.LOSS:
-        params = model.outer.named_views(f.params)
-        grads = None if f.grad is None else model.outer.named_views(f.grad)
+    unit = schedule.units[u]
+    part = model.parts[unit.part]
+    if part.role is not Role.STACK:
+        params = {n: v for n, v in part.layout.named_views(f.params).items()}
+        for r in unit.reads:  # a shared part a unit reads is shown with it
+            params.update(model.parts[schedule.units[r].part].layout.named_views(_gathered_of(f, r)))
+        grads = None if f.grad is None else part.layout.named_views(f.grad)
     else:
-        rows = schedule.layer_range(u)
         params, grads = {}, None if f.grad is None else {}
-        for j, i in enumerate(rows):
-            prefix = f"{model.layers_path}.{i}."
-            params.update(_prefixed(model.layer, f.params[j], prefix))
+        for j, row in enumerate(unit.rows):
+            params.update(_prefixed(part.layout, f.params[j], part.prefix(row)))
             if f.grad is not None:  # (world, k, n) rank-major -> layer j's (padded,)
-                grads.update(_prefixed(model.layer, f.grad[:, j].reshape(-1), prefix))
-    return StepFrame(phase, u, f.op, f.index, params, f.inputs, f.outputs, grads)
+                grads.update(_prefixed(part.layout, f.grad[:, j].reshape(-1), part.prefix(row)))
+    return StepFrame(phase, u, unit.name, f.op, f.index, params, f.inputs, f.outputs, grads)
+
+
+def _gathered_of(f: Frame, r: int) -> torch.Tensor:
+    return f.reads[r]
 
 
 def _prefixed(layout: FlatLayout, flat: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ from typing import Iterator
 
 import torch.distributed as dist
 
-from ..schedule.ops import COMPLETES, OUTER, Category, OpKind, unit_name
+from ..schedule.ops import COMPLETES, Category, OpKind
 from ..step.record import Event, Recorder
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ def chrome_trace(rec: Recorder, rank: int = 0) -> dict:
     for e in events:
         kind, u = e.op
         lane = LANE_OF[OpKind(kind).category]
-        out.append({"name": str(e.op), "cat": "op", "ph": "X", "pid": rank, "tid": LANES[lane],
+        out.append({"name": rec.schedule_of(e.step).describe(e.op), "cat": "op", "ph": "X", "pid": rank, "tid": LANES[lane],
                     "ts": us(e.t_begin_ns), "dur": max((e.t_end_ns - e.t_begin_ns) / 1e3, 0.001),
                     "args": {"step": e.step, "index": e.index, "live_units": e.live_units, "bytes": e.nbytes,
                              "gathered_bytes": e.gathered_bytes, "grad_bytes": e.grad_bytes,
@@ -71,24 +71,27 @@ def chrome_trace(rec: Recorder, rank: int = 0) -> dict:
         elif kind in COMPLETES:
             start = issued.pop((e.step, COMPLETES[kind], u), None)
             if start is not None:
-                out.append({"name": f"{start.op.kind} {unit_name(u)}", "cat": "inflight", "ph": "X", "pid": rank,
+                out.append({"name": rec.schedule_of(e.step).describe(start.op), "cat": "inflight", "ph": "X", "pid": rank,
                             "tid": LANES["in flight"], "ts": us(start.t_begin_ns),
                             "dur": (e.t_end_ns - start.t_begin_ns) / 1e3, "args": {"bytes": start.nbytes}})
     device = rec.device_times()
     if device:
         for e, (b, end) in zip(events, device):
-            out.append({"name": str(e.op), "cat": "device", "ph": "X", "pid": rank, "tid": LANES["device"],
+            out.append({"name": rec.schedule_of(e.step).describe(e.op), "cat": "device", "ph": "X", "pid": rank, "tid": LANES["device"],
                         "ts": b * 1e3, "dur": (end - b) * 1e3})
     return {"traceEvents": out, "displayTimeUnit": "ms"}
 
 
 def trace_summary(rec: Recorder) -> str:
     """Per unit: host time computing, time blocked waiting for its collectives, bytes moved."""
-    rows: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+    rows: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+    order: dict[str, tuple[int, int]] = {}
     for e in rec.events:
         kind, u = e.op
         ms = (e.t_end_ns - e.t_begin_ns) / 1e6
-        r = rows[OUTER if kind == OpKind.LOSS else u]
+        name = rec.schedule_of(e.step).units[u].name
+        order.setdefault(name, (e.step, u))
+        r = rows[name]
         category = OpKind(kind).category
         if category is Category.COMPUTE:
             r[0] += ms
@@ -96,12 +99,14 @@ def trace_summary(rec: Recorder) -> str:
             r[1] += ms
         r[2] += e.nbytes / 2**20
     steps = len({e.step for e in rec.events}) or 1
-    lines = [f"per step, mean over {steps} step(s)", f"{'unit':<10} {'compute ms':>11} {'blocked ms':>11} {'moved MiB':>10}"]
-    for u in sorted(rows, key=lambda u: (u != OUTER, u)):
-        c, w, b = (x / steps for x in rows[u])
-        lines.append(f"{unit_name(u):<10} {c:>11.3f} {w:>11.3f} {b:>10.2f}")
+    width = max([10, *(len(n) for n in rows)])
+    lines = [f"per step, mean over {steps} step(s)",
+             f"{'unit':<{width}} {'compute ms':>11} {'blocked ms':>11} {'moved MiB':>10}"]
+    for name in sorted(rows, key=order.get):
+        c, w, b = (x / steps for x in rows[name])
+        lines.append(f"{name:<{width}} {c:>11.3f} {w:>11.3f} {b:>10.2f}")
     tot = [sum(r[i] for r in rows.values()) / steps for i in range(3)]
-    lines.append(f"{'total':<10} {tot[0]:>11.3f} {tot[1]:>11.3f} {tot[2]:>10.2f}")
+    lines.append(f"{'total':<{width}} {tot[0]:>11.3f} {tot[1]:>11.3f} {tot[2]:>10.2f}")
     return "\n".join(lines)
 
 

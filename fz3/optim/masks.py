@@ -1,4 +1,4 @@
-"""Per-element masks over the flat shards, built once from the layouts (e.g. weight decay)."""
+"""Per-element masks over the flat shards, built once from the parts' layouts (e.g. weight decay)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ from typing import Callable
 
 import torch
 
-from ..sharding.layout import FlatLayout
+from ..schedule.structure import Role
 from ..sharding.model import Params, ShardedModel
+from ..sharding.parts import Part
 
 
 def decay_matrices(name: str, shape: tuple[int, ...]) -> bool:
@@ -19,18 +20,18 @@ def decay_matrices(name: str, shape: tuple[int, ...]) -> bool:
 def decay_mask(model: ShardedModel, decay: Callable[[str, tuple[int, ...]], bool] = decay_matrices) -> Params:
     """Bool shards broadcastable to params, True where ``decay(name, shape)`` holds.
 
-    Names are the module's own; every layer shares one mask, so layers are asked about as
-    ``<layers>.0.<name>`` and ``layers`` is one ``(1, shard)`` row that broadcasts over the
-    stack. Padding is False.
+    Names are the module's own. Every layer of a stack shares one mask: the stack is asked
+    about through its first layer (``blocks.0.fc.weight``) and gets one ``(1, shard)`` row that
+    broadcasts over the stack. Padding is False.
     """
-    outer = _unit_mask(model, model.outer, decay, "")
-    layer = _unit_mask(model, model.layer, decay, f"{model.layers_path}.0.")
-    return Params(outer, layer.view(1, -1))
+    return Params(tuple(_part_mask(model, part, decay) for part in model.parts))
 
 
-def _unit_mask(model: ShardedModel, layout: FlatLayout, decay, prefix: str) -> torch.Tensor:
+def _part_mask(model: ShardedModel, part: Part, decay) -> torch.Tensor:
+    layout = part.layout
     full = torch.zeros(layout.padded, dtype=torch.bool)
     for s in layout.slots:
-        full[s.offset : s.offset + s.numel] = bool(decay(prefix + s.name, s.shape))
+        full[s.offset:s.offset + s.numel] = bool(decay(part.prefix() + s.name, s.shape))
     n = layout.shard_numel
-    return full[model.rank * n : (model.rank + 1) * n].clone().to(model.device)
+    mine = full[model.rank * n:(model.rank + 1) * n].clone().to(model.device)
+    return mine.view(1, -1) if part.role is Role.STACK else mine

@@ -2,7 +2,8 @@
 
 Each unit's state (``fz3.schedule.ops``) decides what it holds: its gathered buffer while
 ``GATHERING`` or ``GATHERED``; what its forward kept while ``KEPT``; its unreduced flat
-gradient while ``UNREDUCED`` or ``REDUCING``; its gradient shard from the reduce on. How many
+gradient while ``UNREDUCED`` or ``REDUCING``. A part's gradient shard (all its rows, where
+the step returns it) exists from the first reduce of any of its units on. How many
 bytes each of those is comes from ``Sizes``: ``fz3.memory_plan`` measures them on the model
 and a batch, the cost model counts them in closed form (``fz3.cost``). Both read the same
 fold, so they cannot disagree about what is alive when.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Protocol
 
-from .ops import Activation, Grad, Op, OpKind, Params, UnitState, apply
+from .ops import COMPUTE_KINDS, Activation, Grad, Op, OpKind, Params, UnitState, apply
 from .schedule import Schedule
 
 
@@ -21,7 +22,7 @@ class Sizes(Protocol):
 
     def gathered(self, u: int) -> int: ...  # the unit's gathered parameter buffer
     def unreduced(self, u: int) -> int: ...  # its flat gradient before the reduce
-    def shard(self, u: int) -> int: ...  # its fp32 gradient shard, written by the reduce
+    def part_shard(self, part: int) -> int: ...  # a part's fp32 gradient shard, all its rows
     def kept(self, op: Op) -> tuple[int, int]: ...  # (input, graph) a forward op keeps
     def during(self, op: Op) -> int: ...  # what lives only while ``op`` runs
 
@@ -33,7 +34,7 @@ class OpBytes(NamedTuple):
     unreduced: int  # flat gradients not yet reduced
     inputs: int  # layer inputs kept for recompute
     graphs: int  # autograd graphs kept (forward_save, pre)
-    shards: int  # gradient shards written so far
+    shards: int  # gradient shards allocated so far
     during: int
 
     @property
@@ -43,34 +44,41 @@ class OpBytes(NamedTuple):
 
 def footprint(schedule: Schedule, sizes: Sizes) -> list[OpBytes]:
     """``OpBytes`` after each op of a valid schedule."""
-    states: dict[int, UnitState] = {}
+    states = {u: UnitState() for u in range(len(schedule.units))}
     kept: dict[int, tuple[int, int]] = {}
+    allocated: set[int] = set()
     totals = [0, 0, 0, 0, 0]
     out = []
     for op in schedule.ops:
-        u = op.unit
-        before = states.get(u, UnitState())
-        after = apply(op.kind, u, before, grad=schedule.grad)
-        assert not isinstance(after, str), f"footprint of an invalid schedule: {after}"
-        if before.params is Params.ABSENT and after.params is not Params.ABSENT:
-            totals[0] += sizes.gathered(u)
-        elif before.params is not Params.ABSENT and after.params is Params.ABSENT:
-            totals[0] -= sizes.gathered(u)
-        if after.activation is Activation.KEPT and before.activation is Activation.NONE:
-            kept[u] = sizes.kept(op)
-            totals[2] += kept[u][0]
-            totals[3] += kept[u][1]
-        elif after.activation is Activation.NONE and before.activation is Activation.KEPT:
-            inputs, graphs = kept.pop(u)
-            totals[2] -= inputs
-            totals[3] -= graphs
-        if _holds_unreduced(after.grad) != _holds_unreduced(before.grad):
-            totals[1] += sizes.unreduced(u) if _holds_unreduced(after.grad) else -sizes.unreduced(u)
-        if op.kind == OpKind.REDUCE:
-            totals[4] += sizes.shard(u)
-        states[u] = after
+        touched = [(r, True) for r in schedule.units[op.unit].reads] if op.kind in COMPUTE_KINDS else []
+        for u, read in touched + [(op.unit, False)]:
+            before = states[u]
+            after = apply(op.kind, schedule.units[u].name, before, grad=schedule.grad, read=read)
+            assert not isinstance(after, str), f"footprint of an invalid schedule: {after}"
+            states[u] = after
+            _account(totals, sizes, op, u, before, after, kept)
+        part = schedule.units[op.unit].part
+        if op.kind == OpKind.REDUCE and part not in allocated:
+            allocated.add(part)
+            totals[4] += sizes.part_shard(part)
         out.append(OpBytes(*totals, sizes.during(op)))
     return out
+
+
+def _account(totals: list[int], sizes: Sizes, op: Op, u: int, before: UnitState, after: UnitState,
+             kept: dict[int, tuple[int, int]]) -> None:
+    if (before.params is Params.ABSENT) != (after.params is Params.ABSENT):
+        totals[0] += sizes.gathered(u) if before.params is Params.ABSENT else -sizes.gathered(u)
+    if before.activation is Activation.NONE and after.activation is Activation.KEPT:
+        kept[u] = sizes.kept(op)
+        totals[2] += kept[u][0]
+        totals[3] += kept[u][1]
+    elif before.activation is Activation.KEPT and after.activation is Activation.NONE:
+        inputs, graphs = kept.pop(u)
+        totals[2] -= inputs
+        totals[3] -= graphs
+    if _holds_unreduced(after.grad) != _holds_unreduced(before.grad):
+        totals[1] += sizes.unreduced(u) if _holds_unreduced(after.grad) else -sizes.unreduced(u)
 
 
 def _holds_unreduced(g: Grad) -> bool:

@@ -13,18 +13,17 @@ A unit has three independent pieces of state:
                 buffer that the next micro-batch reduces)
 ==============  ===============================================================
 
-Compute ops also need their unit ``GATHERED`` and must come in the compute order (see
-``fz3.schedule.schedule.compute_order``); that rule is global, not per unit, and lives with
-the schedule.
+A compute op needs its own unit ``GATHERED``, and also the units it *reads* (parts tied
+across units, ``Role.SHARED``): for those, ``READ_TABLE`` says what the op does (a loss or a
+backward adds a contribution to their gradient). Compute ops must also come in the compute
+order (``fz3.schedule.schedule.compute_order``); that rule is global, not per unit, and
+lives with the schedule.
 """
 
 from __future__ import annotations
 
 from enum import Enum
 from typing import NamedTuple
-
-OUTER = -1  # the outer unit: every parameter outside the layer stack
-
 
 class Category(Enum):
     """What an op does, as the streams and lanes see it."""
@@ -42,7 +41,7 @@ class OpKind(str, Enum):
     WAIT = "wait"  # block until the unit's gather is done
     FORWARD = "forward"  # compute the unit; keep its input (recompute in backward)
     FORWARD_SAVE = "forward_save"  # compute the unit; keep its autograd graph
-    LOSS = "loss"  # post + loss, and its vjp (the outer unit)
+    LOSS = "loss"  # post + loss, and its vjp (the post unit)
     BACKWARD = "backward"  # vjp of the unit (recomputing it first after ``forward``)
     FREE = "free"  # release the unit's gathered parameters
     REDUCE = "reduce"  # issue the reduce-scatter (or all-reduce) of its flat gradient
@@ -74,14 +73,10 @@ COMPLETES = {OpKind.WAIT: OpKind.GATHER, OpKind.WAIT_REDUCE: OpKind.REDUCE}  # w
 
 class Op(NamedTuple):
     kind: OpKind
-    unit: int = OUTER
+    unit: int  # index into the schedule's units (``Schedule.units``)
 
     def __str__(self) -> str:
-        return "loss" if self.kind == OpKind.LOSS else f"{self.kind} {unit_name(self.unit)}"
-
-
-def unit_name(u: int) -> str:
-    return "outer" if u == OUTER else f"layers.{u}"
+        return f"{self.kind} {self.unit}"
 
 
 class Params(Enum):
@@ -128,7 +123,7 @@ TABLE: dict[OpKind, tuple[Change, ...]] = {
     OpKind.WAIT: (_c("params", {Params.GATHERING}, Params.GATHERED),),
     OpKind.FORWARD: (_GATHERED, _c("activation", {Activation.NONE}, Activation.KEPT)),
     OpKind.FORWARD_SAVE: (_GATHERED, _c("activation", {Activation.NONE}, Activation.KEPT)),
-    OpKind.LOSS: (_GATHERED,),
+    OpKind.LOSS: (_GATHERED, _c("grad", {Grad.NONE}, Grad.UNREDUCED)),
     OpKind.BACKWARD: (_GATHERED, _c("activation", {Activation.KEPT}, Activation.NONE),
                       _c("grad", {Grad.NONE}, Grad.UNREDUCED)),
     OpKind.FREE: (_c("params", {Params.GATHERED}, Params.ABSENT),),
@@ -138,20 +133,32 @@ TABLE: dict[OpKind, tuple[Change, ...]] = {
 }
 
 
-def apply(kind: OpKind, unit: int, state: UnitState, *, grad: bool = True) -> UnitState | str:
-    """The unit's state after an op of ``kind``, or the reason it cannot run (a string)."""
+_CONTRIBUTE = _c("grad", {Grad.NONE, Grad.UNREDUCED}, Grad.UNREDUCED)
+# What a compute op does to a unit it reads (not its own): it needs it gathered, and a loss or
+# a backward adds to its gradient, which stays unreduced until its last reader is done.
+READ_TABLE: dict[OpKind, tuple[Change, ...]] = {
+    OpKind.FORWARD: (_GATHERED,), OpKind.FORWARD_SAVE: (_GATHERED,),
+    OpKind.LOSS: (_GATHERED, _CONTRIBUTE), OpKind.BACKWARD: (_GATHERED, _CONTRIBUTE),
+}
+
+
+def apply(kind: OpKind, name: str, state: UnitState, *, grad: bool = True, read: bool = False) -> UnitState | str:
+    """Unit ``name``'s state after an op of ``kind`` (``read``: an op of another unit that
+    reads it), or the reason it cannot run (a string)."""
     new = state
-    for change in TABLE[kind]:
+    for change in (READ_TABLE if read else TABLE)[kind]:
         now = getattr(state, change.field)
         if now not in change.before:
-            return _why(kind, change.field, now, unit_name(unit))
-        if change.field == "activation" and not grad:
-            continue  # forward-only: nothing is kept for a backward
+            return _why(kind, change.field, now, name, read)
+        if change.field in ("activation", "grad") and not grad:
+            continue  # forward-only: nothing is kept for a backward, no gradient exists
         new = new._replace(**{change.field: change.after})
     return new
 
 
-def _why(kind: OpKind, field: str, now: Enum, name: str) -> str:
+def _why(kind: OpKind, field: str, now: Enum, name: str, read: bool) -> str:
+    if read and field == "grad":
+        return f"the gradient of {name} is {now.value} already: a reader's {kind} adds to it after its reduce"
     if field == "params":
         if kind == OpKind.GATHER:
             return f"{name} is already {'being gathered' if now is Params.GATHERING else 'gathered'}"

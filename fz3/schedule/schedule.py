@@ -1,10 +1,10 @@
 """Schedules as data: the ops of one step, computed once, printed, validated, run.
 
-A step touches units: the outer unit (``OUTER``, every parameter outside the layer stack:
-embeddings, final norm, head; gathered before ``pre`` and kept until ``pre``'s backward,
-as FSDP2 keeps its root) and the layer units ``0..U-1`` (``layers_per_unit`` consecutive
-layers each). A schedule is a flat tuple of ``Op(kind, unit)``; what each kind does is
-``fz3.schedule.ops``' table.
+A step touches *units*: what is gathered, computed and reduced at once. A unit is a whole
+part of the model (the embedding stage ``pre``, the head ``post``, a part of tied
+parameters) or ``layers_per_unit`` consecutive layers of a stack. ``Schedule.units`` lists
+them in compute order; a schedule is a flat tuple of ``Op(kind, unit)`` over them, and what
+each kind does is ``fz3.schedule.ops``' table.
 
 ``plan`` builds a schedule from a ``Policy``; ``validate`` checks any schedule, hand-made
 ones included, before anything runs, and says which op is wrong and why; ``print`` shows it
@@ -14,13 +14,24 @@ as a table (an invalid one too, with the first bad op marked).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Sequence
 
 from ..compare import fingerprint
-from .ops import COMPUTE_KINDS, OUTER, Grad, Op, OpKind, Params, UnitState, apply, unit_name
+from .ops import COMPUTE_KINDS, Grad, Op, OpKind, Params, UnitState, apply
+from .structure import FORWARD_ROLES, PartShape, Role, check_structure, layers_only
 
 REDUCES = ("reduce_scatter", "all_reduce")
 ACTIVATIONS = ("recompute", "save", "save_unsharded")
+
+
+class Unit(NamedTuple):
+    """One unit of a schedule: rows ``rows`` of the model's part ``part``."""
+
+    name: str  # "pre", "blocks.0", "blocks.2-3", "post", "tied:tok.weight"
+    part: int  # index into the model's parts
+    rows: range  # the part's rows (layers) in this unit; range(0, 1) for a part that is not a stack
+    role: Role
+    reads: tuple[int, ...] = ()  # units (of shared parts) whose parameters its compute also uses
 
 
 @dataclass(frozen=True)
@@ -28,10 +39,11 @@ class Policy:
     """How to schedule a step. Every policy gives the same loss and gradients."""
 
     prefetch: int = 1  # gathers issued ahead of the compute that needs them; 0 = no overlap
-    reshard_after_forward: bool = True  # False: keep layer units gathered until their backward
+    reshard_after_forward: bool = True  # False: keep units gathered from forward until their backward
     activations: Literal["recompute", "save", "save_unsharded"] = "recompute"
-    layers_per_unit: int = 1  # consecutive layers gathered and reduced as one unit
+    layers_per_unit: int = 1  # consecutive layers of a stack gathered and reduced as one unit
     reduce: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"
+    resident: tuple[str, ...] = ()  # parts kept gathered for the whole step (DeepSpeed's persistence)
 
     def __post_init__(self) -> None:
         if self.prefetch < 0:
@@ -43,13 +55,15 @@ class Policy:
                              f"'save_unsharded'")
         if self.reduce not in REDUCES:
             raise ValueError(f"reduce={self.reduce!r}: use 'reduce_scatter' or 'all_reduce'")
+        if isinstance(self.resident, str):
+            raise TypeError(f"resident={self.resident!r}: pass a tuple of part names, e.g. ('pre',)")
 
 
 class ScheduleError(ValueError):
     """A schedule that cannot run: names the op index, the op and the reason (``index`` and
     ``op`` are None for a bad field of the schedule itself)."""
 
-    def __init__(self, index: int | None, op: Op | None, reason: str, *, end: bool = False):
+    def __init__(self, index: int | None, op: str | None, reason: str, *, end: bool = False):
         where = "end of schedule" if end else f"op {index} ({op})" if op is not None else "its fields"
         super().__init__(f"invalid schedule at {where}: {reason}")
         self.index, self.op, self.reason = index, op, reason
@@ -58,11 +72,10 @@ class ScheduleError(ValueError):
 @dataclass(frozen=True)
 class Schedule:
     ops: tuple[Op, ...]
-    num_layers: int
-    layers_per_unit: int = 1
+    units: tuple[Unit, ...]
     reduce: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"
     grad: bool = True  # False: a forward-only schedule (fz3.apply)
-    max_live_units: int = field(default=0, compare=False)  # layer units gathered at once (validate fills it)
+    max_live_units: int = field(default=0, compare=False)  # units gathered at once, resident ones aside
 
     def __post_init__(self) -> None:
         # Kinds given as strings become OpKind members; unknown ones stay for validate to name.
@@ -70,34 +83,30 @@ class Schedule:
         object.__setattr__(self, "ops", ops)
 
     @property
-    def num_units(self) -> int:
-        return -(-self.num_layers // self.layers_per_unit) if self.layers_per_unit >= 1 else 0
+    def post(self) -> int:
+        """The unit the loss op runs on."""
+        return next(u for u, unit in enumerate(self.units) if unit.role is Role.POST)
 
-    def layer_range(self, u: int) -> range:
-        k = self.layers_per_unit
-        return range(u * k, min((u + 1) * k, self.num_layers))
-
-    def unit_elements(self, u: int, outer: int, layer: int) -> int:
-        """Elements of unit ``u`` given the outer unit's and one layer's element counts."""
-        return outer if u == OUTER else len(self.layer_range(u)) * layer
+    def describe(self, op: Op) -> str:
+        """``"forward blocks.0"``: the op with its unit's name."""
+        kind, u = op[0], op[1]
+        name = self.units[u].name if isinstance(u, int) and 0 <= u < len(self.units) else f"unit {u}"
+        return f"{kind} {name}"
 
     def fingerprint(self) -> bytes:
-        return fingerprint((self.ops, self.num_layers, self.layers_per_unit, self.reduce, self.grad))
+        units = [(u.name, u.part, u.rows.start, u.rows.stop, u.role.value, u.reads) for u in self.units]
+        return fingerprint((self.ops, units, self.reduce, self.grad))
 
     def __str__(self) -> str:
         walked = walk(self)
-        most = max(walked.live, default=0)
-        head = (f"Schedule: {len(self.ops)} ops, {self.num_layers} layers in {self.num_units} units "
-                f"of {self.layers_per_unit}, reduce={self.reduce}, at most {most} layer units gathered")
-        rows = [head, f"{'#':>4}  {'op':<12} {'unit':<10} {'layers':<9} gathered"]
+        head = (f"Schedule: {len(self.ops)} ops over {len(self.units)} units, reduce={self.reduce}, "
+                f"at most {max(walked.live, default=0)} units gathered")
+        rows = [head, f"{'#':>4}  {'op':<12} {'unit':<18} gathered"]
         for i, op in enumerate(self.ops):
-            kind, u = op[0], op[1]
-            r = self.layer_range(u) if isinstance(u, int) and u >= 0 and kind != OpKind.LOSS else None
-            span = "" if not r else f"{r.start}" if len(r) == 1 else f"{r.start}-{r.stop - 1}"
-            unit = "" if kind == OpKind.LOSS else unit_name(u)
+            name = self.describe(op).split(" ", 1)[1]
             live = str(walked.live[i]) if i < len(walked.live) else "?"
             mark = f"  <- {walked.error.reason}" if walked.error and walked.error.index == i else ""
-            rows.append(f"{i:>4}  {str(kind):<12} {unit:<10} {span:<9} {live}{mark}")
+            rows.append(f"{i:>4}  {str(op[0]):<12} {name:<18} {live}{mark}")
         if walked.error is not None and (walked.error.index is None or walked.error.index >= len(self.ops)):
             rows.append(f"invalid: {walked.error}")
         return "\n".join(rows)
@@ -106,69 +115,104 @@ class Schedule:
 _KIND_VALUES = {k.value for k in OpKind}
 
 
-def compute_order(num_units: int, *, grad: bool) -> list[Op]:
+def compute_order(units: Sequence[Unit], *, grad: bool) -> list[Op]:
     """The compute ops every schedule runs, in this order (``forward`` standing for either
-    forward kind): forward outer, forward 0..U-1, loss, backward U-1..0, backward outer."""
-    order = [Op(OpKind.FORWARD, OUTER), *(Op(OpKind.FORWARD, u) for u in range(num_units)),
-             Op(OpKind.LOSS, OUTER)]
+    forward kind): forward of every unit that has one, in order; loss; backward in reverse."""
+    forward = [u for u, unit in enumerate(units) if unit.role in FORWARD_ROLES]
+    post = [u for u, unit in enumerate(units) if unit.role is Role.POST]
+    order = [*(Op(OpKind.FORWARD, u) for u in forward), *(Op(OpKind.LOSS, u) for u in post)]
     if grad:
-        order += [*(Op(OpKind.BACKWARD, u) for u in reversed(range(num_units))), Op(OpKind.BACKWARD, OUTER)]
+        order += [Op(OpKind.BACKWARD, u) for u in reversed(forward)]
     return order
 
 
-def plan(num_layers, policy: Policy = Policy(), *, grad: bool = True) -> Schedule:
-    """The schedule for ``policy``: prefetch ``policy.prefetch`` gathers ahead of compute
-    (fetch current, prefetch next, then block, as DeepSpeed PR #1453 found), free a unit
-    right after its last use, reduce each gradient as soon as it exists and wait for it
-    after the next one is issued.
+def schedule_units(parts: Sequence[PartShape], layers_per_unit: int) -> tuple[Unit, ...]:
+    """Units in compute order: each part whole, stacks split every ``layers_per_unit`` layers."""
+    units: list[Unit] = []
+    first: dict[int, int] = {}  # part -> its first unit
+    for p, part in enumerate(parts):
+        first[p] = len(units)
+        if part.role is not Role.STACK:
+            units.append(Unit(part.name, p, range(1), part.role))
+            continue
+        for a in range(0, part.rows, layers_per_unit):
+            rows = range(a, min(a + layers_per_unit, part.rows))
+            lo, hi = part.first + rows.start, part.first + rows.stop - 1
+            units.append(Unit(f"{part.path or part.name}.{lo}" + (f"-{hi}" if hi > lo else ""), p, rows, part.role))
+    return tuple(u._replace(reads=tuple(first[r] for r in parts[u.part].reads)) for u in units)
 
-    ``num_layers`` may also be a ``ShardedModel`` (its ``num_layers`` is used).
-    """
-    num_layers = getattr(num_layers, "num_layers", num_layers)
-    k = policy.layers_per_unit
+
+def structure_of(model: Any) -> tuple[PartShape, ...]:
+    """The parts of a ``ShardedModel``, a ``Workload`` (``.structure``), a number of layers, or
+    a sequence of ``PartShape``."""
+    if isinstance(model, int):
+        return layers_only(model)
+    parts = tuple(getattr(model, "structure", model))
+    why = check_structure(parts)
+    if why is not None:
+        raise ValueError(f"cannot schedule these parts: {why}")
+    return parts
+
+
+def plan(model: Any, policy: Policy = Policy(), *, grad: bool = True) -> Schedule:
+    """The schedule for ``policy`` on ``model`` (a ``ShardedModel``, a ``Workload``, a number
+    of layers, or a sequence of ``PartShape``): prefetch ``policy.prefetch`` gathers ahead of
+    compute (fetch current, prefetch next, then block, as DeepSpeed PR #1453 found), free a
+    unit right after its last use, reduce each gradient as soon as it is complete and wait
+    for it after the next one is issued."""
+    parts = structure_of(model)
+    unknown = sorted(set(policy.resident) - {p.name for p in parts})
+    if unknown:
+        raise ValueError(f"Policy(resident={policy.resident}): no part named {unknown}; parts are "
+                         f"{[p.name for p in parts]}")
+    units = schedule_units(parts, policy.layers_per_unit)
     save = policy.activations != "recompute"
     keep = policy.activations == "save_unsharded" or not policy.reshard_after_forward
     fwd = OpKind.FORWARD_SAVE if save and grad else OpKind.FORWARD
-    steps = [Op(fwd, op.unit) if op.kind == OpKind.FORWARD else op
-             for op in compute_order(-(-num_layers // k), grad=grad)]
-    spans = _residencies(steps, policy.prefetch, keep)
+    steps = [Op(fwd, op.unit) if op.kind == OpKind.FORWARD else op for op in compute_order(units, grad=grad)]
+    resident = {u for u, unit in enumerate(units) if keep or parts[unit.part].name in policy.resident}
+    spans = _residencies(steps, units, policy.prefetch, resident)
+    last_contribution = _last_contributions(steps, units) if grad else {}
 
     ops: list[Op] = []
     issued = 0  # spans [0, issued) have had their gather issued
-    last_reduce: int | None = None
+    waiting: list[int] = []  # reduces issued by the previous compute op, waited after this one's
     for s, step in enumerate(steps):
         while issued < len(spans) and spans[issued][0] <= s + policy.prefetch:
             ops.append(Op(OpKind.GATHER, spans[issued][2]))
             issued += 1
-        if any(first == s and u == step.unit for first, _, u in spans):
-            ops.append(Op(OpKind.WAIT, step.unit))
+        ops += [Op(OpKind.WAIT, u) for first, _, u in spans if first == s]
         ops.append(step)
-        if any(last == s and u == step.unit for _, last, u in spans):
-            ops.append(Op(OpKind.FREE, step.unit))
-        if step.kind == OpKind.BACKWARD:
-            ops.append(Op(OpKind.REDUCE, step.unit))
-            if last_reduce is not None:
-                ops.append(Op(OpKind.WAIT_REDUCE, last_reduce))
-            last_reduce = step.unit
-    if last_reduce is not None:
-        ops.append(Op(OpKind.WAIT_REDUCE, last_reduce))
-    return validate(Schedule(tuple(ops), num_layers, k, policy.reduce, grad))
+        ops += [Op(OpKind.FREE, u) for _, last, u in spans if last == s]
+        done = [u for u, at in last_contribution.items() if at == s]
+        if done:
+            ops += [Op(OpKind.REDUCE, u) for u in done]
+            ops += [Op(OpKind.WAIT_REDUCE, u) for u in waiting]
+            waiting = done
+    ops += [Op(OpKind.WAIT_REDUCE, u) for u in waiting]
+    return validate(Schedule(tuple(ops), units, policy.reduce, grad))
 
 
-def _residencies(steps: list[Op], prefetch: int, keep: bool) -> list[tuple[int, int, int]]:
-    """Spans ``(first step, last step, unit)`` during which a unit stays gathered, sorted."""
+def _uses(steps: list[Op], units: Sequence[Unit]) -> dict[int, list[int]]:
+    """Unit -> the compute steps that need it gathered (its own, and its readers')."""
     uses: dict[int, list[int]] = {}
     for s, op in enumerate(steps):
-        uses.setdefault(op.unit, []).append(s)
+        for u in (op.unit, *units[op.unit].reads):
+            uses.setdefault(u, []).append(s)
+    return uses
+
+
+def _residencies(steps: list[Op], units: Sequence[Unit], prefetch: int, resident: set[int]):
+    """Spans ``(first step, last step, unit)`` during which a unit stays gathered, sorted."""
     spans = []
-    for u, idx in uses.items():
-        if u == OUTER or keep:
+    for u, idx in _uses(steps, units).items():
+        if u in resident:
             spans.append((idx[0], idx[-1], u))
             continue
         start = idx[0]
         for a, b in zip(idx, idx[1:]):
-            # Reshard between forward and backward, unless the re-gather would be issued
-            # right after the free anyway (the last layer: its backward comes next).
+            # Reshard between uses, unless the re-gather would be issued right after the free
+            # anyway (the last layer: its backward comes next).
             if b - prefetch > a + 1:
                 spans.append((start, a, u))
                 start = b
@@ -176,62 +220,77 @@ def _residencies(steps: list[Op], prefetch: int, keep: bool) -> list[tuple[int, 
     return sorted(spans)
 
 
+def _last_contributions(steps: list[Op], units: Sequence[Unit]) -> dict[int, int]:
+    """Unit -> the step after which its gradient is complete (its backward, its loss, or its
+    last reader's backward)."""
+    last: dict[int, int] = {}
+    for s, op in enumerate(steps):
+        if op.kind in (OpKind.BACKWARD, OpKind.LOSS):
+            for u in (op.unit, *units[op.unit].reads):
+                last[u] = s
+    return last
+
+
 def deferred(schedule: Schedule) -> Schedule:
     """``schedule`` with every reduce replaced by an ``accumulate``: the micro-batches before
     the last of a gradient accumulation with the ``defer`` policy (see ``fz3.accumulate``)."""
     ops = tuple(Op(OpKind.ACCUMULATE, op.unit) if op.kind == OpKind.REDUCE else op
                 for op in schedule.ops if op.kind != OpKind.WAIT_REDUCE)
-    return validate(Schedule(ops, schedule.num_layers, schedule.layers_per_unit, schedule.reduce,
-                             schedule.grad))
+    return validate(Schedule(ops, schedule.units, schedule.reduce, schedule.grad))
 
 
 def validate(schedule: Schedule) -> Schedule:
     """Check that ``schedule`` can run; return it with ``max_live_units`` filled in.
 
     Raises ``ScheduleError`` naming the first bad op: a compute before its gather was
-    waited, a freed unit used, layers out of order, a gradient never reduced, ...
+    waited, a freed unit used, compute out of order, a gradient never reduced, ...
     """
     walked = walk(schedule)
     if walked.error is not None:
         raise walked.error
-    return Schedule(schedule.ops, schedule.num_layers, schedule.layers_per_unit, schedule.reduce,
-                    schedule.grad, max(walked.live, default=0))
+    return Schedule(schedule.ops, schedule.units, schedule.reduce, schedule.grad, max(walked.live, default=0))
 
 
 class Walk(NamedTuple):
-    live: list[int]  # layer units gathered or in flight after each op, up to the first error
+    live: list[int]  # units gathered or in flight after each op, up to the first error
     error: ScheduleError | None
     states: dict[int, UnitState]  # every unit's state after the last op walked
 
 
 def walk(s: Schedule) -> Walk:
-    """Play the schedule through ``fz3.schedule.ops.TABLE`` and the compute order; stop at
+    """Play the schedule through ``fz3.schedule.ops``' tables and the compute order; stop at
     the first op that cannot run. Never raises: the error is returned (printing uses it)."""
     live: list[int] = []
     error = _field_error(s)
     if error is not None:
         return Walk(live, error, {})
-    units = s.num_units
-    states = {u: UnitState() for u in (OUTER, *range(units))}
-    order = compute_order(units, grad=s.grad)
+    states = {u: UnitState() for u in range(len(s.units))}
+    order = compute_order(s.units, grad=s.grad)
     done = 0
     for i, op in enumerate(s.ops):
         reason, done = _step(s, op, states, order, done)
         if reason is not None:
-            return Walk(live, ScheduleError(i, op, reason), states)
-        live.append(sum(st.params is not Params.ABSENT for u, st in states.items() if u != OUTER))
-    end = len(s.ops)
+            return Walk(live, ScheduleError(i, s.describe(op), reason), states)
+        live.append(sum(st.params is not Params.ABSENT for st in states.values()))
     reason = _end_reason(s, states, order, done)
-    return Walk(live, None if reason is None else ScheduleError(end, None, reason, end=True), states)
+    return Walk(live, None if reason is None else ScheduleError(len(s.ops), None, reason, end=True), states)
 
 
 def _field_error(s: Schedule) -> ScheduleError | None:
     if s.reduce not in REDUCES:
         return ScheduleError(None, None, f"reduce={s.reduce!r}: use 'reduce_scatter' or 'all_reduce'")
-    if s.layers_per_unit < 1:
-        return ScheduleError(None, None, f"layers_per_unit={s.layers_per_unit} must be >= 1")
-    if s.num_layers < 0:
-        return ScheduleError(None, None, f"num_layers={s.num_layers} must be >= 0")
+    if not all(isinstance(u, Unit) for u in s.units):
+        return ScheduleError(None, None, "units must be fz3.schedule.Unit entries (take them from fz3.plan(model))")
+    for u in s.units:
+        if len(u.rows) == 0 and u.role is not Role.STACK:
+            return ScheduleError(None, None, f"unit {u.name!r} has no rows")
+        bad = [r for r in u.reads if not 0 <= r < len(s.units) or s.units[r].role is not Role.SHARED]
+        if bad:
+            return ScheduleError(None, None, f"unit {u.name!r} reads {bad}, which are not shared units")
+    roles = [u.role for u in s.units]
+    if roles.count(Role.POST) != 1 or (roles and roles[0] is not Role.PRE):
+        return ScheduleError(None, None, f"units must start with the pre unit and hold one post unit; "
+                                         f"roles are {[r.value for r in roles]}")
     return None
 
 
@@ -241,9 +300,10 @@ def _step(s: Schedule, op: Op, states: dict[int, UnitState], order: list[Op], do
     if not isinstance(kind, OpKind):
         return f"unknown op kind {kind!r}; kinds are {', '.join(k.value for k in OpKind)}", done
     if u not in states:
-        return f"unit {u} does not exist (units: outer=-1 and 0..{s.num_units - 1})", done
-    if kind == OpKind.LOSS and u != OUTER:
-        return "loss belongs to the outer unit; write Op('loss')", done
+        return f"unit {u} does not exist (units: 0..{len(s.units) - 1})", done
+    name = s.units[u].name
+    if kind == OpKind.LOSS and s.units[u].role is not Role.POST:
+        return f"loss runs on the post unit ({s.units[s.post].name}, unit {s.post}), not {name}", done
     if kind == OpKind.FORWARD_SAVE and not s.grad:
         return "forward_save keeps a graph for a backward; a forward-only schedule has none", done
     if kind in (OpKind.REDUCE, OpKind.ACCUMULATE) and not s.grad:
@@ -251,10 +311,15 @@ def _step(s: Schedule, op: Op, states: dict[int, UnitState], order: list[Op], do
     if kind in COMPUTE_KINDS:
         want = Op(OpKind.FORWARD if kind == OpKind.FORWARD_SAVE else kind, u)
         if done >= len(order) or order[done] != want:
-            expected = "nothing (all compute is done)" if done >= len(order) else str(order[done])
+            expected = "nothing (all compute is done)" if done >= len(order) else s.describe(order[done])
             return f"compute out of order: expected {expected}", done
         done += 1
-    new = apply(kind, u, states[u], grad=s.grad)
+        for r in s.units[u].reads:
+            new = apply(kind, s.units[r].name, states[r], grad=s.grad, read=True)
+            if isinstance(new, str):
+                return new, done
+            states[r] = new
+    new = apply(kind, name, states[u], grad=s.grad)
     if isinstance(new, str):
         return new, done
     states[u] = new
@@ -263,10 +328,10 @@ def _step(s: Schedule, op: Op, states: dict[int, UnitState], order: list[Op], do
 
 def _end_reason(s: Schedule, states: dict[int, UnitState], order: list[Op], done: int) -> str | None:
     def names(us) -> str:
-        return ", ".join(unit_name(u) for u in sorted(us))
+        return ", ".join(s.units[u].name for u in sorted(us))
 
     if done < len(order):
-        return f"compute incomplete: {order[done]} never runs"
+        return f"compute incomplete: {s.describe(order[done])} never runs"
     gathering = [u for u, st in states.items() if st.params is Params.GATHERING]
     if gathering:
         return f"gathers never waited: {names(gathering)}"

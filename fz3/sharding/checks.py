@@ -9,8 +9,7 @@ from torch import nn
 
 from ..comm.collectives import Comm
 from ..comm.failures import differing_ranks, gather_objects
-from ..compare import first_difference
-from .layout import FlatLayout
+from ..compare import fingerprint, first_difference
 
 
 def check_not_wrapped(module: nn.Module) -> None:
@@ -62,17 +61,36 @@ def _fmt(entry) -> str:
     return f"{names[0]} {list(shape)} {dtype}"
 
 
-def check_same_on_all_ranks(comm: Comm, outer: FlatLayout, layer: FlatLayout, num_layers: int, layers_path: str,
-                            device: torch.device) -> None:
-    """Every rank must have built the same layouts, or collectives hang. On a mismatch, every
+def check_parameters(split) -> None:
+    """Floating point, trained, materialized: what fz3 can shard (``split``: a ``Partition``)."""
+    for part, rows in zip(split.parts, split.params):
+        for j, row in enumerate(rows):
+            for names, p in row:
+                name = part.prefix(j) + names[0]
+                if not p.is_floating_point():
+                    raise TypeError(f"parameter {name} has dtype {p.dtype}; fz3 shards floating-point "
+                                    f"parameters only")
+                if not p.requires_grad:
+                    raise ValueError(f"parameter {name} has requires_grad=False; fz3 trains every parameter. "
+                                     f"Register frozen tensors as buffers, or mask their updates in the "
+                                     f"optimizer")
+                if p.is_meta:
+                    raise ValueError(f"parameter {name} is on the meta device; materialize the module "
+                                     f"(e.g. module.to_empty(device=...) and initialize it) before fz3.shard")
+
+
+def check_same_on_all_ranks(comm: Comm, parts, device: torch.device) -> None:
+    """Every rank must have built the same parts, or collectives hang. On a mismatch, every
     rank raises, naming the ranks and the first differing parameter. **Collective**: one small
     all-gather (and one more on a mismatch)."""
-    digest = outer.fingerprint() + layer.fingerprint()
-    differ = differing_ranks(comm.group, list(digest) + [num_layers], device)
+    mine = []
+    for part in parts:
+        mine.append((f"part {part.name}", part.role.value, f"rows {part.rows}"))
+        mine += [(part.prefix() + s.name if part.role.value != "stack" else f"{part.path}.*.{s.name}", s.shape,
+                  str(s.dtype)) for s in part.layout.slots]
+    differ = differing_ranks(comm.group, list(fingerprint(mine)), device)
     if not differ:
         return
-    mine = [("layers", num_layers)] + [(n, s.shape, str(s.dtype)) for s in outer.slots for n in s.names[:1]]
-    mine += [(f"{layers_path}.*.{s.name}", s.shape, str(s.dtype)) for s in layer.slots]
     everyone = gather_objects(comm.group, mine)
     r = differ[0]
     _, a, b = first_difference(everyone[0], everyone[r]) or (0, None, None)

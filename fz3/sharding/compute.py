@@ -1,7 +1,8 @@
-"""The math of one unit over its gathered flat buffer, through ``torch.func.functional_call``.
+"""The math of one unit over its gathered flat buffers, through ``torch.func.functional_call``.
 
-Nothing here communicates. Gathered buffers arrive as ``(full,)`` for the outer unit and
-``(k, full)`` for a unit of k layers; parameters are views into them.
+Nothing here communicates. A gathered part arrives as ``(full,)`` (``(k, full)`` for k
+layers of a stack); parameters are views into it, bound by name (``bind``) for the
+function that runs the part.
 """
 
 from __future__ import annotations
@@ -43,24 +44,24 @@ def mode(model: ShardedModel) -> Iterator[None]:
             model.skeleton.train(before)
 
 
-def run_pre(model: ShardedModel, params: Sequence[torch.Tensor], batch: Any) -> tuple[torch.Tensor, Extras]:
-    out = functional_call(model.pre, bind(model.outer, params), (batch,), tie_weights=False)
+def run_stage(fn: BoundFunction, bound: dict[str, torch.Tensor], args: tuple, name: str) -> tuple[torch.Tensor, Extras]:
+    """``pre`` or a ``between`` function: ``fn(m, *args) -> h | (h, *extras)``."""
+    out = functional_call(fn, bound, args, tie_weights=False)
     h, extras = (out[0], tuple(out[1:])) if isinstance(out, tuple) and out else (out, ())
     if not isinstance(h, torch.Tensor):
-        raise TypeError(f"pre returned {type(out).__name__}; return h or (h, *extra) with h a tensor")
+        raise TypeError(f"{name} returned {type(out).__name__}; return h or (h, *extra) with h a tensor")
     if h.is_meta:
-        raise ValueError("pre's output is on the meta device: pre used a parameter outside the outer "
-                         "unit (one of the layers'?). pre and post may use only parameters outside "
-                         "the layer stack")
+        raise ValueError(f"{name} used a parameter outside its part: its output is on the meta device. A "
+                         f"function may use only the parameters registered in its part (see fz3.shard's "
+                         f"assign= to move some)")
     return h, extras
 
 
-def run_loss(model: ShardedModel, fn: BoundFunction, has_aux: bool, params: Sequence[torch.Tensor],
-             h: torch.Tensor, batch: Any) -> tuple[torch.Tensor, Any]:
+def run_loss(fn: BoundFunction, has_aux: bool, bound: dict[str, torch.Tensor], h: torch.Tensor, batch: Any,
+             name: str) -> tuple[torch.Tensor, Any]:
     """``(loss, aux)``: ``fn(m, h, batch)`` returns the scalar loss, or ``(loss, aux)`` when
     ``has_aux``; ``aux`` is None without it."""
-    out = functional_call(fn, bind(model.outer, params), (h, batch), tie_weights=False)
-    name = "post" if fn is model.post else "the loss function"
+    out = functional_call(fn, bound, (h, batch), tie_weights=False)
     if has_aux:
         if not (isinstance(out, tuple) and len(out) == 2):
             raise TypeError(f"{name} was given with has_aux=True and must return (loss, aux), got "
@@ -73,19 +74,19 @@ def run_loss(model: ShardedModel, fn: BoundFunction, has_aux: bool, params: Sequ
         hint = "" if has_aux else " (returning (loss, aux)? pass has_aux=True)"
         raise TypeError(f"{name} must return a scalar loss tensor, got {type(out).__name__}{shape}{hint}")
     if out.is_meta:
-        raise ValueError(f"{name} used a parameter outside the outer unit (one of the layers'?): "
-                         f"its loss is on the meta device. pre and post may use only parameters "
-                         f"outside the layer stack")
+        raise ValueError(f"{name} used a parameter outside its part: its loss is on the meta device. A "
+                         f"function may use only the parameters registered in its part (see fz3.shard's "
+                         f"assign= to move some)")
     return out.reshape(()), aux
 
 
-def run_layers(model: ShardedModel, first: int, params: Sequence[Sequence[torch.Tensor]], h: torch.Tensor,
-               extras: Extras) -> torch.Tensor:
-    """Run layers ``first, first+1, ...`` (one parameter list each) on ``h``."""
-    for j, p in enumerate(params):
-        h = functional_call(model.blocks[first + j], bind(model.layer, p), (h, *extras), tie_weights=False)
+def run_layers(fns: Sequence[BoundFunction], layout: FlatLayout, params: Sequence[Sequence[torch.Tensor]],
+               h: torch.Tensor, extras: Extras, names: Sequence[str]) -> torch.Tensor:
+    """Run consecutive layers (one function, one parameter list, one name each) on ``h``."""
+    for fn, p, name in zip(fns, params, names):
+        h = functional_call(fn, bind(layout, p), (h, *extras), tie_weights=False)
         if not isinstance(h, torch.Tensor):
-            raise TypeError(f"layer {first + j} returned {type(h).__name__}, not a tensor; pass "
+            raise TypeError(f"layer {name} returned {type(h).__name__}, not a tensor; pass "
                             f"call_layer=lambda layer, h, *extra: layer(h, *extra)[0] to fz3.shard")
     return h
 
@@ -97,7 +98,7 @@ def layer_views(layout: FlatLayout, flat: torch.Tensor) -> list[list[torch.Tenso
 
 def flat_grads(layout: FlatLayout, grads: Sequence[Sequence[torch.Tensor | None]],
                like: torch.Tensor) -> torch.Tensor:
-    """``(k, padded)``: k layers' flat gradients from their per-parameter gradients (None =
+    """``(k, padded)``: k rows' flat gradients from their per-parameter gradients (None =
     zero), padding zero, in one ``torch.cat``. Autograd through the views of the gathered
     buffer would instead scatter each view's gradient into a full-size zero buffer and add
     them up (quadratic in the parameter count)."""

@@ -1,10 +1,11 @@
 """``fz3.shard``: an unchanged ``nn.Module`` -> (static ``ShardedModel``, ``Params`` of local shards).
 
-The module is split into the outer unit (every parameter outside the layer stack) and the
-layers (structurally identical blocks of an ``nn.ModuleList``). Each unit becomes one flat
-buffer (``FlatLayout``); this rank keeps its 1/N shard of each, in fp32. The module itself
-is not modified: fz3 keeps a skeleton copy whose parameters live on the meta device and
-substitutes gathered parameters into it with ``torch.func.functional_call``.
+The module is split into parts (``fz3/sharding/parts.py``): ``pre``, one stack per run of
+structurally identical layers, ``between`` parts, ``post`` and parts of tied parameters.
+Each part's rows become flat buffers (``FlatLayout``); this rank keeps its 1/N shard of
+each, in fp32. The module itself is not modified: fz3 keeps a skeleton copy whose
+parameters live on the meta device and substitutes gathered parameters into it with
+``torch.func.functional_call``.
 """
 
 from __future__ import annotations
@@ -12,29 +13,30 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..comm.collectives import Comm
-from .checks import check_identical, check_not_wrapped, check_same_on_all_ranks, resolve_layers
-from .layout import FlatLayout
+from ..schedule.structure import PartShape, Role
+from .checks import check_not_wrapped, check_parameters, check_same_on_all_ranks, resolve_layers
+from .parts import Part, partition
 from .precision import Precision
 
 
 class Params(NamedTuple):
-    """This rank's shards, an optree pytree (NamedTuples are pytree nodes).
+    """This rank's shards, one tensor per part of the model (``model.parts``, in order):
+    ``(shard,)`` for a part that is not a stack, ``(k, shard)`` for a stack of k layers (like
+    JAX's scan-over-layers). An optree pytree; gradients and optimizer state have exactly
+    this structure."""
 
-    Gradients and optimizer state have exactly this structure.
-    """
-
-    outer: torch.Tensor  # (outer.shard_numel,)           fp32
-    layers: torch.Tensor  # (num_layers, layer.shard_numel) fp32: the stack, like JAX's scan-over-layers
+    parts: tuple[torch.Tensor, ...]  # fp32
 
 
 PreFn = Callable[..., Any]  # (m, batch) -> h | (h, *extra)
+BetweenFn = Callable[..., Any]  # (m, h, batch) -> h | (h, *extra)
 PostFn = Callable[..., torch.Tensor]  # (m, h, batch) -> scalar loss
 CallLayer = Callable[..., torch.Tensor]  # (layer, h, *extra) -> h
 
@@ -57,23 +59,42 @@ def _call_layer(layer: nn.Module, h: torch.Tensor, *extra: Any) -> torch.Tensor:
 
 @dataclass(frozen=True, eq=False)
 class ShardedModel:
-    """Everything static about a sharded model: layouts, skeleton, functions, group."""
+    """Everything static about a sharded model: parts, skeleton, functions, group."""
 
-    outer: FlatLayout
-    layer: FlatLayout
-    num_layers: int
-    layers_path: str
-    pre: BoundFunction  # pre_fn bound to the skeleton
-    post: BoundFunction  # post_fn bound to the skeleton
-    blocks: tuple[BoundFunction, ...]  # call_layer bound to each layer of the skeleton's stack
+    parts: tuple[Part, ...]
+    functions: tuple[Any, ...]  # per part: a BoundFunction (pre/between/post), a tuple of them per
+    # layer (stacks: call_layer bound to each layer of the skeleton), None (shared parts)
     skeleton: nn.Module  # the module with meta parameters (and real buffers)
     comm: Comm
     precision: Precision
     device: torch.device
     mesh: Any = None  # the DeviceMesh given to fz3.shard, if any (checkpoints use it)
+    training: bool = True  # dropout and the like on; set per model copy, never in place
     check_batch: Callable[[Any], None] | None = None  # the adapter's batch check (local), if any
 
-    training: bool = True  # dropout and the like on; set per model copy, never in place
+    @property
+    def structure(self) -> tuple[PartShape, ...]:
+        """What a schedule needs to know of the model (``fz3.plan`` reads it)."""
+        return tuple(p.shape for p in self.parts)
+
+    @property
+    def numel(self) -> int:
+        """Parameters in the model (tied ones once)."""
+        return sum(p.rows * p.layout.numel for p in self.parts)
+
+    @property
+    def num_layers(self) -> int:
+        return sum(p.rows for p in self.parts if p.role is Role.STACK)
+
+    @property
+    def post(self) -> BoundFunction:
+        return self.functions[self.part_index("post")]
+
+    def part_index(self, name: str) -> int:
+        for i, p in enumerate(self.parts):
+            if p.name == name:
+                return i
+        raise KeyError(f"no part named {name!r}; parts are {[p.name for p in self.parts]}")
 
     @property
     def world_size(self) -> int:
@@ -91,9 +112,9 @@ class ShardedModel:
     def train(self, mode: bool = True) -> "ShardedModel":
         """A copy of this model in training mode (``mode=False``: eval); this one is unchanged.
 
-        As with equinox's ``inference_mode``: two step functions built on a model and on its
-        ``eval()`` copy share the skeleton and the shards' layout, and each step runs in its own
-        model's mode."""
+        As with equinox's ``inference_mode``: step functions built on a model and on its
+        ``eval()`` copy share the skeleton and the shards' layout, and each step runs in its
+        own model's mode."""
         return dataclasses.replace(self, training=mode)
 
     def eval(self) -> "ShardedModel":
@@ -106,17 +127,20 @@ class ShardedModel:
 
 def shard(
     module: nn.Module,
-    layers: str | None = None,
+    layers: str | Sequence[str] | None = None,
     pre: PreFn | None = None,
     post: PostFn | None = None,
     *,
+    between: Sequence[BetweenFn | None] = (),
     call_layer: CallLayer | None = None,
+    assign: Mapping[str, str] | None = None,
     group: dist.ProcessGroup | None = None,
     mesh: Any = None,
     device: torch.device | str | None = None,
     precision: Precision = Precision(),
 ) -> tuple[ShardedModel, Params]:
     """Shard ``module`` over ``group`` or ``mesh`` (default: the default process group).
+    **Collective**: every rank must call it (one small all-gather checks the ranks agree).
 
     A 1-D ``DeviceMesh`` names the sharding group. A 2-D mesh ``(replicate, shard)`` gives
     hybrid sharding: parameters are sharded inside each row (dim 1) and replicated across
@@ -127,17 +151,29 @@ def shard(
       module: an unchanged ``nn.Module``; it is not modified (``del`` it to free its memory).
         With none of layers/pre/post given, a built-in adapter is used (Hugging Face
         ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``RobertaForMaskedLM``: see ``fz3.hf``).
-      layers: dotted path of the ``nn.ModuleList`` of structurally identical blocks.
-      pre: ``pre(m, batch) -> h`` or ``-> (h, *extra)``; ``m`` is the module with the outer
-        unit's parameters substituted.
-      post: ``post(m, h, batch) -> loss`` (a scalar).
+      layers: dotted path of an ``nn.ModuleList`` of layers, or a list of them in compute
+        order. Consecutive structurally identical layers are stacked and scanned; a list of
+        layers of several kinds (``[A, A, B, B, B]``) becomes one stack per run.
+      pre: ``pre(m, batch) -> h`` or ``-> (h, *extra)``; ``m`` is the module with the
+        parameters registered before the first stack substituted. Each layer is called
+        ``call_layer(layer, h, *extra)``.
+      post: ``post(m, h, batch) -> loss`` (a scalar), with the parameters registered after
+        the last stack.
+      between: with several paths, one function per gap, ``between[i](m, h, batch) -> h`` or
+        ``(h, *extra)`` (new extras for the next stacks), run between stack i and i+1 with
+        the parameters registered between them; None (or no ``between``) passes ``h`` and the
+        extras straight on.
       call_layer: how to call one layer, ``call_layer(layer, h, *extra) -> h``; default
         ``layer(h, *extra)`` (pass one for layers that return tuples).
+      assign: ``{name prefix: "pre" | "post" | "between.i"}`` for parameters whose
+        registration order does not say which function uses them.
       device: where shards and compute live; default: the module's device (cuda:current for NCCL).
       precision: compute / reduce dtypes (fp32 master shards always).
 
     Returns ``(model, params)``: the static model and this rank's fp32 shards.
     """
+    check_not_wrapped(module)
+    check_batch = None
     if layers is None and pre is None and post is None:
         from ..hf.adapters import adapter_for
 
@@ -145,12 +181,29 @@ def shard(
         layers, pre, post = adapter.layers, adapter.pre, adapter.post
         call_layer = call_layer or adapter.layer
         check_batch = getattr(adapter, "check_batch", None)
-    else:
-        check_batch = None
     if layers is None or pre is None or post is None:
         raise TypeError("fz3.shard needs layers=, pre= and post= (or none of them, for a model with a built-in "
-                        "adapter): layers='<path of the nn.ModuleList>', pre(m, batch) -> h, post(m, h, batch) -> loss")
-    check_not_wrapped(module)
+                        "adapter): layers='<path of the nn.ModuleList>', pre(m, batch) -> h, post(m, h, batch) "
+                        "-> loss")
+    paths = [layers] if isinstance(layers, str) else list(layers)
+    if len(between) not in (0, len(paths) - 1):
+        raise ValueError(f"between has {len(between)} functions for {len(paths)} stacks; pass one per gap "
+                         f"({len(paths) - 1}), None where h passes through")
+    comm, device = _comm(module, group, mesh, device)
+    betweens = [fn for fn in between if fn is not None]
+    split = partition(module, paths, comm.world_size, between=[fn is not None for fn in between] or
+                      [False] * (len(paths) - 1), assign=assign)
+    check_parameters(split)
+    skeleton = _skeleton(module, device)
+    functions = _functions(split.parts, skeleton, pre, post, betweens, call_layer or _call_layer)
+    shards = tuple(_shards(part, rows, comm, device) for part, rows in zip(split.parts, split.params))
+    model = ShardedModel(split.parts, functions, skeleton, comm, precision, device, mesh, module.training,
+                         check_batch)
+    check_same_on_all_ranks(comm, split.parts, device)
+    return model, Params(shards)
+
+
+def _comm(module: nn.Module, group, mesh, device) -> tuple[Comm, torch.device]:
     if mesh is not None and mesh.ndim not in (1, 2):
         raise ValueError(f"mesh has {mesh.ndim} dims {tuple(mesh.shape)}; fz3.shard takes a 1-D mesh (shard) "
                          f"or a 2-D mesh (replicate, shard) for hybrid sharding")
@@ -169,64 +222,36 @@ def shard(
     backend = dist.get_backend(group)
     device = torch.device(device) if device is not None else _default_device(module, backend)
     reduce_group = dist.new_group(dist.get_process_group_ranks(group)) if backend == "nccl" and world > 1 else group
-    comm = Comm(group, reduce_group, rank, world, replicate_group, replicas)
+    return Comm(group, reduce_group, rank, world, replicate_group, replicas), device
 
-    stack = resolve_layers(module, layers)
-    block_params = [_named_params(b) for b in stack]
-    check_identical(layers, block_params)
-    layer_ids = {id(p) for ps in block_params for _, p in ps}
-    outer_params = [(names, p) for names, p in _named_params(module) if id(p) not in layer_ids]
-    for names, p in _named_params(module):
-        if id(p) in layer_ids and any(not n.startswith(layers + ".") for n in names):
-            raise ValueError(f"parameter {names} is used both inside {layers!r} and outside it; fz3 "
-                             f"shards layers and the outer unit separately: untie it or move it")
-    seen: dict[int, str] = {}
-    for i, ps in enumerate(block_params):
-        for names, p in ps:
-            if id(p) in seen:
-                raise ValueError(f"{layers}.{i}.{names[0]} is the same Parameter as {seen[id(p)]}; "
-                                 f"blocks of the stack must not share parameters")
-            seen[id(p)] = f"{layers}.{i}.{names[0]}"
-    for names, p in outer_params + [x for ps in block_params for x in ps]:
-        if not p.is_floating_point():
-            raise TypeError(f"parameter {names[0]} has dtype {p.dtype}; fz3 shards floating-point parameters only")
-        if not p.requires_grad:
-            raise ValueError(f"parameter {names[0]} has requires_grad=False; fz3 trains every parameter. "
-                             f"Register frozen tensors as buffers, or mask their updates in the optimizer")
-        if p.is_meta:
-            raise ValueError(f"parameter {names[0]} is on the meta device; materialize the module "
-                             f"(e.g. module.to_empty(device=...) and initialize it) before fz3.shard")
 
-    outer_layout = FlatLayout.build(outer_params, world)
-    layer_layout = FlatLayout.build(block_params[0], world) if stack else FlatLayout.build([], world)
-    lo, s_o = rank * outer_layout.shard_numel, outer_layout.shard_numel
-    outer_shard = _flat(outer_layout, outer_params, device)[lo : lo + s_o].clone()
-    s_l = layer_layout.shard_numel
-    layer_shards = torch.empty(len(stack), s_l, dtype=torch.float32, device=device)
-    for i, ps in enumerate(block_params):  # one unit at a time: peak extra memory is one layer
-        layer_shards[i].copy_(_flat(layer_layout, ps, device)[rank * s_l : (rank + 1) * s_l])
+def _functions(parts: Sequence[Part], skeleton: nn.Module, pre, post, betweens, call_layer) -> tuple[Any, ...]:
+    gaps = iter(betweens)
+    out: list[Any] = []
+    for part in parts:
+        if part.role is Role.PRE:
+            out.append(BoundFunction(pre, skeleton))
+        elif part.role is Role.POST:
+            out.append(BoundFunction(post, skeleton))
+        elif part.role is Role.BETWEEN:
+            out.append(BoundFunction(next(gaps), skeleton))
+        elif part.role is Role.STACK:
+            stack = resolve_layers(skeleton, part.path)
+            out.append(tuple(BoundFunction(call_layer, stack[part.first + j]) for j in range(part.rows)))
+        else:
+            out.append(None)
+    return tuple(out)
 
-    skeleton = _skeleton(module, device)
-    skel_stack = resolve_layers(skeleton, layers)
-    call_layer = call_layer or _call_layer
-    model = ShardedModel(
-        outer=outer_layout,
-        layer=layer_layout,
-        num_layers=len(stack),
-        layers_path=layers,
-        pre=BoundFunction(pre, skeleton),
-        post=BoundFunction(post, skeleton),
-        blocks=tuple(BoundFunction(call_layer, b) for b in skel_stack),
-        skeleton=skeleton,
-        comm=comm,
-        precision=precision,
-        device=device,
-        mesh=mesh,
-        training=module.training,
-        check_batch=check_batch,
-    )
-    check_same_on_all_ranks(comm, outer_layout, layer_layout, len(stack), layers, device)
-    return model, Params(outer_shard, layer_shards)
+
+def _shards(part: Part, rows, comm: Comm, device: torch.device) -> torch.Tensor:
+    """This rank's fp32 shard of each row: ``(shard,)``, or ``(k, shard)`` for a stack. One
+    row is flattened at a time, so the extra memory is one row."""
+    n = part.layout.shard_numel
+    out = torch.empty(part.rows, n, dtype=torch.float32, device=device)
+    for j, row in enumerate(rows):
+        flat = part.layout.flatten({names[0]: p for names, p in row}, torch.float32, device)
+        out[j].copy_(flat[comm.rank * n:(comm.rank + 1) * n])
+    return out if part.role is Role.STACK else out.view(-1)
 
 
 def _default_device(module: nn.Module, backend: str) -> torch.device:
@@ -234,18 +259,6 @@ def _default_device(module: nn.Module, backend: str) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
     p = next(module.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
-
-
-def _named_params(module: nn.Module) -> list[tuple[tuple[str, ...], nn.Parameter]]:
-    """``(all names, param)`` in first-appearance order; tied parameters appear once."""
-    by_id: dict[int, tuple[list[str], nn.Parameter]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), ([], p))[0].append(name)
-    return [(tuple(names), p) for names, p in by_id.values()]
-
-
-def _flat(layout: FlatLayout, params, device) -> torch.Tensor:
-    return layout.flatten({names[0]: p for names, p in params}, torch.float32, device)
 
 
 def _skeleton(module: nn.Module, device: torch.device) -> nn.Module:

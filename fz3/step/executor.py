@@ -7,16 +7,20 @@ it early drains every collective still in flight, so no rank is left inside one.
 handlers follow, in the order a step meets them; the buffer lifetimes are noted below.
 
 [Note: buffer lifetimes, per unit]
-- gather: a ``(world*n,)`` buffer in the compute dtype, alive until ``free``; a unit of k>1
+- gather: a ``(world*k*n,)`` buffer in the compute dtype, alive until ``free``; a unit of k>1
   layers is copied once into ``(k, full)`` layer order (rank-major gather order otherwise).
 - forward: keeps the unit's input (``forward``: recompute in backward, with the RNG state
   it started from) or its autograd graph (``forward_save``). A unit freed while its graph
   is alive keeps its buffer object with zero-sized storage (``Released``) and is re-gathered
   into that same storage before its backward, as FSDP2 does with ``untyped_storage().resize_()``:
   the graph's saved views then see the re-gathered values.
-- backward: one flat gradient ``(world, k, n)`` in rank-major order, alive until its reduce
-  is waited; the fp32 gradient shard it reduces into is allocated at the reduce (as
-  activations are freed, like autograd's own ``.grad``).
+- backward (and loss, for the post unit): one flat gradient ``(world, k, n)`` in rank-major
+  order, alive until its reduce is waited. A unit of tied parameters (a shared part) gets
+  its flat gradient from its first reader's loss or backward; later readers add into it;
+  it is reduced after the last one.
+- reduce: writes this rank's fp32 shard straight into the step's result: the part's whole
+  gradient shard is allocated at the first reduce of any of its units (as activations are
+  freed, like autograd's own ``.grad``), and nothing is copied at the end of the step.
 - loss: the mean over ranks is all-reduced as soon as it exists and waited at the end.
 """
 
@@ -29,7 +33,8 @@ import torch
 
 from .. import rng
 from ..comm.collectives import all_gather, all_reduce, reduce_scatter, wait
-from ..schedule.ops import OUTER, Op, OpKind
+from ..schedule.ops import Op, OpKind
+from ..schedule.structure import Role
 from ..schedule.schedule import Schedule
 from ..sharding import compute
 from ..sharding.model import Params, ShardedModel
@@ -69,11 +74,12 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
 
 def _gather(s: StepState, op: Op, index: int) -> None:
     u, m = op.unit, s.model
-    rows = None if u == OUTER else s.schedule.layer_range(u)
-    # Cast before the gather: bf16 moves half the bytes (no-op in fp32).
-    shard = (s.params.outer if rows is None else s.params.layers[rows.start:rows.stop]).to(m.precision.compute)
-    direct = rows is None or len(rows) == 1  # the gather buffer is the parameter buffer
-    if direct and u in s.released:  # back into the storage the live graph saved views of
+    unit = s.schedule.units[u]
+    shard = s.params.parts[unit.part]
+    if unit.role is Role.STACK:
+        shard = shard[unit.rows.start:unit.rows.stop]
+    shard = shard.to(m.precision.compute)  # cast before the gather: bf16 moves half the bytes
+    if len(unit.rows) == 1 and u in s.released:  # back into the storage the live graph saved views of
         out = regrow(s.released[u].buffer).view(-1)
     else:
         out = torch.empty(m.world_size * shard.numel(), dtype=m.precision.compute, device=m.device)
@@ -83,16 +89,17 @@ def _gather(s: StepState, op: Op, index: int) -> None:
 def _wait(s: StepState, op: Op, index: int) -> None:
     u, world = op.unit, s.model.world_size
     out = wait(s.gathering.pop(u))
-    rows = None if u == OUTER else s.schedule.layer_range(u)
-    if rows is None:
+    unit = s.schedule.units[u]
+    k = len(unit.rows)
+    if unit.role is not Role.STACK:
         buf = out
-    elif len(rows) == 1:
+    elif k == 1:
         buf = out.view(1, -1)
     elif u in s.released:  # rank-major (world, k, n) -> layer-major (k, world*n), in place
         buf = regrow(s.released[u].buffer)
-        buf.copy_(out.view(world, len(rows), -1).transpose(0, 1).reshape(buf.shape))
+        buf.copy_(out.view(world, k, -1).transpose(0, 1).reshape(buf.shape))
     else:
-        buf = out.view(world, len(rows), -1).transpose(0, 1).reshape(len(rows), -1)
+        buf = out.view(world, k, -1).transpose(0, 1).reshape(k, -1)
     if u in s.released:
         # The graph's saved views now hold the same values again; collectives and the copy
         # bumped the version counter (gloo: when the work completes), which autograd would
@@ -103,105 +110,122 @@ def _wait(s: StepState, op: Op, index: int) -> None:
 
 
 def _forward(s: StepState, op: Op, index: int) -> Frame:
-    return _forward_outer(s, op, index) if op.unit == OUTER else _forward_layers(s, op, index)
+    role = s.schedule.units[op.unit].role
+    return _forward_layers(s, op, index) if role is Role.STACK else _forward_stage(s, op, index)
 
 
-def _forward_outer(s: StepState, op: Op, index: int) -> Frame:
-    # pre's graph is kept whenever gradients are wanted: it decides which extras (rotary
-    # tables, masks, ...) carry gradient, and costs one activation.
-    grad = s.schedule.grad
-    views = s.model.outer.views(s.gathered[OUTER])
-    params = compute.leaves(views) if grad else views
+def _forward_stage(s: StepState, op: Op, index: int) -> Frame:
+    """pre, or a between function. Its graph is kept whenever gradients are wanted: it decides
+    which extras (rotary tables, masks, ...) carry gradient, and costs one activation."""
+    u, grad = op.unit, s.schedule.grad
+    unit = s.schedule.units[u]
+    params = _params(s, u, leaves=grad)
+    x = s.batch if unit.role is Role.PRE else s.h.detach().requires_grad_(grad)
+    args = (s.batch,) if unit.role is Role.PRE else (x, s.batch)
     with torch.set_grad_enabled(grad):
-        h, extras = compute.run_pre(s.model, params, s.batch)
-    s.grad_positions = compute.differentiable(extras)
+        h, extras = compute.run_stage(s.model.functions[unit.part], _bind(s, u, params), args, unit.name)
+    positions = compute.differentiable(extras)
     if grad:
-        s.saved[OUTER] = Saved(True, s.batch, (h, extras), params, (), None)
+        s.saved[u] = Saved(True, x, (h, extras), params, (), None)
+    s.producer, s.grad_positions[u] = u, positions
     s.h = h.detach()
-    s.extras = tuple(e.detach() if j in s.grad_positions else e for j, e in enumerate(extras))
-    return Frame(index, op, s.gathered[OUTER], s.batch, (s.h, *s.extras), None)
+    s.extras[u] = tuple(e.detach() if j in positions else e for j, e in enumerate(extras))
+    inputs = s.batch if unit.role is Role.PRE else x
+    return Frame(index, op, s.gathered[u], inputs, (s.h, *s.extras[u]), None, _reads(s, u))
 
 
 def _forward_layers(s: StepState, op: Op, index: int) -> Frame:
-    u, x = op.unit, s.h
-    first = s.schedule.layer_range(u).start
-    views = compute.layer_views(s.model.layer, s.gathered[u])
+    u, x, model = op.unit, s.h, s.model
+    views = compute.layer_views(model.parts[s.schedule.units[u].part].layout, s.gathered[u])
+    extras, positions = s.extras.get(s.producer, ()), s.grad_positions.get(s.producer, [])
     if op.kind == OpKind.FORWARD_SAVE:
-        params, x_leaf, extras = compute.layer_leaves(views, x, s.extras, s.grad_positions)
+        params, x_leaf, leaf_extras = compute.layer_leaves(views, x, extras, positions)
         with torch.enable_grad():
-            out = compute.run_layers(s.model, first, params, x_leaf, extras)
-        s.saved[u] = Saved(True, x_leaf, out, params, extras, None)
+            out = _run_layers(s, u, params, x_leaf, leaf_extras)
+        s.saved[u] = Saved(True, x_leaf, out, params, leaf_extras, None, s.producer)
         s.h = out.detach()
     else:
-        before = rng.capture(s.model.device) if s.schedule.grad else None
+        before = rng.capture(model.device) if s.schedule.grad else None
         with torch.no_grad():
-            s.h = compute.run_layers(s.model, first, views, x, s.extras)
+            s.h = _run_layers(s, u, views, x, extras)
         if s.schedule.grad:
-            s.saved[u] = Saved(False, x, None, [], (), before)
+            s.saved[u] = Saved(False, x, None, [], (), before, s.producer)
     return Frame(index, op, s.gathered[u], x, s.h, None)
 
 
 def _loss(s: StepState, op: Op, index: int) -> Frame:
-    views = s.model.outer.views(s.gathered[OUTER])
+    u = op.unit
     fn, has_aux = s.loss_fn
+    name = "post" if fn is s.model.post else "the loss function"
+    grad = None
     if s.schedule.grad:
-        params, h = compute.leaves(views), s.h.detach().requires_grad_()
+        params, h = _params(s, u, leaves=True), s.h.detach().requires_grad_()
         with torch.enable_grad():
-            loss, aux = compute.run_loss(s.model, fn, has_aux, params, h, s.batch)
+            loss, aux = compute.run_loss(fn, has_aux, _bind(s, u, params), h, s.batch, name)
         # Seed 1/ranks: the reduces are sums over ranks, the loss a mean.
         seed = torch.full_like(loss, 1.0 / _ranks(s)) * s.loss_scale
         g = torch.autograd.grad(loss, [h, *params], seed, allow_unused=True)
-        s.grad_h, s.head_grads = _or_zeros(g[0], h), g[1:]
+        s.grad_h = _or_zeros(g[0], h)
+        grad = _add_gradients(s, u, g[1:], h)
         s.rng_after = rng.capture(s.model.device)
     else:
         with torch.no_grad():
-            loss, aux = compute.run_loss(s.model, fn, has_aux, views, s.h, s.batch)
+            loss, aux = compute.run_loss(fn, has_aux, _bind(s, u, _params(s, u)), s.h, s.batch, name)
     s.loss, s.aux = loss.detach(), _detached(aux)
     s.loss_mean = all_reduce(s.model.comm, s.loss.float() / _ranks(s), group=s.model.comm.group,
                              label="the loss's mean")
-    return Frame(index, op, s.gathered[OUTER], s.h, loss, None)
+    return Frame(index, op, s.gathered[u], s.h, loss, grad, _reads(s, u))
 
 
 def _backward(s: StepState, op: Op, index: int) -> Frame:
-    return _backward_outer(s, op, index) if op.unit == OUTER else _backward_layers(s, op, index)
+    role = s.schedule.units[op.unit].role
+    return _backward_layers(s, op, index) if role is Role.STACK else _backward_stage(s, op, index)
 
 
 def _backward_layers(s: StepState, op: Op, index: int) -> Frame:
     u, model = op.unit, s.model
     saved = s.saved.pop(u)
-    first = s.schedule.layer_range(u).start
+    layout = model.parts[s.schedule.units[u].part].layout
+    positions = s.grad_positions.get(saved.producer, [])
     if saved.graph:
         out, params, x_leaf, extras = saved.out, saved.leaves, saved.x, saved.extras
     else:  # recompute from the saved input, replaying the forward's RNG
-        params, x_leaf, extras = compute.layer_leaves(compute.layer_views(model.layer, s.gathered[u]), saved.x, s.extras,
-                                                       s.grad_positions)
+        views = compute.layer_views(layout, s.gathered[u])
+        params, x_leaf, extras = compute.layer_leaves(views, saved.x, s.extras.get(saved.producer, ()), positions)
         now = rng.swap(saved.rng, model.device)
         with torch.enable_grad():
-            out = compute.run_layers(model, first, params, x_leaf, extras)
+            out = _run_layers(s, u, params, x_leaf, extras)
         rng.restore(now, model.device)
     flat_params = [p for layer in params for p in layer]
-    wrt = [*flat_params, x_leaf, *(extras[j] for j in s.grad_positions)]
-    g = torch.autograd.grad(out, wrt, s.grad_h, allow_unused=True)
+    g = torch.autograd.grad(out, [*flat_params, x_leaf, *(extras[j] for j in positions)], s.grad_h,
+                            allow_unused=True)
     n = len(flat_params)
     grad_out, s.grad_h = s.grad_h, _or_zeros(g[n], x_leaf)
-    for j, ge in zip(s.grad_positions, g[n + 1:]):
+    summed = s.grad_extras.setdefault(saved.producer, {})
+    for j, ge in zip(positions, g[n + 1:]):
         if ge is not None:
-            s.grad_extras[j] = ge if j not in s.grad_extras else s.grad_extras[j] + ge
-    s.unreduced[u] = compute.layer_flat_grad(model.layer, model.world_size, g[:n], len(params), out,
+            summed[j] = ge if j not in summed else summed[j] + ge
+    s.unreduced[u] = compute.layer_flat_grad(layout, model.world_size, g[:n], len(params), out,
                                              by_layer=s.schedule.reduce == "all_reduce").to(model.precision.reduce)
     return Frame(index, op, s.gathered[u], grad_out, s.grad_h, s.unreduced[u])
 
 
-def _backward_outer(s: StepState, op: Op, index: int) -> Frame:
-    saved = s.saved.pop(OUTER)
+def _backward_stage(s: StepState, op: Op, index: int) -> Frame:
+    u = op.unit
+    saved = s.saved.pop(u)
     (h, extras), params = saved.out, saved.leaves
-    outputs = [(h, s.grad_h)] + [(extras[j], s.grad_extras.get(j)) for j in s.grad_positions]
+    summed = s.grad_extras.pop(u, {})
+    outputs = [(h, s.grad_h)] + [(extras[j], summed.get(j)) for j in s.grad_positions[u]]
     outputs = [(t, g) for t, g in outputs if t.requires_grad and g is not None]
-    grads = torch.autograd.grad([t for t, _ in outputs], params, [g for _, g in outputs],
-                                allow_unused=True) if outputs else [None] * len(params)
-    total = [a if b is None else b if a is None else a + b for a, b in zip(grads, s.head_grads)]
-    s.unreduced[OUTER] = compute.flat_grads(s.model.outer, [total], h)[0].to(s.model.precision.reduce)
-    return Frame(index, op, s.gathered[OUTER], s.grad_h, None, s.unreduced[OUTER])
+    between = s.schedule.units[u].role is Role.BETWEEN
+    wrt = [*params, saved.x] if between else params
+    grads = torch.autograd.grad([t for t, _ in outputs], wrt, [g for _, g in outputs],
+                                allow_unused=True) if outputs else [None] * len(wrt)
+    grad_out = s.grad_h
+    if between:
+        s.grad_h, grads = _or_zeros(grads[-1], saved.x), grads[:-1]
+    flat = _add_gradients(s, u, grads, h)
+    return Frame(index, op, s.gathered[u], grad_out, s.grad_h if between else None, flat, _reads(s, u))
 
 
 def _free(s: StepState, op: Op, index: int) -> None:
@@ -217,15 +241,14 @@ def _reduce(s: StepState, op: Op, index: int) -> None:
     g = s.unreduced.pop(u)
     if s.carry and u in s.carry:  # gradients deferred from earlier micro-batches
         g = s.carry.pop(u).add_(g)
-    rows = None if u == OUTER else s.schedule.layer_range(u)
-    n = s.schedule.unit_elements(u, m.outer.shard_numel, m.layer.shard_numel)
-    shard = s.shards[u] = torch.empty(n, dtype=torch.float32, device=m.device)  # fully written by the reduce
+    unit = s.schedule.units[u]
+    shard = _result_shard(s, unit)  # fully written by the reduce
     if s.schedule.reduce == "all_reduce":  # in place, on the layer-major memory of g
-        g = g if rows is None else g.transpose(0, 1).contiguous()  # (k, world, n): no copy
+        g = g if unit.role is not Role.STACK else g.transpose(0, 1).contiguous()  # (k, world, n): no copy
         s.reducing[u] = Reducing(all_reduce(m.comm, g, label=op), shard)
     else:
         rdt = m.precision.reduce
-        out = shard if rdt == torch.float32 else torch.empty(n, dtype=rdt, device=m.device)
+        out = shard if rdt == torch.float32 else torch.empty(shard.numel(), dtype=rdt, device=m.device)
         s.reducing[u] = Reducing(reduce_scatter(m.comm, out, g.contiguous().view(-1), op), shard)
 
 
@@ -234,7 +257,8 @@ def _wait_reduce(s: StepState, op: Op, index: int) -> None:
     pending, shard = s.reducing.pop(u)
     out = wait(pending)
     if s.schedule.reduce == "all_reduce":  # this rank's chunk of each layer
-        mine = out.view(comm.world_size, -1)[comm.rank] if u == OUTER else out[:, comm.rank]
+        stack = s.schedule.units[u].role is Role.STACK
+        mine = out[:, comm.rank] if stack else out.view(comm.world_size, -1)[comm.rank]
         shard.view(mine.shape).copy_(mine)
     elif out.data_ptr() != shard.data_ptr():
         shard.copy_(out)
@@ -264,15 +288,71 @@ def _finish(s: StepState) -> Result:
         wait(s.replicating.pop())
     if s.schedule.grad:
         rng.restore(s.rng_after, s.model.device)  # as after plain autograd: forward drew, backward none
-    if not s.shards:  # forward-only, or a deferred micro-batch
+    if not s.grads:  # forward-only, or a deferred micro-batch
         return Result(loss, None, s.aux)
-    layer_shards = [s.shards[u].view(len(s.schedule.layer_range(u)), -1) for u in range(s.schedule.num_units)]
-    layers = layer_shards[0] if len(layer_shards) == 1 else torch.cat(layer_shards) if layer_shards else \
-        torch.empty(0, s.model.layer.shard_numel, device=s.model.device)
-    return Result(loss, Params(s.shards[OUTER], layers), s.aux)
+    return Result(loss, Params(tuple(s.grads[p] for p in range(len(s.model.parts)))), s.aux)
 
 
 # Helpers of the handlers.
+
+
+def _params(s: StepState, u: int, *, leaves: bool = False) -> list[torch.Tensor]:
+    """Views of a single unit's parameters, then of the shared units it reads (autograd
+    leaves aliasing them with ``leaves``)."""
+    views = []
+    for v in (u, *s.schedule.units[u].reads):
+        views += s.model.parts[s.schedule.units[v].part].layout.views(s.gathered[v])
+    return compute.leaves(views) if leaves else views
+
+
+def _bind(s: StepState, u: int, params: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    bound, i = {}, 0
+    for v in (u, *s.schedule.units[u].reads):
+        layout = s.model.parts[s.schedule.units[v].part].layout
+        bound.update(compute.bind(layout, params[i:i + len(layout.slots)]))
+        i += len(layout.slots)
+    return bound
+
+
+def _add_gradients(s: StepState, u: int, grads, like: torch.Tensor) -> torch.Tensor:
+    """Per-parameter gradients of a single unit and the shared units it reads (``_params``'
+    order) -> the unit's flat gradient, and contributions added into the shared units'."""
+    i, own = 0, None
+    for v in (u, *s.schedule.units[u].reads):
+        layout = s.model.parts[s.schedule.units[v].part].layout
+        flat = compute.flat_grads(layout, [grads[i:i + len(layout.slots)]], like)[0].to(s.model.precision.reduce)
+        i += len(layout.slots)
+        if v == u:
+            own = s.unreduced[u] = flat
+        elif v in s.unreduced:
+            s.unreduced[v].add_(flat)
+        else:
+            s.unreduced[v] = flat
+    return own
+
+
+def _run_layers(s: StepState, u: int, params, x, extras) -> torch.Tensor:
+    unit = s.schedule.units[u]
+    part = s.model.parts[unit.part]
+    fns = s.model.functions[unit.part][unit.rows.start:unit.rows.stop]
+    names = [f"{part.path}.{part.first + r}" for r in unit.rows]
+    return compute.run_layers(fns, part.layout, params, x, extras, names)
+
+
+def _result_shard(s: StepState, unit) -> torch.Tensor:
+    """Where this rank's reduced gradient of ``unit`` lands: its rows of the part's gradient
+    shard in the step's result, allocated at the part's first reduce."""
+    part = s.model.parts[unit.part]
+    if unit.part not in s.grads:
+        shape = (part.rows, part.layout.shard_numel) if part.role is Role.STACK else (part.layout.shard_numel,)
+        s.grads[unit.part] = torch.empty(shape, dtype=torch.float32, device=s.model.device)
+    grads = s.grads[unit.part]
+    return grads[unit.rows.start:unit.rows.stop].view(-1) if part.role is Role.STACK else grads
+
+
+def _reads(s: StepState, u: int) -> dict[int, torch.Tensor] | None:
+    reads = s.schedule.units[u].reads
+    return {r: s.gathered[r] for r in reads} if reads else None
 
 
 def _ranks(s: StepState) -> int:

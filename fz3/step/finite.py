@@ -9,7 +9,6 @@ import optree
 import torch
 
 from ..comm.collectives import all_gather, wait
-from ..schedule.ops import OUTER, OpKind, unit_name
 from ..schedule.schedule import Schedule
 from ..sharding.model import ShardedModel
 from .state import Frame, Result
@@ -52,9 +51,7 @@ def drain_checking_finite(model: ShardedModel, schedule: Schedule, gen: Generato
         first = int(bad.any(dim=0).nonzero()[0])
         ranks = bad[:, first].nonzero().flatten().tolist()
         f = frames[first]
-        what = "loss" if f.op.kind == OpKind.LOSS else f"{f.op.kind} of {unit_name(f.op.unit)}"
-        layers = "" if f.op.unit == OUTER or f.op.kind == OpKind.LOSS else \
-            f" (layers {list(schedule.layer_range(f.op.unit))})"
-        raise NonFiniteError(f"non-finite values first appeared in the {what}{layers}, op {f.index} of the "
+        kind, name = schedule.describe(f.op).split(" ", 1)
+        raise NonFiniteError(f"non-finite values first appeared in the {kind} of {name}, op {f.index} of the "
                              f"schedule, on ranks {ranks}")
     return result

@@ -18,6 +18,7 @@ from ..compare import fingerprint, first_difference
 from ..comm.failures import differing_ranks, gather_objects
 from ..schedule.ops import OpKind
 from ..schedule.schedule import Policy, Schedule, plan, validate
+from ..schedule.structure import Role
 from ..sharding.model import Params, ShardedModel
 from .state import Result
 from .state import Loss
@@ -40,12 +41,13 @@ def check_schedule(model: Any, schedule: Schedule | Policy | None, *, grad: bool
                    entry: str = "value_and_grad") -> Schedule:
     """Local part of ``prepare``: plan or validate, and refuse what ``entry`` cannot run."""
     if schedule is None or isinstance(schedule, Policy):
-        return plan(model.num_layers, schedule or Policy(), grad=grad)
+        return plan(model, schedule or Policy(), grad=grad)
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule must be an fz3.Schedule or fz3.Policy, got {type(schedule).__name__}")
-    if schedule.num_layers != model.num_layers:
-        raise ValueError(f"schedule.num_layers={schedule.num_layers} but the model has {model.num_layers} "
-                         f"layers; build it with fz3.plan(model, policy)")
+    if not _covers(schedule, model):
+        raise ValueError(f"the schedule's units {[u.name for u in schedule.units]} are not this model's parts "
+                         f"{[p.name for p in model.parts]}; build it with fz3.plan(model, policy) and take "
+                         f"its units for a hand-made one")
     if schedule.grad != grad:
         raise ValueError(f"schedule.grad={schedule.grad}: {entry} needs a "
                          f"{'training' if grad else 'forward-only'} schedule (fz3.plan(..., grad={grad}))")
@@ -57,6 +59,19 @@ def check_schedule(model: Any, schedule: Schedule | Policy | None, *, grad: bool
     return validate(schedule)
 
 
+def _covers(schedule: Schedule, model: ShardedModel) -> bool:
+    """Every row of every part in exactly one unit, with the part's role and reads."""
+    rows: dict[int, list[int]] = {}
+    for u in schedule.units:
+        if not 0 <= u.part < len(model.parts) or u.role is not model.parts[u.part].role:
+            return False
+        rows.setdefault(u.part, []).extend(u.rows)
+        reads = {schedule.units[r].part for r in u.reads}
+        if reads != set(model.parts[u.part].reads):
+            return False
+    return all(sorted(rows.get(i, [])) == list(range(p.rows)) for i, p in enumerate(model.parts))
+
+
 def check_call(model: ShardedModel, params: Params, batch: Any) -> None:
     """Params and batch, locally, before any collective."""
     check_params(model, params)
@@ -65,14 +80,20 @@ def check_call(model: ShardedModel, params: Params, batch: Any) -> None:
 
 def check_params(model: ShardedModel, params: Params) -> None:
     """Cheap shape/dtype/device checks."""
-    want = {"outer": (model.outer.shard_numel,), "layers": (model.num_layers, model.layer.shard_numel)}
-    for name, shape in want.items():
-        t = getattr(params, name, None)
+    if not isinstance(params, Params) or len(params.parts) != len(model.parts):
+        got = f"{type(params).__name__} of {len(params.parts)} parts" if isinstance(params, Params) else \
+            type(params).__name__
+        raise TypeError(f"params is {got}; pass the Params that fz3.shard returned for this model "
+                        f"({len(model.parts)} parts: {[p.name for p in model.parts]})")
+    for part, t in zip(model.parts, params.parts):
+        n = part.layout.shard_numel
+        shape = (part.rows, n) if part.role is Role.STACK else (n,)
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"params.{name} is {type(t).__name__}; pass the Params that fz3.shard returned")
+            raise TypeError(f"params of part {part.name} is {type(t).__name__}; pass the Params that "
+                            f"fz3.shard returned")
         if tuple(t.shape) != shape or t.dtype != torch.float32 or t.device != model.device:
-            raise ValueError(f"params.{name} is {list(t.shape)} {t.dtype} on {t.device}; this model's shards "
-                             f"are {list(shape)} torch.float32 on {model.device} (world size "
+            raise ValueError(f"params of part {part.name} is {list(t.shape)} {t.dtype} on {t.device}; this "
+                             f"model's shards are {list(shape)} torch.float32 on {model.device} (world size "
                              f"{model.world_size}). Use the params from this model's fz3.shard, or fz3.load "
                              f"to reshard")
 

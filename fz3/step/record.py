@@ -24,7 +24,7 @@ class Event(NamedTuple):
     op: Op
     t_begin_ns: int  # host time the op began (issue time for collectives)
     t_end_ns: int
-    live_units: int  # layer units gathered or in flight after the op (the outer unit is resident)
+    live_units: int  # units gathered or in flight after the op
     nbytes: int  # gather / reduce: bytes of the full (unsharded) buffer; 0 otherwise
     gathered_bytes: int  # owned by the executor after the op: gathered parameter buffers
     grad_bytes: int  # unsharded flat gradients not yet reduced
@@ -61,6 +61,10 @@ class Recorder:
             ev1 = torch.cuda.Event(enable_timing=True)
             ev1.record()
             self._cuda.append((ev0, ev1))
+
+    def schedule_of(self, step: int = -1) -> Schedule:
+        """The schedule a recorded step ran (events name ops by unit index; it names units)."""
+        return self._schedules[step]
 
     def step_events(self, step: int = -1) -> list[Event]:
         step = step % len(self._schedules)

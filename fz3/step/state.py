@@ -14,7 +14,7 @@ import torch
 
 from ..comm.collectives import Pending
 from ..rng import RngState
-from ..schedule.ops import OUTER, Op
+from ..schedule.ops import Op
 from ..schedule.schedule import Schedule
 from ..sharding.model import BoundFunction, Params, ShardedModel
 
@@ -24,10 +24,12 @@ class Frame(NamedTuple):
 
     index: int  # position of the op in the schedule
     op: Op
-    params: torch.Tensor  # the unit's gathered parameters: (outer.padded,) or (k, layer.padded)
-    inputs: Any  # forward: the unit's input (the batch for outer); backward: grad w.r.t. its output
-    outputs: Any  # forward: its output (h, or (h, *extra) for pre; the loss for `loss`); backward: grad w.r.t. its input
-    grad: torch.Tensor | None  # backward: the unit's full flat gradient before reduction
+    params: torch.Tensor  # the unit's gathered parameters: (padded,), or (k, padded) for k layers
+    inputs: Any  # forward: the unit's input (the batch for pre); backward: grad w.r.t. its output
+    outputs: Any  # forward: its output (h, or (h, *extra) for pre and between; the loss for `loss`);
+    # backward: grad w.r.t. its input
+    grad: torch.Tensor | None  # backward and loss: the unit's full flat gradient before reduction
+    reads: dict[int, torch.Tensor] | None = None  # gathered buffers of the shared units it reads
 
 
 class Result(NamedTuple):
@@ -47,11 +49,12 @@ class Saved(NamedTuple):
     """What a unit's forward kept for its backward."""
 
     graph: bool  # True: out/leaves hold the forward graph; False: recompute from x with rng
-    x: Any  # the unit's input: h (its autograd leaf for a graph), or the batch for outer
+    x: Any  # the unit's input: h (its autograd leaf for a graph), or the batch for pre
     out: Any  # graph only: the unit's output
-    leaves: list  # graph only: parameter leaves (per layer for layer units)
-    extras: tuple  # graph only: the extras the unit was called with (leaves where differentiable)
+    leaves: list  # graph only: parameter leaves (per layer for layers), then those of parts it reads
+    extras: tuple  # layers, graph only: the extras they were called with (leaves where differentiable)
     rng: RngState | None  # recompute only: the RNG state before the forward (dropout repeats)
+    producer: int = -1  # layers: the unit (pre or between) whose extras they were called with
 
 
 class Released(NamedTuple):
@@ -64,7 +67,7 @@ class Released(NamedTuple):
 
 class Reducing(NamedTuple):
     pending: Pending
-    shard: torch.Tensor  # (shard,) fp32: where this rank's reduced gradient lands
+    shard: torch.Tensor  # (k * shard,) fp32: where this rank's reduced gradient lands (in the result)
 
 
 @dataclass(eq=False)
@@ -83,18 +86,18 @@ class StepState:
     gathered: dict[int, torch.Tensor] = field(default_factory=dict)
     released: dict[int, Released] = field(default_factory=dict)
     saved: dict[int, Saved] = field(default_factory=dict)
-    # gradients, by unit
-    unreduced: dict[int, torch.Tensor] = field(default_factory=dict)  # flat, (world, k, n) or (padded,)
+    # gradients, by unit (flat (world, k, n), or (padded,) for a part that is not a stack)
+    unreduced: dict[int, torch.Tensor] = field(default_factory=dict)
     reducing: dict[int, Reducing] = field(default_factory=dict)
     replicating: list[Pending] = field(default_factory=list)
-    shards: dict[int, torch.Tensor] = field(default_factory=dict)
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)  # by part: the step's gradient shards
     # the activation flowing forward, and its gradient flowing back
     h: torch.Tensor | None = None
-    extras: tuple = ()  # pre's extra outputs, passed to every layer
-    grad_positions: list[int] = field(default_factory=list)  # which extras carry gradient
+    producer: int = -1  # the last pre or between unit run: its extras go to the layers after it
+    extras: dict[int, tuple] = field(default_factory=dict)  # by producer: its extra outputs
+    grad_positions: dict[int, list[int]] = field(default_factory=dict)  # by producer: extras with grad
     grad_h: torch.Tensor | None = None
-    grad_extras: dict[int, torch.Tensor] = field(default_factory=dict)  # summed over layers
-    head_grads: tuple = ()  # post's gradients w.r.t. the outer unit's parameters
+    grad_extras: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # by producer, summed
     # the loss
     loss: torch.Tensor | None = None  # this rank's
     aux: Any = None
@@ -102,9 +105,8 @@ class StepState:
     rng_after: RngState | None = None  # the RNG as plain autograd would leave it
 
     def live_units(self) -> int:
-        """Layer units gathered or in flight (the outer unit is resident)."""
-        units = self.gathering.keys() | self.gathered.keys()
-        return len(units) - (OUTER in units)
+        """Units gathered or in flight."""
+        return len(self.gathering.keys() | self.gathered.keys())
 
     def owned_bytes(self) -> tuple[int, int, int]:
         """Bytes of the buffers the step holds: gathered parameters, unreduced gradients,

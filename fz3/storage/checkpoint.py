@@ -88,8 +88,8 @@ def load(path: str, model: ShardedModel, template: Any, *, restore_rng: bool = T
 
 def _flatten(model: ShardedModel, x: Any, key: str, for_load: bool = False) -> dict[str, Any]:
     if isinstance(x, Params):
-        return {f"{key}outer": _dtensor(model, model.outer, x.outer.reshape(1, -1), for_load, vector=True),
-                f"{key}layers": _dtensor(model, model.layer, x.layers, for_load, vector=False)}
+        return {f"{key}{part.name}": _dtensor(model, part.layout, t.reshape(part.rows, -1), for_load)
+                for part, t in zip(model.parts, x.parts)}
     if isinstance(x, tuple) and hasattr(x, "_fields"):
         return {k: v for f, item in zip(x._fields, x) for k, v in _flatten(model, item, f"{key}{f}.", for_load).items()}
     if isinstance(x, dict):
@@ -102,7 +102,8 @@ def _flatten(model: ShardedModel, x: Any, key: str, for_load: bool = False) -> d
 
 def _unflatten(model: ShardedModel, x: Any, flat: dict[str, Any], key: str) -> Any:
     if isinstance(x, Params):
-        return Params(_local(model.outer, flat[f"{key}outer"]).reshape(-1), _local(model.layer, flat[f"{key}layers"]))
+        return Params(tuple(_local(part.layout, flat[f"{key}{part.name}"]).reshape(t.shape)
+                            for part, t in zip(model.parts, x.parts)))
     if isinstance(x, tuple) and hasattr(x, "_fields"):
         return type(x)(*(_unflatten(model, item, flat, f"{key}{f}.") for f, item in zip(x._fields, x)))
     if isinstance(x, dict):
@@ -112,7 +113,7 @@ def _unflatten(model: ShardedModel, x: Any, flat: dict[str, Any], key: str) -> A
     return flat[key.rstrip(".") or "state"]
 
 
-def _dtensor(model: ShardedModel, layout: FlatLayout, shards: torch.Tensor, for_load: bool, vector: bool):
+def _dtensor(model: ShardedModel, layout: FlatLayout, shards: torch.Tensor, for_load: bool):
     """(rows, shard) padded shards -> a DTensor over the unpadded (rows, numel), sharded on dim 1."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -142,10 +143,9 @@ def _real(layout: FlatLayout, rank: int) -> int:
 
 
 def _describe(model: ShardedModel, keys: list[str]) -> dict:
-    return {"world_size": model.world_size, "ranks": dist.get_world_size(), "num_layers": model.num_layers,
-            "layers_path": model.layers_path,
-            "outer": [[list(s.names), list(s.shape)] for s in model.outer.slots],
-            "layer": [[list(s.names), list(s.shape)] for s in model.layer.slots], "keys": keys}
+    parts = [{"name": p.name, "role": p.role.value, "rows": p.rows,
+              "slots": [[list(s.names), list(s.shape)] for s in p.layout.slots]} for p in model.parts]
+    return {"world_size": model.world_size, "ranks": dist.get_world_size(), "parts": parts, "keys": keys}
 
 
 def _read_meta(path: str) -> dict:
@@ -174,16 +174,28 @@ def _read_meta(path: str) -> dict:
 
 
 def _check_model(path: str, meta: dict, model: ShardedModel) -> None:
-    mine = _describe(model, [])
-    if meta["num_layers"] != model.num_layers:
-        raise ValueError(f"checkpoint {path} has {meta['num_layers']} layers, the model {model.num_layers} "
-                         f"({os.path.join(path, META)})")
-    for unit in ("outer", "layer"):
-        diff = first_difference(meta[unit], mine[unit])
+    where = os.path.join(path, META)
+    if "parts" not in meta:
+        raise ValueError(f"checkpoint {path} was written by an fz3 before the unit list (an outer unit and one "
+                         f"layer stack); this fz3 cannot read that layout: export the weights with that "
+                         f"version (fz3.export) and shard the module again ({where})")
+    mine = _describe(model, [])["parts"]
+    diff = first_difference([(p["name"], p["role"], p["rows"]) for p in meta["parts"]],
+                            [(p["name"], p["role"], p["rows"]) for p in mine])
+    if diff is not None:
+        i, there, here = diff
+        raise ValueError(f"checkpoint {path} has other parts than the model: part #{i} is {_part(there)} there "
+                         f"and {_part(here)} here ({where})")
+    for a, b in zip(meta["parts"], mine):
+        diff = first_difference(a["slots"], b["slots"])
         if diff is not None:
             i, there, here = diff
-            raise ValueError(f"checkpoint {path} was saved from another model: {unit} parameter #{i} is "
-                             f"{_slot(there)} there and {_slot(here)} here ({os.path.join(path, META)})")
+            raise ValueError(f"checkpoint {path} was saved from another model: part {a['name']} parameter #{i} "
+                             f"is {_slot(there)} there and {_slot(here)} here ({where})")
+
+
+def _part(p) -> str:
+    return "nothing" if p is None else f"{p[0]} ({p[1]}, {p[2]} rows)"
 
 
 def _slot(s) -> str:

@@ -37,8 +37,9 @@ def export(path: str, model: ShardedModel, params: Params, *,
     **Collective**: one all-gather per unit; every rank must call it."""
     fmt = format or ("safetensors" if _has_safetensors() else "torch")
     rank0 = model.is_root
-    units: list[tuple[FlatLayout, torch.Tensor, str]] = [(model.outer, params.outer, "")]
-    units += [(model.layer, params.layers[i], f"{model.layers_path}.{i}.") for i in range(model.num_layers)]
+    units: list[tuple[FlatLayout, torch.Tensor, str]] = [
+        (part.layout, shard, part.prefix(row)) for part, shards in zip(model.parts, params.parts)
+        for row, shard in enumerate(shards.reshape(part.rows, -1))]
     n = len(units)
     stem, ext = ("model", "safetensors") if fmt == "safetensors" else ("pytorch_model", "bin")
     if rank0:
@@ -72,7 +73,7 @@ def export(path: str, model: ShardedModel, params: Params, *,
         config = getattr(model.skeleton, "config", None)
         if config is not None and hasattr(config, "save_pretrained"):
             config.save_pretrained(path)
-    model_bytes = (model.outer.numel + model.num_layers * model.layer.numel) * 4
+    model_bytes = sum(part.rows * part.layout.numel for part in model.parts) * 4
     return ExportReport(files, peak, model_bytes)
 
 

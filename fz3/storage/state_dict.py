@@ -19,11 +19,10 @@ def full_state_dict(model: ShardedModel, tree: Params, *, buffers: bool = True) 
     """
     rank0 = model.is_root
     found: dict[str, torch.Tensor] = {}
-    units = [(model.outer, tree.outer, "")]
-    units += [(model.layer, tree.layers[i], f"{model.layers_path}.{i}.") for i in range(model.num_layers)]
-    for layout, shard, prefix in units:
-        for slot, t in gather_unit(model, layout, shard) or []:
-            found.update({prefix + n: t for n in slot.names})
+    for part, shards in zip(model.parts, tree.parts):
+        for row, shard in enumerate(shards.reshape(part.rows, -1)):
+            for slot, t in gather_unit(model, part.layout, shard) or []:
+                found.update({part.prefix(row) + n: t for n in slot.names})
     if not rank0:
         return None
     out: dict[str, torch.Tensor] = {}

@@ -1,0 +1,186 @@
+"""Which part of the model each parameter belongs to: the unit list ``fz3.shard`` builds.
+
+A module becomes, in compute order:
+
+- ``pre``: parameters registered before the first stack (``pre(m, batch)`` uses them);
+- one *stack* per run of structurally identical consecutive layers of each ``ModuleList``
+  named by ``layers=`` (``[A, A, B, B, B]`` is two stacks), stored ``(k, shard)``;
+- ``between.i``: parameters registered between stack path i and path i+1 (``between[i]``);
+- ``post``: parameters registered after the last stack (``post(m, h, batch)``);
+- one *shared* part per parameter tied across those (a token embedding that is also the LM
+  head): gathered for the compute ops that read it, its gradient contributions summed
+  before one reduce.
+
+"Registered before/after" is the order of ``module.named_parameters()``, which follows the
+order submodules were assigned in ``__init__``; ``assign=`` overrides it by name prefix.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, NamedTuple, Sequence
+
+from torch import nn
+
+from ..schedule.structure import PartShape, Role
+from .checks import check_identical, resolve_layers
+from .layout import FlatLayout
+
+Named = list[tuple[tuple[str, ...], nn.Parameter]]  # (every name, parameter), first appearance order
+
+
+class Part(NamedTuple):
+    """One part of a sharded model: a flat layout per row, and how its rows are named."""
+
+    name: str  # "pre", "blocks", "blocks[0:2]" (a run of a ModuleList), "between.0", "post", "tied:..."
+    role: Role
+    layout: FlatLayout  # one row: slot names are full names, or relative to the layer for stacks
+    rows: int  # layers of a stack; 1 otherwise
+    path: str = ""  # stacks: the ModuleList's path
+    first: int = 0  # stacks: index of the first layer of this run in the ModuleList
+    reads: tuple[int, ...] = ()  # shared parts this part's compute reads
+
+    def prefix(self, row: int = 0) -> str:
+        """What the row's slot names are relative to: ``"blocks.3."`` for layer 3, else ``""``."""
+        return f"{self.path}.{self.first + row}." if self.role is Role.STACK else ""
+
+    @property
+    def shape(self) -> PartShape:
+        return PartShape(self.name, self.role, self.rows, self.reads, self.path, self.first)
+
+
+class Partition(NamedTuple):
+    parts: tuple[Part, ...]
+    params: tuple[list[Named], ...]  # per part, per row: the parameters in layout order
+
+
+def partition(module: nn.Module, paths: Sequence[str], world: int, *, between: Sequence[bool],
+              assign: Mapping[str, str] | None = None) -> Partition:
+    """Split ``module``'s parameters into parts (see the module docstring). ``between``: per
+    gap between two paths, whether a between function runs there (a part exists only then)."""
+    stacks = [(path, resolve_layers(module, path)) for path in paths]
+    _check_path_order(module, paths)
+    runs = [(path, first, [_named_params(b) for b in stack[first:first + k]])
+            for path, stack in stacks for first, k in _runs(path, stack)]
+    in_stack = _stack_parameters(paths, runs, module)
+    segments = _segments(module, paths, assign or {}, between)
+    by_id: dict[int, tuple[list[str], nn.Parameter]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) not in in_stack:
+            by_id.setdefault(id(p), ([], p))[0].append(name)
+    single: dict[str, Named] = {"pre": [], **{f"between.{i}": [] for i, on in enumerate(between) if on},
+                                "post": []}
+    shared: list[tuple[str, Named, set[str]]] = []
+    for names, p in by_id.values():
+        homes = {segments[n] for n in names}
+        if len(homes) == 1:
+            single[homes.pop()].append((tuple(names), p))
+        else:
+            shared.append((f"tied:{names[0]}", [(tuple(names), p)], homes))
+    parts: list[Part] = []
+    params: list[list[Named]] = []
+
+    def add(part: Part, rows: list[Named]) -> None:
+        parts.append(part)
+        params.append(rows)
+
+    add(Part("pre", Role.PRE, FlatLayout.build(single["pre"], world), 1), [single["pre"]])
+    for i, (path, _) in enumerate(stacks):
+        mine = [r for r in runs if r[0] == path]
+        for _, first, rows in mine:
+            name = path if len(mine) == 1 else f"{path}[{first}:{first + len(rows)}]"
+            add(Part(name, Role.STACK, FlatLayout.build(rows[0], world), len(rows), path, first), rows)
+        if i < len(between) and between[i]:
+            key = f"between.{i}"
+            add(Part(key, Role.BETWEEN, FlatLayout.build(single[key], world), 1), [single[key]])
+    add(Part("post", Role.POST, FlatLayout.build(single["post"], world), 1), [single["post"]])
+    readers = {p.name: i for i, p in enumerate(parts)}
+    reads: dict[int, list[int]] = {}
+    for name, named, homes in shared:
+        for home in homes:
+            reads.setdefault(readers[home], []).append(len(parts))
+        add(Part(name, Role.SHARED, FlatLayout.build(named, world), 1), [named])
+    parts = [p._replace(reads=tuple(reads.get(i, ()))) for i, p in enumerate(parts)]
+    return Partition(tuple(parts), tuple(params))
+
+
+def _named_params(module: nn.Module) -> Named:
+    """``(all names, param)`` in first-appearance order; tied parameters appear once."""
+    by_id: dict[int, tuple[list[str], nn.Parameter]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), ([], p))[0].append(name)
+    return [(tuple(names), p) for names, p in by_id.values()]
+
+
+def _runs(path: str, stack: nn.ModuleList) -> list[tuple[int, int]]:
+    """``(first, count)`` of each run of structurally identical consecutive layers."""
+    sigs = [[(names, tuple(p.shape), p.dtype) for names, p in _named_params(b)] for b in stack]
+    runs: list[tuple[int, int]] = []
+    for i, sig in enumerate(sigs):
+        if runs and sigs[runs[-1][0]] == sig:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    for first, k in runs:
+        check_identical(f"{path}[{first}:{first + k}]", [_named_params(b) for b in stack[first:first + k]])
+    return runs
+
+
+def _stack_parameters(paths: Sequence[str], runs, module: nn.Module) -> set[int]:
+    """Ids of every parameter inside a stack; refuses parameters shared between layers or
+    used both inside a stack and outside it."""
+    seen: dict[int, str] = {}
+    for path, first, rows in runs:
+        for j, layer in enumerate(rows):
+            for names, p in layer:
+                where = f"{path}.{first + j}.{names[0]}"
+                if id(p) in seen:
+                    raise ValueError(f"{where} is the same Parameter as {seen[id(p)]}; layers of a stack "
+                                     f"must not share parameters")
+                seen[id(p)] = where
+    for names, p in _named_params(module):
+        if id(p) in seen and any(not any(n.startswith(path + ".") for path in paths) for n in names):
+            inside = next(path for path in paths if any(n.startswith(path + ".") for n in names))
+            raise ValueError(f"parameter {names} is used both inside {inside!r} and outside it; fz3 "
+                             f"shards the layers and the parts around them separately: untie it or move it")
+    return set(seen)
+
+
+def _segments(module: nn.Module, paths: Sequence[str], assign: Mapping[str, str],
+              between: Sequence[bool]) -> dict[str, str]:
+    """Each parameter name outside the stacks -> "pre", "between.i" or "post", by where it is
+    registered relative to the stacks (or by ``assign``, longest matching prefix first)."""
+    n = len(paths)
+    valid = {"pre", "post", *(f"between.{i}" for i, on in enumerate(between) if on)}
+    bad = {k: v for k, v in assign.items() if v not in valid}
+    if bad:
+        raise ValueError(f"assign={bad}: parts are {sorted(valid)}")
+    out: dict[str, str] = {}
+    started = 0  # stacks whose parameters have begun
+    for name, _ in module.named_parameters(remove_duplicate=False):
+        inside = [i for i, path in enumerate(paths) if name.startswith(path + ".")]
+        if inside:
+            started = max(started, inside[0] + 1)
+            continue
+        match = max((k for k in assign if name == k or name.startswith(k + ".")), key=len, default=None)
+        if match is not None:
+            out[name] = assign[match]
+        elif started in (0, n):
+            out[name] = "pre" if started == 0 else "post"
+        elif between[started - 1]:
+            out[name] = f"between.{started - 1}"
+        else:
+            raise ValueError(f"parameter {name} is registered between {paths[started - 1]!r} and "
+                             f"{paths[started]!r}, where no between function runs: pass between=[...] with a "
+                             f"function for that gap, or assign={{{name!r}: 'pre' | 'post'}}")
+    return out
+
+
+def _check_path_order(module: nn.Module, paths: Sequence[str]) -> None:
+    order = []
+    for name, _ in module.named_parameters(remove_duplicate=False):
+        for i, path in enumerate(paths):
+            if name.startswith(path + ".") and i not in order:
+                order.append(i)
+    if order != sorted(order):
+        raise ValueError(f"layers={list(paths)}: the stacks must be listed in the order the module "
+                         f"registers them ({[paths[i] for i in order]}), which fz3 takes as compute order")
