@@ -11,19 +11,22 @@ Each follows the installed model's own ``forward``; the mask builders it shares 
 called through ``compat``, which adapts to the release's argument names.
 
 Batches are dicts: ``input_ids`` (B, T), ``labels`` (B, T) and optionally ``attention_mask``
-(B, T). The loss is the mean over ranks of each rank's mean over its labelled tokens: equal to
-the mean over all tokens when every rank has the same number of labelled tokens (always for
-causal LM without padding; with padding or for MLM, label the same count per rank).
+(B, T); ``Adapter.check_batch(batch)`` checks that before a step (see ``batch.py``). The loss
+is the mean over ranks of each rank's mean over its labelled tokens: equal to the mean over
+all tokens when every rank has the same number of labelled tokens (always for causal LM
+without padding; with padding or for MLM, label the same count per rank).
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import nn
 
 from . import compat
+from .batch import check_batch
 
 
 class Adapter(NamedTuple):
@@ -31,6 +34,7 @@ class Adapter(NamedTuple):
     pre: Callable[..., Any]  # (m, batch) -> (h, *extras)
     post: Callable[..., torch.Tensor]  # (m, h, batch) -> scalar loss
     layer: Callable[..., torch.Tensor]  # (block, h, *extras) -> h
+    check_batch: Callable[[Any], None]  # (batch) -> None, or raises naming what it expects
 
 
 def _positions(ids: torch.Tensor) -> torch.Tensor:
@@ -94,7 +98,7 @@ def _roberta_post(m: nn.Module, h: torch.Tensor, batch: dict) -> torch.Tensor:
 
 
 def _adapter(name: str, layers: str, pre, post, layer) -> Adapter:
-    return Adapter(layers, pre, post, layer)
+    return Adapter(layers, pre, post, layer, partial(check_batch, name))
 
 
 ADAPTERS: dict[str, Adapter] = {
