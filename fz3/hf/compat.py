@@ -4,16 +4,18 @@ builders that adapt to the signature they find.
 transformers has no public function that builds a model's attention mask without running the
 model's forward, so the adapters call the helpers the models call themselves,
 ``transformers.masking_utils.create_causal_mask`` and ``create_bidirectional_mask``. Their
-argument names changed inside 5.x:
+argument names changed inside 5.x (read from each release's source):
 
-=========  ===================================================  =============================
-release    create_causal_mask                                   create_bidirectional_mask
-=========  ===================================================  =============================
-5.0        input_embeds, cache_position (required),             input_embeds
-           past_key_values
-5.17       inputs_embeds, past_key_values                       inputs_embeds
-5.24       inputs_embeds, cache                                 inputs_embeds
-=========  ===================================================  =============================
+==========  ==========================================  ================================
+release     create_causal_mask takes                    create_bidirectional_mask takes
+==========  ==========================================  ================================
+5.0-5.1     input_embeds, cache_position (required),    input_embeds
+            past_key_values
+5.2-5.8     inputs_embeds, cache_position (required),   inputs_embeds (past_key_values=
+            past_key_values                             None from 5.4)
+5.9-5.23    inputs_embeds, past_key_values              inputs_embeds, past_key_values=None
+5.24        inputs_embeds, cache                        inputs_embeds, cache=None
+==========  ==========================================  ================================
 
 Each helper below reads the signature it finds and passes each value under the name that
 release uses (``_ALIASES``); a required argument it does not know, or a value it needs that the
@@ -105,7 +107,7 @@ def call_by_name(fn: Callable[..., Any], values: dict[str, Any], needs: tuple[st
 
 
 def block_output(out: Any) -> torch.Tensor:
-    """A block's hidden states: 5.0's GPT-2 block returns ``(hidden, ...)``, later ones a tensor."""
+    """A block's hidden states: GPT-2's block returns ``(hidden, ...)`` up to 5.2, then a tensor."""
     return out[0] if isinstance(out, tuple) else out
 
 
