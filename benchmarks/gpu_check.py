@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_check.py                      # on the GPU machine (~3-5 minutes on one H200)
     python benchmarks/gpu_check.py --device cpu --quick # dry run here: same code paths, tiny model
+    python benchmarks/gpu_check.py --part hf            # only the Hugging Face Llama step (3.)
 
 1. Correctness on the device: fz3's loss and gradients against plain autograd on the
    unsharded model, fp32 for several schedules (rtol 1e-5 / atol 1e-5: one device, one
@@ -12,12 +13,16 @@
    of fz3, plain PyTorch (autocast, fused AdamW) and FSDP2 (bf16 params, fp32 reduce), each
    with and without activation checkpointing (fz3: ``recompute`` vs ``save``). The table
    comes last.
+3. A Hugging Face step: a tiny ``LlamaForCausalLM`` built from its config, one fz3 step
+   through ``fz3.shard(model)``'s built-in adapter with a padded row, with whatever
+   transformers the machine has; prints that release (it runs before the speed part).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import statistics
@@ -131,6 +136,37 @@ def features(device: torch.device, quick: bool = False) -> dict:
     return out
 
 
+def hf_llama_step(device: torch.device) -> dict:
+    """One fz3 training step (value_and_grad, AdamW) of a tiny ``LlamaForCausalLM`` through
+    ``fz3.shard(model)``, with the installed transformers; the first loss must equal the plain
+    HF model's (fp32, rtol 1e-5) and the step must lower it. Prints the transformers release."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    module = transformers.LlamaForCausalLM(cfg).to(device)
+    ids = torch.randint(0, cfg.vocab_size, (2, 32), device=device)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # one left-padded row: the attention mask path
+    batch = {"input_ids": ids, "labels": ids.masked_fill(mask == 0, -100), "attention_mask": mask}
+    with torch.no_grad():
+        ref_loss = float(module(**batch).loss)
+    model, params = fz3.shard(module, device=device)
+    opt = fz3.optim.adamw(lr=1e-2)
+    loss, grads = fz3.value_and_grad(model)(params, batch)
+    params, _ = fz3.optim.step(opt, grads, opt.init(params), params)
+    after, _ = fz3.value_and_grad(model)(params, batch)
+    rel = abs(float(loss) - ref_loss) / abs(ref_loss)
+    ok = rel <= 1e-5 and float(after) < float(loss)
+    print(f"transformers {transformers.__version__}: HF Llama step {'ok' if ok else 'FAIL'}, loss "
+          f"{float(loss):.4f} -> {float(after):.4f} (plain HF {ref_loss:.4f}, rel {rel:.1e})",
+          flush=True)
+    return dict(transformers=transformers.__version__, loss=float(loss),
+                loss_after_step=float(after), hf_loss=ref_loss, loss_rel_err=rel, ok=ok)
+
+
 def flops_per_token(cfg: GPTConfig) -> float:
     """Model FLOPs (PaLM appendix B): 6 x matmul parameters + 12 L T d for attention scores."""
     matmul = cfg.layers * (4 + 2 * cfg.mlp_ratio) * cfg.dim ** 2 + cfg.vocab * cfg.dim
@@ -216,6 +252,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=420, help="skip remaining speed runs after this")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.json")
+    ap.add_argument("--part", default="all", choices=["all", "hf"],
+                    help="hf: only the Hugging Face Llama step")
     args = ap.parse_args()
     t_start = time.monotonic()
     device = init(args.device)
@@ -226,21 +264,38 @@ def main() -> None:
     env = dict(torch=torch.__version__, cuda=torch.version.cuda,
                gpu=torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
                config=str(cfg), micro_batch=batch, date=time.strftime("%Y-%m-%d"))
+    if importlib.util.find_spec("transformers"):
+        import transformers
+
+        env["transformers"] = transformers.__version__
     print(json.dumps(env), flush=True)
+    if args.part == "hf":
+        hf = hf_llama_step(device)
+        write(args.out, dict(env=env, hf=hf))
+        dist.destroy_process_group()
+        sys.exit(0 if hf["ok"] else 1)
     checks = correctness(device)
     extra = features(device, quick=args.quick)
+    hf = hf_llama_step(device) if importlib.util.find_spec("transformers") else None
+    if hf is None:
+        print("transformers is not installed: HF Llama step skipped", flush=True)
     rows = speed(device, cfg, batch, args.steps, args.warmup, t_start + args.budget_s, quick=args.quick)
-    result = dict(env=env, correctness=checks, features=extra, speed=rows)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
-            json.dump(result, f, indent=1)
+    write(args.out, dict(env=env, correctness=checks, features=extra, hf=hf, speed=rows))
     print(f"\nGPU check ({env['gpu']}, torch {env['torch']}, {cfg}, micro-batch {batch}), "
           f"{time.monotonic() - t_start:.0f}s:")
     print("correctness: " + ", ".join(f"{c['check']} {'OK' if c['ok'] else 'FAIL'}" for c in checks))
     print("features: " + json.dumps(extra))
+    if hf is not None:
+        print(f"transformers {hf['transformers']}: HF Llama step {'ok' if hf['ok'] else 'FAIL'}")
     print(table(rows))
     dist.destroy_process_group()
+
+
+def write(folder: str | None, result: dict) -> None:
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "gpu_check.json"), "w") as f:
+            json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

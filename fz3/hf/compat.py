@@ -1,0 +1,117 @@
+"""The transformers releases fz3's adapters support, and calls into transformers' internal mask
+builders that adapt to the signature they find.
+
+transformers has no public function that builds a model's attention mask without running the
+model's forward, so the adapters call the helpers the models call themselves,
+``transformers.masking_utils.create_causal_mask`` and ``create_bidirectional_mask``. Their
+argument names changed inside 5.x (read from each release's source):
+
+==========  ==========================================  ================================
+release     create_causal_mask takes                    create_bidirectional_mask takes
+==========  ==========================================  ================================
+5.0-5.1     input_embeds, cache_position (required),    input_embeds
+            past_key_values
+5.2-5.8     inputs_embeds, cache_position (required),   inputs_embeds (past_key_values=
+            past_key_values                             None from 5.4)
+5.9-5.23    inputs_embeds, past_key_values              inputs_embeds, past_key_values=None
+5.24        inputs_embeds, cache                        inputs_embeds, cache=None
+==========  ==========================================  ================================
+
+Each helper below reads the signature it finds and passes each value under the name that
+release uses (``_ALIASES``); a required argument it does not know, or a value it needs that the
+release takes under no known name, raises an error naming the release and the supported range.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from typing import Any, Callable
+
+import torch
+
+# The range pyproject.toml's `hf` extra declares; CI tests both ends (constraints.txt pins the
+# top, constraints-hf-low.txt the bottom: see .ci/hf-range).
+LOWEST = (5, 0)
+BELOW = (6, 0)
+RANGE = ">=5.0,<6"
+
+# signature name -> the value it means (releases renamed arguments, not their meaning)
+_ALIASES = {
+    "config": "config",
+    "inputs_embeds": "embeds", "input_embeds": "embeds",
+    "attention_mask": "attention_mask",
+    "cache": "cache", "past_key_values": "cache",
+    "cache_position": "cache_position",
+    "position_ids": "position_ids",
+}
+# What a mask builder must take: one that took attention_mask under an unknown name with a
+# default of None would silently build a mask without the padding.
+_NEEDS = ("config", "embeds", "attention_mask")
+
+
+def check_version(version: str) -> None:
+    """Raise ImportError if transformers ``version`` (e.g. ``"5.17.0"``) is outside ``RANGE``."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None or not LOWEST <= (int(found[1]), int(found[2])) < BELOW:
+        raise ImportError(f"fz3's Hugging Face adapters support transformers{RANGE}; transformers "
+                          f"{version} is installed. Install a supported release (pip install "
+                          f"'transformers{RANGE}') or pass layers=, pre= and post= to fz3.shard")
+
+
+def causal_mask(config: Any, embeds: torch.Tensor, attention_mask: torch.Tensor | None,
+                position_ids: torch.Tensor | None) -> Any:
+    """``create_causal_mask`` for a whole sequence, no KV cache. ``embeds`` (B, T, d) gives the
+    batch, length and dtype; ``attention_mask`` (B, T) 1 = token, 0 = padding. Returns what the
+    release's attention layers take: a (B, 1, T, T) mask, or None where ``is_causal`` suffices."""
+    from transformers.masking_utils import create_causal_mask
+
+    seq = torch.arange(embeds.shape[1], device=embeds.device)  # cache_position, where asked for
+    values = dict(config=config, embeds=embeds, attention_mask=attention_mask, cache=None,
+                  cache_position=seq, position_ids=position_ids)
+    return call_by_name(create_causal_mask, values, needs=_NEEDS)
+
+
+def bidirectional_mask(config: Any, embeds: torch.Tensor,
+                       attention_mask: torch.Tensor | None) -> Any:
+    """``create_bidirectional_mask`` (encoders: every token sees every unpadded token);
+    arguments as for ``causal_mask``."""
+    from transformers.masking_utils import create_bidirectional_mask
+
+    values = dict(config=config, embeds=embeds, attention_mask=attention_mask, cache=None)
+    return call_by_name(create_bidirectional_mask, values, needs=_NEEDS)
+
+
+def call_by_name(fn: Callable[..., Any], values: dict[str, Any], needs: tuple[str, ...]) -> Any:
+    """Call ``fn`` with ``values`` (keyed by meaning, see ``_ALIASES``) under the names its
+    signature uses. Every value in ``needs`` must be taken and every required argument known,
+    else the release is one fz3 does not follow: ImportError naming it and the supported range."""
+    kwargs: dict[str, Any] = {}
+    unknown = []
+    for name, param in inspect.signature(fn).parameters.items():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        meaning = _ALIASES.get(name)
+        if meaning in values:
+            kwargs[name] = values[meaning]
+        elif param.default is param.empty:
+            unknown.append(name)
+    missing = [m for m in needs if m not in {_ALIASES[n] for n in kwargs}]
+    if unknown or missing:
+        raise ImportError(f"transformers {_version()}: {fn.__module__}.{fn.__name__}"
+                          f"{inspect.signature(fn)} has required arguments fz3 does not know "
+                          f"({unknown}) or takes no {missing}; fz3's Hugging Face adapters follow "
+                          f"transformers{RANGE} as tested in CI. Install a supported release or "
+                          f"pass layers=, pre= and post= to fz3.shard")
+    return fn(**kwargs)
+
+
+def block_output(out: Any) -> torch.Tensor:
+    """A block's hidden states: GPT-2's block returns ``(hidden, ...)`` up to 5.2, then a tensor."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _version() -> str:
+    import transformers
+
+    return transformers.__version__
