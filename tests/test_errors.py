@@ -58,7 +58,8 @@ def error_ranks(rank, world):
     _raises(ValueError, r"params of part pre is .* torch.float64", step,
             fz3.Params((pre_.double(), blocks, post_)), (x, x))
     _raises(TypeError, r"params is Params of 2 parts; pass the Params that fz3.shard returned for this model "
-            r"\(3 parts: \['pre', 'blocks', 'post'\]\)", step, fz3.Params((pre_, blocks)), (x, x))
+            r"\(or a tree shaped like it: 3 parts, \['pre', 'blocks', 'post'\]\)", step, fz3.Params((pre_, blocks)),
+            (x, x))
 
     bad_post, _ = fz3.shard(m, "blocks", pre, lambda m_, h, b: h.sum(-1))
     _raises(TypeError, r"post must return a scalar loss tensor, got Tensor of shape \[2, 8\]",

@@ -134,7 +134,7 @@ def check_round_trip(family):
     initial = {n: t.clone() for n, t in module.state_dict().items()}
     param_names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
     model, params = fz3.shard(module)
-    sd = fz3.full_state_dict(model, fz3.Params(*(2 * t for t in params)))
+    sd = fz3.full_state_dict(model, fz3.Params(tuple(2 * t for t in params.parts)))
     if sd is None:  # not rank 0
         return
     fresh = build(family, False)

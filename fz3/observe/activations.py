@@ -11,6 +11,7 @@ import torch
 from ..schedule.structure import Role
 from ..sharding import compute
 from ..sharding.model import ShardedModel
+from .live_bytes import LiveBytes
 
 # measure(part index, run, params, inputs) -> run()'s output: ``run`` computes the part (one
 # layer of a stack); ``params`` and ``inputs`` (h, none for pre) are the leaves it depends on.
@@ -23,6 +24,8 @@ class PartActivations(NamedTuple):
     input: int  # one row's input h (what recompute keeps for a layer)
     graph: int  # what autograd keeps for one row: pre/between keep it, a layer keeps it when
     # saved and rebuilds it when recomputed, post holds it during the loss op
+    forward: int = 0  # peak bytes a row's forward allocates without a graph (temporaries, output)
+    train: int = 0  # peak bytes a row's forward with its graph and then its backward allocate
 
 
 def walk_parts(model: ShardedModel, batch: Any, measure: Measure) -> list[int]:
@@ -62,10 +65,14 @@ def walk_parts(model: ShardedModel, batch: Any, measure: Measure) -> list[int]:
 
 def activation_sizes(model: ShardedModel, batch: Any) -> tuple[PartActivations, ...]:
     """Per part, in order: the storages autograd saves running it, each counted once,
-    parameters excluded."""
-    graphs = [0] * len(model.parts)
+    parameters excluded; and the peak bytes its forward allocates, without a graph and with
+    one followed by the backward, tracked by ``LiveBytes``."""
+    graphs, forwards, trains = [0] * len(model.parts), [0] * len(model.parts), [0] * len(model.parts)
 
     def measure(i: int, run: Callable[[], Any], params: list[torch.Tensor], inputs: list[torch.Tensor]) -> Any:
+        with torch.no_grad(), LiveBytes() as live:
+            run()
+        forwards[i] = live.peak
         exclude = {t.untyped_storage().data_ptr() for t in params}
         seen: dict[int, int] = {}
 
@@ -75,11 +82,16 @@ def activation_sizes(model: ShardedModel, batch: Any) -> tuple[PartActivations, 
                 seen[s.data_ptr()] = s.nbytes()
             return t
 
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = run()
-        graphs[i] = sum(seen.values())
+        with LiveBytes() as live:
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = run()
+            h = out[0] if isinstance(out, tuple) else out
+            wrt = [t for t in (*params, *inputs) if t.requires_grad]
+            if h.requires_grad and wrt:
+                torch.autograd.grad(h, wrt, torch.ones_like(h), allow_unused=True)
+        graphs[i], trains[i] = sum(seen.values()), live.peak
         return out
 
     inputs = walk_parts(model, batch, measure)
-    return tuple(PartActivations(inputs[i] if p.role is Role.STACK else 0, graphs[i])
+    return tuple(PartActivations(inputs[i] if p.role is Role.STACK else 0, graphs[i], forwards[i], trains[i])
                  for i, p in enumerate(model.parts))

@@ -54,7 +54,6 @@ class ModelSizes:
         self.model, self.schedule, self.act = model, schedule, act
         self.csize = torch.empty((), dtype=model.precision.compute).element_size()
         self.rsize = torch.empty((), dtype=model.precision.reduce).element_size()
-        self.recomputes = {op.unit for op in schedule.ops if op.kind == OpKind.FORWARD}
 
     def _elements(self, u: int, shard: bool = False) -> int:
         unit = self.schedule.units[u]
@@ -79,25 +78,28 @@ class ModelSizes:
         return (0, act.graph * k) if op.kind == OpKind.FORWARD_SAVE else (act.input, 0)
 
     def during(self, op: Op) -> int:
+        """What lives only inside ``op`` beyond what the totals after it hold, measured on one
+        row: a forward's temporaries; for a backward (and the loss op) its graphs, kept or
+        recomputed (``kept`` counts a kept graph only up to the op), and working set, or the
+        per-parameter gradients waiting for the join into one flat gradient."""
         unit = self.schedule.units[op.unit]
-        if op.kind == OpKind.LOSS:  # the head's graph, and its per-parameter gradients before the join
-            return self.act[unit.part].graph + self._read_bytes(op.unit)
-        if op.kind != OpKind.BACKWARD:
+        act, k = self.act[unit.part], len(unit.rows)
+        if op.kind in (OpKind.FORWARD, OpKind.FORWARD_SAVE):
+            return act.forward
+        if op.kind not in (OpKind.BACKWARD, OpKind.LOSS):
             return 0
-        # a recomputed unit's graph, and its per-parameter gradients before they are joined
-        k = len(unit.rows) if op.unit in self.recomputes and unit.role is Role.STACK else 0
-        return self.act[unit.part].graph * k + self._read_bytes(op.unit)
-
-    def _read_bytes(self, u: int) -> int:
-        return sum(self.gathered(v) for v in (u, *self.schedule.units[u].reads))
+        # Peak inside: the graphs (k of them) and the backward's working set, before the join;
+        # or, at the join, every row's per-parameter gradients beside the flat gradient, which
+        # the totals after the op already hold.
+        before_join = act.train + (k - 1) * act.graph - self.unreduced(op.unit)
+        return max(before_join, k * self.model.parts[unit.part].layout.padded * self.csize)
 
 
 def memory_plan(model: ShardedModel, schedule: Schedule, batch: Any, *, optimizer_states: int = 2) -> MemoryPlan:
     """Predict this rank's memory for ``schedule`` on batches shaped like ``batch``.
 
-    Within an op it also counts what lives only during it: a recomputed unit's graph and its
-    per-parameter gradients before they are joined into one flat gradient (backward, loss),
-    and the head's graph (loss).
+    Within an op it also counts what lives only during it (``ModelSizes.during``), measured
+    on one row of each part: temporaries, graphs, per-parameter gradients before the join.
     """
     sizes = ModelSizes(model, schedule, activation_sizes(model, batch))
     per_op = footprint(schedule, sizes)
@@ -105,8 +107,8 @@ def memory_plan(model: ShardedModel, schedule: Schedule, batch: Any, *, optimize
     peak_transient = max((b.peak for b in per_op), default=0)
     persistent = shard_bytes * (1 + optimizer_states) if schedule.grad else shard_bytes
     col = lambda f: max((getattr(b, f) for b in per_op), default=0)  # noqa: E731
-    during_graphs = max((sizes.during(op) - sizes._read_bytes(op.unit) for op in schedule.ops
-                         if op.kind in (OpKind.BACKWARD, OpKind.LOSS)), default=0)
+    during_graphs = max((len(schedule.units[op.unit].rows) * sizes.act[schedule.units[op.unit].part].graph
+                         for op in schedule.ops if op.kind in (OpKind.BACKWARD, OpKind.LOSS)), default=0)
     return MemoryPlan(
         params=shard_bytes,
         grads=shard_bytes if schedule.grad else 0,

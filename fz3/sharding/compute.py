@@ -44,9 +44,22 @@ def mode(model: ShardedModel) -> Iterator[None]:
             model.skeleton.train(before)
 
 
+def _call(fn: BoundFunction, bound: dict[str, torch.Tensor], args: tuple, name: str) -> Any:
+    """``functional_call``, naming a parameter of another part used by mistake: it is still on
+    the meta device in the skeleton, and an op that mixes it with real tensors fails."""
+    try:
+        return functional_call(fn, bound, args, tie_weights=False)
+    except (RuntimeError, NotImplementedError) as e:
+        if "meta" not in str(e):
+            raise
+        raise ValueError(f"{name} used a parameter outside its part: it is on the meta device ({e}). A "
+                         f"function may use only the parameters registered in its part (see fz3.shard's "
+                         f"assign= to move some)") from e
+
+
 def run_stage(fn: BoundFunction, bound: dict[str, torch.Tensor], args: tuple, name: str) -> tuple[torch.Tensor, Extras]:
     """``pre`` or a ``between`` function: ``fn(m, *args) -> h | (h, *extras)``."""
-    out = functional_call(fn, bound, args, tie_weights=False)
+    out = _call(fn, bound, args, name)
     h, extras = (out[0], tuple(out[1:])) if isinstance(out, tuple) and out else (out, ())
     if not isinstance(h, torch.Tensor):
         raise TypeError(f"{name} returned {type(out).__name__}; return h or (h, *extra) with h a tensor")
@@ -61,7 +74,7 @@ def run_loss(fn: BoundFunction, has_aux: bool, bound: dict[str, torch.Tensor], h
              name: str) -> tuple[torch.Tensor, Any]:
     """``(loss, aux)``: ``fn(m, h, batch)`` returns the scalar loss, or ``(loss, aux)`` when
     ``has_aux``; ``aux`` is None without it."""
-    out = functional_call(fn, bound, (h, batch), tie_weights=False)
+    out = _call(fn, bound, (h, batch), name)
     if has_aux:
         if not (isinstance(out, tuple) and len(out) == 2):
             raise TypeError(f"{name} was given with has_aux=True and must return (loss, aux), got "
@@ -84,7 +97,7 @@ def run_layers(fns: Sequence[BoundFunction], layout: FlatLayout, params: Sequenc
                h: torch.Tensor, extras: Extras, names: Sequence[str]) -> torch.Tensor:
     """Run consecutive layers (one function, one parameter list, one name each) on ``h``."""
     for fn, p, name in zip(fns, params, names):
-        h = functional_call(fn, bind(layout, p), (h, *extras), tie_weights=False)
+        h = _call(fn, bind(layout, p), (h, *extras), f"layer {name}")
         if not isinstance(h, torch.Tensor):
             raise TypeError(f"layer {name} returned {type(h).__name__}, not a tensor; pass "
                             f"call_layer=lambda layer, h, *extra: layer(h, *extra)[0] to fz3.shard")

@@ -125,6 +125,26 @@ class ShardedModel:
         return BoundFunction(fn, self.skeleton)
 
 
+def check_tree(model: ShardedModel, tree: Any, what: str = "params", dtype: torch.dtype | None = None) -> None:
+    """``tree`` is shaped like this model's shards (one tensor per part, on the model's device;
+    of ``dtype`` when given): cheap, local, before any collective."""
+    if not isinstance(tree, Params) or len(tree.parts) != len(model.parts):
+        got = f"Params of {len(tree.parts)} parts" if isinstance(tree, Params) else type(tree).__name__
+        raise TypeError(f"{what} is {got}; pass the Params that fz3.shard returned for this model (or a tree "
+                        f"shaped like it: {len(model.parts)} parts, {[p.name for p in model.parts]})")
+    for part, t in zip(model.parts, tree.parts):
+        n = part.layout.shard_numel
+        shape = (part.rows, n) if part.role is Role.STACK else (n,)
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what} of part {part.name} is {type(t).__name__}; pass the Params that fz3.shard "
+                            f"returned")
+        if tuple(t.shape) != shape or (dtype is not None and t.dtype != dtype) or t.device != model.device:
+            want = f"{list(shape)} {dtype or t.dtype} on {model.device}"
+            raise ValueError(f"{what} of part {part.name} is {list(t.shape)} {t.dtype} on {t.device}; this "
+                             f"model's shards are {want} (world size {model.world_size}). Use the params "
+                             f"from this model's fz3.shard, or fz3.load to reshard")
+
+
 def shard(
     module: nn.Module,
     layers: str | Sequence[str] | None = None,

@@ -11,8 +11,10 @@ A module becomes, in compute order:
   head): gathered for the compute ops that read it, its gradient contributions summed
   before one reduce.
 
-"Registered before/after" is the order of ``module.named_parameters()``, which follows the
-order submodules were assigned in ``__init__``; ``assign=`` overrides it by name prefix.
+"Registered before/after" is the order of ``module.named_parameters()``: submodules in the
+order ``__init__`` assigned them, each module's own parameters before its submodules' (so a
+parameter held directly by a module that holds a stack counts as before that stack).
+``assign=`` overrides it by name prefix.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ handlers follow, in the order a step meets them; the buffer lifetimes are noted 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Generator
+from typing import Any, Callable, Generator, NamedTuple
 
 import optree
 import torch
@@ -64,6 +64,7 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
                     recorder.record(index, start, state.live_units(), _moved(state, op), state.owned_bytes())
                 if frame is not None:
                     yield frame
+                    frame = None  # the frame holds the unit's buffer: not past the next op (a free)
             return _finish(state)
     finally:
         state.drain(wait)
@@ -83,7 +84,7 @@ def _gather(s: StepState, op: Op, index: int) -> None:
         out = regrow(s.released[u].buffer).view(-1)
     else:
         out = torch.empty(m.world_size * shard.numel(), dtype=m.precision.compute, device=m.device)
-    s.gathering[u] = all_gather(m.comm, out, shard.reshape(-1), op)
+    s.gathering[u] = all_gather(m.comm, out, shard.reshape(-1), Label(s.schedule, op))
 
 
 def _wait(s: StepState, op: Op, index: int) -> None:
@@ -245,11 +246,11 @@ def _reduce(s: StepState, op: Op, index: int) -> None:
     shard = _result_shard(s, unit)  # fully written by the reduce
     if s.schedule.reduce == "all_reduce":  # in place, on the layer-major memory of g
         g = g if unit.role is not Role.STACK else g.transpose(0, 1).contiguous()  # (k, world, n): no copy
-        s.reducing[u] = Reducing(all_reduce(m.comm, g, label=op), shard)
+        s.reducing[u] = Reducing(all_reduce(m.comm, g, label=Label(s.schedule, op)), shard)
     else:
         rdt = m.precision.reduce
         out = shard if rdt == torch.float32 else torch.empty(shard.numel(), dtype=rdt, device=m.device)
-        s.reducing[u] = Reducing(reduce_scatter(m.comm, out, g.contiguous().view(-1), op), shard)
+        s.reducing[u] = Reducing(reduce_scatter(m.comm, out, g.contiguous().view(-1), Label(s.schedule, op)), shard)
 
 
 def _wait_reduce(s: StepState, op: Op, index: int) -> None:
@@ -263,7 +264,7 @@ def _wait_reduce(s: StepState, op: Op, index: int) -> None:
     elif out.data_ptr() != shard.data_ptr():
         shard.copy_(out)
     if comm.replicas > 1 and s.reduces_replicas:  # hybrid: sum the shard across replicas, waited at the end
-        s.replicating.append(all_reduce(comm, shard, group=comm.replicate_group, label=op))
+        s.replicating.append(all_reduce(comm, shard, group=comm.replicate_group, label=Label(s.schedule, op)))
 
 
 def _accumulate(s: StepState, op: Op, index: int) -> None:
@@ -348,6 +349,16 @@ def _result_shard(s: StepState, unit) -> torch.Tensor:
         s.grads[unit.part] = torch.empty(shape, dtype=torch.float32, device=s.model.device)
     grads = s.grads[unit.part]
     return grads[unit.rows.start:unit.rows.stop].view(-1) if part.role is Role.STACK else grads
+
+
+class Label(NamedTuple):
+    """What a collective is, named only if it fails (no string is built on the hot path)."""
+
+    schedule: Schedule
+    op: Op
+
+    def __str__(self) -> str:
+        return self.schedule.describe(self.op)
 
 
 def _reads(s: StepState, u: int) -> dict[int, torch.Tensor] | None:

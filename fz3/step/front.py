@@ -18,8 +18,7 @@ from ..compare import fingerprint, first_difference
 from ..comm.failures import differing_ranks, gather_objects
 from ..schedule.ops import OpKind
 from ..schedule.schedule import Policy, Schedule, plan, validate
-from ..schedule.structure import Role
-from ..sharding.model import Params, ShardedModel
+from ..sharding.model import Params, ShardedModel, check_tree
 from .state import Result
 from .state import Loss
 
@@ -79,23 +78,8 @@ def check_call(model: ShardedModel, params: Params, batch: Any) -> None:
 
 
 def check_params(model: ShardedModel, params: Params) -> None:
-    """Cheap shape/dtype/device checks."""
-    if not isinstance(params, Params) or len(params.parts) != len(model.parts):
-        got = f"{type(params).__name__} of {len(params.parts)} parts" if isinstance(params, Params) else \
-            type(params).__name__
-        raise TypeError(f"params is {got}; pass the Params that fz3.shard returned for this model "
-                        f"({len(model.parts)} parts: {[p.name for p in model.parts]})")
-    for part, t in zip(model.parts, params.parts):
-        n = part.layout.shard_numel
-        shape = (part.rows, n) if part.role is Role.STACK else (n,)
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"params of part {part.name} is {type(t).__name__}; pass the Params that "
-                            f"fz3.shard returned")
-        if tuple(t.shape) != shape or t.dtype != torch.float32 or t.device != model.device:
-            raise ValueError(f"params of part {part.name} is {list(t.shape)} {t.dtype} on {t.device}; this "
-                             f"model's shards are {list(shape)} torch.float32 on {model.device} (world size "
-                             f"{model.world_size}). Use the params from this model's fz3.shard, or fz3.load "
-                             f"to reshard")
+    """Cheap shape/dtype/device checks (fp32 master shards)."""
+    check_tree(model, params, "params", torch.float32)
 
 
 def check_batch(model: ShardedModel, batch: Any) -> None:

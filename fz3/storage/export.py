@@ -21,7 +21,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from ..sharding.layout import FlatLayout
-from ..sharding.model import Params, ShardedModel
+from ..sharding.model import Params, ShardedModel, check_tree
 from .gather import gather_unit
 
 
@@ -35,6 +35,7 @@ def export(path: str, model: ShardedModel, params: Params, *,
            format: Literal["safetensors", "torch"] | None = None) -> ExportReport:
     """Write the consolidated weights (and persistent buffers) under ``path``.
     **Collective**: one all-gather per unit; every rank must call it."""
+    check_tree(model, params, "params")
     fmt = format or ("safetensors" if _has_safetensors() else "torch")
     rank0 = model.is_root
     units: list[tuple[FlatLayout, torch.Tensor, str]] = [

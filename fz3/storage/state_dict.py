@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sharding.model import Params, ShardedModel
+from ..sharding.model import Params, ShardedModel, check_tree
 from .gather import gather_unit
 
 
@@ -17,6 +17,7 @@ def full_state_dict(model: ShardedModel, tree: Params, *, buffers: bool = True) 
     ``buffers=True`` adds the module's persistent buffers, so the result loads into the
     original module with ``load_state_dict(strict=True)``.
     """
+    check_tree(model, tree, "the tree")
     rank0 = model.is_root
     found: dict[str, torch.Tensor] = {}
     for part, shards in zip(model.parts, tree.parts):
