@@ -44,9 +44,10 @@ def error_ranks(rank, world):
     _raises(ValueError, r"parameter \('blocks.0.fc.weight', 'alias.weight'\) is used both inside 'blocks' and outside",
             fz3.shard, cross, "blocks", pre, post)
 
-    frozen = GPT(CFG)
+    frozen = GPT(CFG)  # frozen parameters are no longer refused: they are a unit's second part
     frozen.pos.weight.requires_grad_(False)
-    _raises(ValueError, r"pos.weight has requires_grad=False", fz3.shard, frozen, "blocks", pre, post)
+    fmodel, _ = fz3.shard(frozen, "blocks", pre, post)
+    assert [s.name for s in fmodel.parts[0].frozen.slots] == ["pos.weight"]
 
     model, params = shard_gpt(m)
     x = torch.randint(0, CFG.vocab, (2, CFG.seq))

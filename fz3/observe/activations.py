@@ -34,11 +34,16 @@ def walk_parts(model: ShardedModel, batch: Any, measure: Measure) -> list[int]:
     dev, dtype = model.device, model.precision.compute
     views = [compute.leaves(p.layout.views(torch.zeros(p.layout.padded, dtype=dtype, device=dev)))
              for p in model.parts]
+    frozen = [None if p.frozen is None else
+              p.frozen.views(torch.zeros(p.frozen.padded, dtype=model.precision.frozen, device=dev))
+              for p in model.parts]
 
     def own(i: int) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
         bound, leaves = {}, []
         for v in (i, *model.parts[i].reads):
             bound.update(compute.bind(model.parts[v].layout, views[v]))
+            if frozen[v] is not None:
+                bound.update(compute.bind(model.parts[v].frozen, frozen[v]))
             leaves += views[v]
         return bound, leaves
 
@@ -55,7 +60,8 @@ def walk_parts(model: ShardedModel, batch: Any, measure: Measure) -> list[int]:
             h, extras = measure(i, lambda: compute.run_stage(fn, bound, (x, batch), part.name), leaves, [x])
         elif part.role is Role.STACK and part.rows:
             ex = tuple(e.detach() if isinstance(e, torch.Tensor) else e for e in extras)
-            measure(i, lambda: compute.run_layers(fn[:1], part.layout, [views[i]], x, ex, [part.prefix()]),
+            rows = None if frozen[i] is None else (part.frozen, [frozen[i]])
+            measure(i, lambda: compute.run_layers(fn[:1], part.layout, [views[i]], x, ex, [part.prefix()], rows),
                     views[i], [x])
         elif part.role is Role.POST:
             measure(i, lambda: compute.run_loss(fn, False, bound, x, batch, "post"), leaves, [x])

@@ -28,7 +28,7 @@ MiB = 2**20
 
 
 class MemoryPlan(NamedTuple):
-    params: int  # sharded fp32 parameters
+    params: int  # sharded fp32 parameters (trained ones), and the frozen ones' shards in their dtype
     grads: int  # sharded fp32 gradients (a part's allocated at its first reduce, returned as they are)
     optimizer: int  # sharded optimizer state
     gathered: int  # peak gathered parameter buffers
@@ -54,6 +54,7 @@ class ModelSizes:
         self.model, self.schedule, self.act = model, schedule, act
         self.csize = torch.empty((), dtype=model.precision.compute).element_size()
         self.rsize = torch.empty((), dtype=model.precision.reduce).element_size()
+        self.fsize = torch.empty((), dtype=model.precision.frozen).element_size()
 
     def _elements(self, u: int, shard: bool = False) -> int:
         unit = self.schedule.units[u]
@@ -61,7 +62,9 @@ class ModelSizes:
         return len(unit.rows) * (layout.shard_numel if shard else layout.padded)
 
     def gathered(self, u: int) -> int:
-        return self._elements(u) * self.csize
+        unit = self.schedule.units[u]
+        frozen = self.model.parts[unit.part].frozen
+        return self._elements(u) * self.csize + (len(unit.rows) * frozen.padded * self.fsize if frozen else 0)
 
     def unreduced(self, u: int) -> int:
         return self._elements(u) * self.rsize
@@ -104,13 +107,14 @@ def memory_plan(model: ShardedModel, schedule: Schedule, batch: Any, *, optimize
     sizes = ModelSizes(model, schedule, activation_sizes(model, batch))
     per_op = footprint(schedule, sizes)
     shard_bytes = sum(p.rows * p.layout.shard_numel for p in model.parts) * 4
+    frozen_bytes = sum(t.numel() * t.element_size() for t in model.frozen if t is not None)
     peak_transient = max((b.peak for b in per_op), default=0)
-    persistent = shard_bytes * (1 + optimizer_states) if schedule.grad else shard_bytes
+    persistent = frozen_bytes + (shard_bytes * (1 + optimizer_states) if schedule.grad else shard_bytes)
     col = lambda f: max((getattr(b, f) for b in per_op), default=0)  # noqa: E731
     during_graphs = max((len(schedule.units[op.unit].rows) * sizes.act[schedule.units[op.unit].part].graph
                          for op in schedule.ops if op.kind in (OpKind.BACKWARD, OpKind.LOSS)), default=0)
     return MemoryPlan(
-        params=shard_bytes,
+        params=shard_bytes + frozen_bytes,
         grads=shard_bytes if schedule.grad else 0,
         optimizer=optimizer_states * shard_bytes if schedule.grad else 0,
         gathered=col("gathered"),

@@ -86,7 +86,9 @@ def describe(model: ShardedModel, schedule: Schedule, f: Frame) -> StepFrame:
     unit = schedule.units[u]
     part = model.parts[unit.part]
     if part.role is not Role.STACK:
-        params = {n: v for n, v in part.layout.named_views(f.params).items()}
+        params = dict(part.layout.named_views(f.params))
+        if f.frozen is not None:
+            params.update(part.frozen.named_views(f.frozen))
         for r in unit.reads:  # a shared part a unit reads is shown with it
             params.update(model.parts[schedule.units[r].part].layout.named_views(_gathered_of(f, r)))
         grads = None if f.grad is None else part.layout.named_views(f.grad)
@@ -94,6 +96,8 @@ def describe(model: ShardedModel, schedule: Schedule, f: Frame) -> StepFrame:
         params, grads = {}, None if f.grad is None else {}
         for j, row in enumerate(unit.rows):
             params.update(_prefixed(part.layout, f.params[j], part.prefix(row)))
+            if f.frozen is not None:
+                params.update(_prefixed(part.frozen, f.frozen[j], part.prefix(row)))
             if f.grad is not None:  # (world, k, n) rank-major -> layer j's (padded,)
                 grads.update(_prefixed(part.layout, f.grad[:, j].reshape(-1), part.prefix(row)))
     return StepFrame(phase, u, unit.name, f.op, f.index, params, f.inputs, f.outputs, grads)

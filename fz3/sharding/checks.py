@@ -62,7 +62,7 @@ def _fmt(entry) -> str:
 
 
 def check_parameters(split) -> None:
-    """Floating point, trained, materialized: what fz3 can shard (``split``: a ``Partition``)."""
+    """Floating point and materialized: what fz3 can shard (``split``: a ``Partition``)."""
     for part, rows in zip(split.parts, split.params):
         for j, row in enumerate(rows):
             for names, p in row:
@@ -70,10 +70,6 @@ def check_parameters(split) -> None:
                 if not p.is_floating_point():
                     raise TypeError(f"parameter {name} has dtype {p.dtype}; fz3 shards floating-point "
                                     f"parameters only")
-                if not p.requires_grad:
-                    raise ValueError(f"parameter {name} has requires_grad=False; fz3 trains every parameter. "
-                                     f"Register frozen tensors as buffers, or mask their updates in the "
-                                     f"optimizer")
                 if p.is_meta:
                     raise ValueError(f"parameter {name} is on the meta device; materialize the module "
                                      f"(e.g. module.to_empty(device=...) and initialize it) before fz3.shard")
@@ -86,8 +82,9 @@ def check_same_on_all_ranks(comm: Comm, parts, device: torch.device) -> None:
     mine = []
     for part in parts:
         mine.append((f"part {part.name}", part.role.value, f"rows {part.rows}"))
-        mine += [(part.prefix() + s.name if part.role.value != "stack" else f"{part.path}.*.{s.name}", s.shape,
-                  str(s.dtype)) for s in part.layout.slots]
+        for frozen, layout in ((False, part.layout), (True, part.frozen)):
+            mine += [(part.prefix() + s.name if part.role.value != "stack" else f"{part.path}.*.{s.name}",
+                      s.shape, str(s.dtype), *(("frozen",) if frozen else ())) for s in getattr(layout, "slots", ())]
     differ = differing_ranks(comm.group, list(fingerprint(mine)), device)
     if not differ:
         return

@@ -94,10 +94,15 @@ def run_loss(fn: BoundFunction, has_aux: bool, bound: dict[str, torch.Tensor], h
 
 
 def run_layers(fns: Sequence[BoundFunction], layout: FlatLayout, params: Sequence[Sequence[torch.Tensor]],
-               h: torch.Tensor, extras: Extras, names: Sequence[str]) -> torch.Tensor:
-    """Run consecutive layers (one function, one parameter list, one name each) on ``h``."""
-    for fn, p, name in zip(fns, params, names):
-        h = _call(fn, bind(layout, p), (h, *extras), f"layer {name}")
+               h: torch.Tensor, extras: Extras, names: Sequence[str],
+               frozen: tuple[FlatLayout, Sequence[Sequence[torch.Tensor]]] | None = None) -> torch.Tensor:
+    """Run consecutive layers (one function, one parameter list, one name each) on ``h``;
+    ``frozen``: the frozen parameters' layout and their views, one list per layer."""
+    for j, (fn, p, name) in enumerate(zip(fns, params, names)):
+        bound = bind(layout, p)
+        if frozen is not None:
+            bound.update(bind(frozen[0], frozen[1][j]))
+        h = _call(fn, bound, (h, *extras), f"layer {name}")
         if not isinstance(h, torch.Tensor):
             raise TypeError(f"layer {name} returned {type(h).__name__}, not a tensor; pass "
                             f"call_layer=lambda layer, h, *extra: layer(h, *extra)[0] to fz3.shard")

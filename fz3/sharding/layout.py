@@ -50,6 +50,11 @@ class FlatLayout:
         return FlatLayout(tuple(slots), offset, padded, world_size)
 
     @property
+    def names(self) -> frozenset[str]:
+        """Every slot's first name."""
+        return frozenset(s.name for s in self.slots)
+
+    @property
     def shard_numel(self) -> int:
         return self.padded // self.world_size
 

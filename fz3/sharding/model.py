@@ -22,6 +22,7 @@ from torch import nn
 from ..comm.collectives import Comm
 from ..schedule.structure import PartShape, Role
 from .checks import check_not_wrapped, check_parameters, check_same_on_all_ranks, resolve_layers
+from .layout import FlatLayout
 from .parts import Part, partition
 from .precision import Precision
 
@@ -62,6 +63,8 @@ class ShardedModel:
     """Everything static about a sharded model: parts, skeleton, functions, group."""
 
     parts: tuple[Part, ...]
+    frozen: tuple[torch.Tensor | None, ...]  # per part: this rank's shard of its frozen parameters,
+    # (shard,) or (k, shard) in precision.frozen; None where none is frozen. Constant, like buffers.
     functions: tuple[Any, ...]  # per part: a BoundFunction (pre/between/post), a tuple of them per
     # layer (stacks: call_layer bound to each layer of the skeleton), None (shared parts)
     skeleton: nn.Module  # the module with meta parameters (and real buffers)
@@ -79,7 +82,11 @@ class ShardedModel:
 
     @property
     def numel(self) -> int:
-        """Parameters in the model (tied ones once)."""
+        """Parameters in the model (tied ones once), frozen ones included."""
+        return sum(p.rows * (p.layout.numel + (p.frozen.numel if p.frozen else 0)) for p in self.parts)
+
+    @property
+    def trained_numel(self) -> int:
         return sum(p.rows * p.layout.numel for p in self.parts)
 
     @property
@@ -216,8 +223,11 @@ def shard(
     check_parameters(split)
     skeleton = _skeleton(module, device)
     functions = _functions(split.parts, skeleton, pre, post, betweens, call_layer or _call_layer)
-    shards = tuple(_shards(part, rows, comm, device) for part, rows in zip(split.parts, split.params))
-    model = ShardedModel(split.parts, functions, skeleton, comm, precision, device, mesh, module.training,
+    shards = tuple(_shards(part, part.layout, rows, comm, device, torch.float32)
+                   for part, rows in zip(split.parts, split.params))
+    frozen = tuple(None if part.frozen is None else _shards(part, part.frozen, rows, comm, device, precision.frozen)
+                   for part, rows in zip(split.parts, split.params))
+    model = ShardedModel(split.parts, frozen, functions, skeleton, comm, precision, device, mesh, module.training,
                          check_batch)
     check_same_on_all_ranks(comm, split.parts, device)
     return model, Params(shards)
@@ -263,13 +273,14 @@ def _functions(parts: Sequence[Part], skeleton: nn.Module, pre, post, betweens, 
     return tuple(out)
 
 
-def _shards(part: Part, rows, comm: Comm, device: torch.device) -> torch.Tensor:
-    """This rank's fp32 shard of each row: ``(shard,)``, or ``(k, shard)`` for a stack. One
-    row is flattened at a time, so the extra memory is one row."""
-    n = part.layout.shard_numel
-    out = torch.empty(part.rows, n, dtype=torch.float32, device=device)
+def _shards(part: Part, layout: FlatLayout, rows, comm: Comm, device: torch.device,
+            dtype: torch.dtype) -> torch.Tensor:
+    """This rank's shard of each row's parameters in ``layout``: ``(shard,)``, or ``(k, shard)``
+    for a stack. One row is flattened at a time, so the extra memory is one row."""
+    n = layout.shard_numel
+    out = torch.empty(part.rows, n, dtype=dtype, device=device)
     for j, row in enumerate(rows):
-        flat = part.layout.flatten({names[0]: p for names, p in row}, torch.float32, device)
+        flat = layout.flatten({names[0]: p for names, p in row if names[0] in layout.names}, dtype, device)
         out[j].copy_(flat[comm.rank * n:(comm.rank + 1) * n])
     return out if part.role is Role.STACK else out.view(-1)
 

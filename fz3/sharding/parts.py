@@ -31,15 +31,17 @@ Named = list[tuple[tuple[str, ...], nn.Parameter]]  # (every name, parameter), f
 
 
 class Part(NamedTuple):
-    """One part of a sharded model: a flat layout per row, and how its rows are named."""
+    """One part of a sharded model: flat layouts per row (trained and frozen parameters apart),
+    and how its rows are named."""
 
     name: str  # "pre", "blocks", "blocks[0:2]" (a run of a ModuleList), "between.0", "post", "tied:..."
     role: Role
-    layout: FlatLayout  # one row: slot names are full names, or relative to the layer for stacks
+    layout: FlatLayout  # one row's trained parameters: slot names full, or relative to the layer for stacks
     rows: int  # layers of a stack; 1 otherwise
     path: str = ""  # stacks: the ModuleList's path
     first: int = 0  # stacks: index of the first layer of this run in the ModuleList
     reads: tuple[int, ...] = ()  # shared parts this part's compute reads
+    frozen: FlatLayout | None = None  # one row's frozen parameters (requires_grad=False), if any
 
     def prefix(self, row: int = 0) -> str:
         """What the row's slot names are relative to: ``"blocks.3."`` for layer 3, else ``""``."""
@@ -52,7 +54,7 @@ class Part(NamedTuple):
 
 class Partition(NamedTuple):
     parts: tuple[Part, ...]
-    params: tuple[list[Named], ...]  # per part, per row: the parameters in layout order
+    params: tuple[list[Named], ...]  # per part, per row: the parameters (trained and frozen)
 
 
 def partition(module: nn.Module, paths: Sequence[str], world: int, *, between: Sequence[bool],
@@ -82,25 +84,29 @@ def partition(module: nn.Module, paths: Sequence[str], world: int, *, between: S
     params: list[list[Named]] = []
 
     def add(part: Part, rows: list[Named]) -> None:
+        trained = [(n, p) for n, p in rows[0] if p.requires_grad] if rows else []
+        frozen = [(n, p) for n, p in rows[0] if not p.requires_grad] if rows else []
+        part = part._replace(layout=FlatLayout.build(trained, world),
+                             frozen=FlatLayout.build(frozen, world) if frozen else None)
         parts.append(part)
         params.append(rows)
 
-    add(Part("pre", Role.PRE, FlatLayout.build(single["pre"], world), 1), [single["pre"]])
+    add(Part("pre", Role.PRE, None, 1), [single["pre"]])
     for i, (path, _) in enumerate(stacks):
         mine = [r for r in runs if r[0] == path]
         for _, first, rows in mine:
             name = path if len(mine) == 1 else f"{path}[{first}:{first + len(rows)}]"
-            add(Part(name, Role.STACK, FlatLayout.build(rows[0], world), len(rows), path, first), rows)
+            add(Part(name, Role.STACK, None, len(rows), path, first), rows)
         if i < len(between) and between[i]:
             key = f"between.{i}"
-            add(Part(key, Role.BETWEEN, FlatLayout.build(single[key], world), 1), [single[key]])
-    add(Part("post", Role.POST, FlatLayout.build(single["post"], world), 1), [single["post"]])
+            add(Part(key, Role.BETWEEN, None, 1), [single[key]])
+    add(Part("post", Role.POST, None, 1), [single["post"]])
     readers = {p.name: i for i, p in enumerate(parts)}
     reads: dict[int, list[int]] = {}
     for name, named, homes in shared:
         for home in homes:
             reads.setdefault(readers[home], []).append(len(parts))
-        add(Part(name, Role.SHARED, FlatLayout.build(named, world), 1), [named])
+        add(Part(name, Role.SHARED, None, 1), [named])
     parts = [p._replace(reads=tuple(reads.get(i, ()))) for i, p in enumerate(parts)]
     return Partition(tuple(parts), tuple(params))
 
@@ -115,7 +121,7 @@ def _named_params(module: nn.Module) -> Named:
 
 def _runs(path: str, stack: nn.ModuleList) -> list[tuple[int, int]]:
     """``(first, count)`` of each run of structurally identical consecutive layers."""
-    sigs = [[(names, tuple(p.shape), p.dtype) for names, p in _named_params(b)] for b in stack]
+    sigs = [[(names, tuple(p.shape), p.dtype, p.requires_grad) for names, p in _named_params(b)] for b in stack]
     runs: list[tuple[int, int]] = []
     for i, sig in enumerate(sigs):
         if runs and sigs[runs[-1][0]] == sig:

@@ -8,12 +8,19 @@ import torch
 
 
 class Precision(NamedTuple):
-    """fp32 master shards always; ``param_dtype`` is cast to *before* the all-gather (half the
-    bytes in bf16) and used for compute; gradients are reduced in ``reduce_dtype`` and land
-    in fp32 gradient shards. ``None`` means fp32."""
+    """fp32 master shards of trained parameters always; ``param_dtype`` is cast to *before* the
+    all-gather (half the bytes in bf16) and used for compute; gradients are reduced in
+    ``reduce_dtype`` and land in fp32 gradient shards. Frozen parameters need no master copy:
+    their shards are stored (and gathered) in ``frozen_dtype``, the compute dtype unless given.
+    ``None`` means fp32 (the compute dtype for ``frozen_dtype``)."""
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    frozen_dtype: torch.dtype | None = None
+
+    @property
+    def frozen(self) -> torch.dtype:
+        return self.frozen_dtype or self.compute
 
     @property
     def compute(self) -> torch.dtype:

@@ -76,38 +76,40 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
 def _gather(s: StepState, op: Op, index: int) -> None:
     u, m = op.unit, s.model
     unit = s.schedule.units[u]
-    shard = s.params.parts[unit.part]
-    if unit.role is Role.STACK:
-        shard = shard[unit.rows.start:unit.rows.stop]
-    shard = shard.to(m.precision.compute)  # cast before the gather: bf16 moves half the bytes
-    if len(unit.rows) == 1 and u in s.released:  # back into the storage the live graph saved views of
-        out = regrow(s.released[u].buffer).view(-1)
-    else:
-        out = torch.empty(m.world_size * shard.numel(), dtype=m.precision.compute, device=m.device)
-    s.gathering[u] = all_gather(m.comm, out, shard.reshape(-1), Label(s.schedule, op))
+    for frozen, shard in _pieces(s, unit):
+        key = (u, frozen)
+        if len(unit.rows) == 1 and key in s.released:  # back into the storage a live graph saved views of
+            out = regrow(s.released[key].buffer).view(-1)
+        else:
+            out = torch.empty(m.world_size * shard.numel(), dtype=shard.dtype, device=m.device)
+        s.gathering[key] = all_gather(m.comm, out, shard.reshape(-1), Label(s.schedule, op))
 
 
 def _wait(s: StepState, op: Op, index: int) -> None:
     u, world = op.unit, s.model.world_size
-    out = wait(s.gathering.pop(u))
     unit = s.schedule.units[u]
     k = len(unit.rows)
-    if unit.role is not Role.STACK:
-        buf = out
-    elif k == 1:
-        buf = out.view(1, -1)
-    elif u in s.released:  # rank-major (world, k, n) -> layer-major (k, world*n), in place
-        buf = regrow(s.released[u].buffer)
-        buf.copy_(out.view(world, k, -1).transpose(0, 1).reshape(buf.shape))
-    else:
-        buf = out.view(world, k, -1).transpose(0, 1).reshape(k, -1)
-    if u in s.released:
-        # The graph's saved views now hold the same values again; collectives and the copy
-        # bumped the version counter (gloo: when the work completes), which autograd would
-        # take for an in-place change. Restore it.
-        with s.released.pop(u).version:
-            pass
-    s.gathered[u] = buf
+    for frozen in (False, True):
+        key = (u, frozen)
+        if key not in s.gathering:
+            continue
+        out = wait(s.gathering.pop(key))
+        if unit.role is not Role.STACK:
+            buf = out
+        elif k == 1:
+            buf = out.view(1, -1)
+        elif key in s.released:  # rank-major (world, k, n) -> layer-major (k, world*n), in place
+            buf = regrow(s.released[key].buffer)
+            buf.copy_(out.view(world, k, -1).transpose(0, 1).reshape(buf.shape))
+        else:
+            buf = out.view(world, k, -1).transpose(0, 1).reshape(k, -1)
+        if key in s.released:
+            # The graph's saved views now hold the same values again; collectives and the copy
+            # bumped the version counter (gloo: when the work completes), which autograd would
+            # take for an in-place change. Restore it.
+            with s.released.pop(key).version:
+                pass
+        s.gathered[key] = buf
 
 
 def _forward(s: StepState, op: Op, index: int) -> Frame:
@@ -132,12 +134,12 @@ def _forward_stage(s: StepState, op: Op, index: int) -> Frame:
     s.h = h.detach()
     s.extras[u] = tuple(e.detach() if j in positions else e for j, e in enumerate(extras))
     inputs = s.batch if unit.role is Role.PRE else x
-    return Frame(index, op, s.gathered[u], inputs, (s.h, *s.extras[u]), None, _reads(s, u))
+    return _frame(s, op, index, inputs, (s.h, *s.extras[u]), None)
 
 
 def _forward_layers(s: StepState, op: Op, index: int) -> Frame:
     u, x, model = op.unit, s.h, s.model
-    views = compute.layer_views(model.parts[s.schedule.units[u].part].layout, s.gathered[u])
+    views = compute.layer_views(model.parts[s.schedule.units[u].part].layout, s.gathered[u, False])
     extras, positions = s.extras.get(s.producer, ()), s.grad_positions.get(s.producer, [])
     if op.kind == OpKind.FORWARD_SAVE:
         params, x_leaf, leaf_extras = compute.layer_leaves(views, x, extras, positions)
@@ -151,7 +153,7 @@ def _forward_layers(s: StepState, op: Op, index: int) -> Frame:
             s.h = _run_layers(s, u, views, x, extras)
         if s.schedule.grad:
             s.saved[u] = Saved(False, x, None, [], (), before, s.producer)
-    return Frame(index, op, s.gathered[u], x, s.h, None)
+    return _frame(s, op, index, x, s.h, None)
 
 
 def _loss(s: StepState, op: Op, index: int) -> Frame:
@@ -175,7 +177,7 @@ def _loss(s: StepState, op: Op, index: int) -> Frame:
     s.loss, s.aux = loss.detach(), _detached(aux)
     s.loss_mean = all_reduce(s.model.comm, s.loss.float() / _ranks(s), group=s.model.comm.group,
                              label="the loss's mean")
-    return Frame(index, op, s.gathered[u], s.h, loss, grad, _reads(s, u))
+    return _frame(s, op, index, s.h, loss, grad)
 
 
 def _backward(s: StepState, op: Op, index: int) -> Frame:
@@ -191,7 +193,7 @@ def _backward_layers(s: StepState, op: Op, index: int) -> Frame:
     if saved.graph:
         out, params, x_leaf, extras = saved.out, saved.leaves, saved.x, saved.extras
     else:  # recompute from the saved input, replaying the forward's RNG
-        views = compute.layer_views(layout, s.gathered[u])
+        views = compute.layer_views(layout, s.gathered[u, False])
         params, x_leaf, extras = compute.layer_leaves(views, saved.x, s.extras.get(saved.producer, ()), positions)
         now = rng.swap(saved.rng, model.device)
         with torch.enable_grad():
@@ -208,7 +210,7 @@ def _backward_layers(s: StepState, op: Op, index: int) -> Frame:
             summed[j] = ge if j not in summed else summed[j] + ge
     s.unreduced[u] = compute.layer_flat_grad(layout, model.world_size, g[:n], len(params), out,
                                              by_layer=s.schedule.reduce == "all_reduce").to(model.precision.reduce)
-    return Frame(index, op, s.gathered[u], grad_out, s.grad_h, s.unreduced[u])
+    return _frame(s, op, index, grad_out, s.grad_h, s.unreduced[u])
 
 
 def _backward_stage(s: StepState, op: Op, index: int) -> Frame:
@@ -226,15 +228,16 @@ def _backward_stage(s: StepState, op: Op, index: int) -> Frame:
     if between:
         s.grad_h, grads = _or_zeros(grads[-1], saved.x), grads[:-1]
     flat = _add_gradients(s, u, grads, h)
-    return Frame(index, op, s.gathered[u], grad_out, s.grad_h if between else None, flat, _reads(s, u))
+    return _frame(s, op, index, grad_out, s.grad_h if between else None, flat)
 
 
 def _free(s: StepState, op: Op, index: int) -> None:
     u = op.unit
-    buf = s.gathered.pop(u)
     saved = s.saved.get(u)
-    if saved is not None and saved.graph:  # a live graph holds views of buf: free the storage only
-        s.released[u] = release(buf)
+    for key in ((u, False), (u, True)):
+        buf = s.gathered.pop(key, None)
+        if buf is not None and saved is not None and saved.graph:  # a live graph holds views: free the storage only
+            s.released[key] = release(buf)
 
 
 def _reduce(s: StepState, op: Op, index: int) -> None:
@@ -298,20 +301,24 @@ def _finish(s: StepState) -> Result:
 
 
 def _params(s: StepState, u: int, *, leaves: bool = False) -> list[torch.Tensor]:
-    """Views of a single unit's parameters, then of the shared units it reads (autograd
-    leaves aliasing them with ``leaves``)."""
+    """Views of a single unit's trained parameters, then of the shared units it reads
+    (autograd leaves aliasing them with ``leaves``)."""
     views = []
     for v in (u, *s.schedule.units[u].reads):
-        views += s.model.parts[s.schedule.units[v].part].layout.views(s.gathered[v])
+        views += s.model.parts[s.schedule.units[v].part].layout.views(s.gathered[v, False])
     return compute.leaves(views) if leaves else views
 
 
 def _bind(s: StepState, u: int, params: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Names -> tensors for a single unit's function: its trained ``params`` (``_params``'
+    order), and the frozen parameters of it and of the shared units it reads."""
     bound, i = {}, 0
     for v in (u, *s.schedule.units[u].reads):
-        layout = s.model.parts[s.schedule.units[v].part].layout
-        bound.update(compute.bind(layout, params[i:i + len(layout.slots)]))
-        i += len(layout.slots)
+        part = s.model.parts[s.schedule.units[v].part]
+        bound.update(compute.bind(part.layout, params[i:i + len(part.layout.slots)]))
+        i += len(part.layout.slots)
+        if part.frozen is not None:
+            bound.update(compute.bind(part.frozen, part.frozen.views(s.gathered[v, True])))
     return bound
 
 
@@ -337,7 +344,8 @@ def _run_layers(s: StepState, u: int, params, x, extras) -> torch.Tensor:
     part = s.model.parts[unit.part]
     fns = s.model.functions[unit.part][unit.rows.start:unit.rows.stop]
     names = [f"{part.path}.{part.first + r}" for r in unit.rows]
-    return compute.run_layers(fns, part.layout, params, x, extras, names)
+    frozen = None if part.frozen is None else (part.frozen, compute.layer_views(part.frozen, s.gathered[u, True]))
+    return compute.run_layers(fns, part.layout, params, x, extras, names, frozen)
 
 
 def _result_shard(s: StepState, unit) -> torch.Tensor:
@@ -361,9 +369,22 @@ class Label(NamedTuple):
         return self.schedule.describe(self.op)
 
 
-def _reads(s: StepState, u: int) -> dict[int, torch.Tensor] | None:
-    reads = s.schedule.units[u].reads
-    return {r: s.gathered[r] for r in reads} if reads else None
+def _frame(s: StepState, op: Op, index: int, inputs: Any, outputs: Any, grad: torch.Tensor | None) -> Frame:
+    reads = s.schedule.units[op.unit].reads
+    return Frame(index, op, s.gathered[op.unit, False], inputs, outputs, grad,
+                 {r: s.gathered[r, False] for r in reads} if reads else None, s.gathered.get((op.unit, True)))
+
+
+def _pieces(s: StepState, unit) -> list[tuple[bool, torch.Tensor]]:
+    """What a unit gathers: its trained shard, cast to the compute dtype before the gather (bf16
+    moves half the bytes), and its frozen shard (stored in that dtype already), if any."""
+    trained = s.params.parts[unit.part]
+    frozen = s.model.frozen[unit.part]
+    if unit.role is Role.STACK:
+        trained = trained[unit.rows.start:unit.rows.stop]
+        frozen = None if frozen is None else frozen[unit.rows.start:unit.rows.stop]
+    pieces = [(False, trained.to(s.model.precision.compute))]
+    return pieces if frozen is None else [*pieces, (True, frozen)]
 
 
 def _ranks(s: StepState) -> int:
@@ -374,7 +395,8 @@ def _ranks(s: StepState) -> int:
 def _moved(s: StepState, op: Op) -> int:
     """Bytes a collective op moves (the full, unsharded buffer); 0 for other ops."""
     if op.kind == OpKind.GATHER:
-        return nbytes(s.gathering[op.unit].out)
+        return sum(nbytes(s.gathering[op.unit, frozen].out) for frozen in (False, True)
+                   if (op.unit, frozen) in s.gathering)
     if op.kind == OpKind.REDUCE:
         return pending_bytes(s.reducing[op.unit].pending)
     return 0

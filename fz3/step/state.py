@@ -30,6 +30,7 @@ class Frame(NamedTuple):
     # backward: grad w.r.t. its input
     grad: torch.Tensor | None  # backward and loss: the unit's full flat gradient before reduction
     reads: dict[int, torch.Tensor] | None = None  # gathered buffers of the shared units it reads
+    frozen: torch.Tensor | None = None  # the unit's gathered frozen parameters, if any
 
 
 class Result(NamedTuple):
@@ -81,10 +82,10 @@ class StepState:
     carry: dict[int, torch.Tensor] | None = None  # flat gradients accumulated across micro-batches
     reduces_replicas: bool = True  # hybrid: sum the shard across replicas at each wait_reduce
 
-    # parameters, by unit
-    gathering: dict[int, Pending] = field(default_factory=dict)
-    gathered: dict[int, torch.Tensor] = field(default_factory=dict)
-    released: dict[int, Released] = field(default_factory=dict)
+    # parameters, by (unit, frozen?): a unit's trained and frozen parameters are gathered apart
+    gathering: dict[tuple[int, bool], Pending] = field(default_factory=dict)
+    gathered: dict[tuple[int, bool], torch.Tensor] = field(default_factory=dict)
+    released: dict[tuple[int, bool], Released] = field(default_factory=dict)
     saved: dict[int, Saved] = field(default_factory=dict)
     # gradients, by unit (flat (world, k, n), or (padded,) for a part that is not a stack)
     unreduced: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -106,7 +107,7 @@ class StepState:
 
     def live_units(self) -> int:
         """Units gathered or in flight."""
-        return len(self.gathering.keys() | self.gathered.keys())
+        return len({u for u, _ in self.gathering.keys() | self.gathered.keys()})
 
     def owned_bytes(self) -> tuple[int, int, int]:
         """Bytes of the buffers the step holds: gathered parameters, unreduced gradients,

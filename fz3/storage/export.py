@@ -39,7 +39,8 @@ def export(path: str, model: ShardedModel, params: Params, *,
     fmt = format or ("safetensors" if _has_safetensors() else "torch")
     rank0 = model.is_root
     units: list[tuple[FlatLayout, torch.Tensor, str]] = [
-        (part.layout, shard, part.prefix(row)) for part, shards in zip(model.parts, params.parts)
+        (layout, shard, part.prefix(row)) for part, trained, frozen in zip(model.parts, params.parts, model.frozen)
+        for layout, shards in ((part.layout, trained), (part.frozen, frozen)) if shards is not None
         for row, shard in enumerate(shards.reshape(part.rows, -1))]
     n = len(units)
     stem, ext = ("model", "safetensors") if fmt == "safetensors" else ("pytorch_model", "bin")
@@ -74,7 +75,7 @@ def export(path: str, model: ShardedModel, params: Params, *,
         config = getattr(model.skeleton, "config", None)
         if config is not None and hasattr(config, "save_pretrained"):
             config.save_pretrained(path)
-    model_bytes = sum(part.rows * part.layout.numel for part in model.parts) * 4
+    model_bytes = model.numel * 4
     return ExportReport(files, peak, model_bytes)
 
 

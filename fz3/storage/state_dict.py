@@ -14,24 +14,30 @@ def full_state_dict(model: ShardedModel, tree: Params, *, buffers: bool = True) 
     to each parameter's original dtype; ``None`` on other ranks. **Collective**: every rank must call it.
 
     One unit is gathered at a time, so the extra memory on ranks other than 0 is one unit.
-    ``buffers=True`` adds the module's persistent buffers, so the result loads into the
-    original module with ``load_state_dict(strict=True)``.
+    ``buffers=True`` adds what the model holds itself: the module's persistent buffers and its
+    frozen parameters (``requires_grad=False``), so ``full_state_dict(model, params)`` loads
+    into the original module with ``load_state_dict(strict=True)``. Pass ``buffers=False`` for
+    gradients and optimizer moments: they cover the trained parameters only.
     """
     check_tree(model, tree, "the tree")
     rank0 = model.is_root
     found: dict[str, torch.Tensor] = {}
-    for part, shards in zip(model.parts, tree.parts):
-        for row, shard in enumerate(shards.reshape(part.rows, -1)):
-            for slot, t in gather_unit(model, part.layout, shard) or []:
-                found.update({part.prefix(row) + n: t for n in slot.names})
+    for i, (part, shards) in enumerate(zip(model.parts, tree.parts)):
+        pieces = [(part.layout, shards)]
+        if buffers and part.frozen is not None:  # the model's own state: its frozen parameters
+            pieces.append((part.frozen, model.frozen[i]))
+        for layout, tensor in pieces:
+            for row, shard in enumerate(tensor.reshape(part.rows, -1)):
+                for slot, t in gather_unit(model, layout, shard) or []:
+                    found.update({part.prefix(row) + n: t for n in slot.names})
     if not rank0:
         return None
     out: dict[str, torch.Tensor] = {}
     params = dict(model.skeleton.named_parameters(remove_duplicate=False))
     for name, t in model.skeleton.state_dict(keep_vars=True).items():
-        if name in params:
+        if name in found:
             out[name] = found[name]
-        elif buffers:
+        elif buffers and name not in params:
             out[name] = t.detach().cpu().clone()
     return out
 
