@@ -31,21 +31,20 @@ class PartActivations(NamedTuple):
 def walk_parts(model: ShardedModel, batch: Any, measure: Measure) -> list[int]:
     """Run pre, one layer of each stack, the between functions and post, in order, each
     through ``measure``; return the bytes of h entering each part."""
-    dev, dtype = model.device, model.precision.compute
-    views = [compute.leaves(p.layout.views(torch.zeros(p.layout.padded, dtype=dtype, device=dev)))
-             for p in model.parts]
-    frozen = [None if p.frozen is None else
-              p.frozen.views(torch.zeros(p.frozen.padded, dtype=model.precision.frozen, device=dev))
+    dev = model.device
+    trained = [compute.leaf(torch.zeros(p.layout.padded, dtype=model.precision.compute, device=dev))
+               for p in model.parts]
+    frozen = [None if p.frozen is None else torch.zeros(p.frozen.padded, dtype=model.precision.frozen, device=dev)
               for p in model.parts]
 
-    def own(i: int) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
-        bound, leaves = {}, []
+    def tensors(i: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """A function's tensors (``layouts``' order), and the leaves among them."""
+        out, leaves = [], []
         for v in (i, *model.parts[i].reads):
-            bound.update(compute.bind(model.parts[v].layout, views[v]))
-            if frozen[v] is not None:
-                bound.update(compute.bind(model.parts[v].frozen, frozen[v]))
-            leaves += views[v]
-        return bound, leaves
+            part = model.parts[v]
+            out += part.layout.views(trained[v]) + ([] if part.frozen is None else part.frozen.views(frozen[v]))
+            leaves.append(trained[v])
+        return out, leaves
 
     inputs: list[int] = []
     h, extras = None, ()
@@ -53,16 +52,14 @@ def walk_parts(model: ShardedModel, batch: Any, measure: Measure) -> list[int]:
         fn = model.functions[i]
         inputs.append(0 if h is None else h.numel() * h.element_size())
         x = None if h is None else h.detach().requires_grad_()
-        bound, leaves = own(i)
+        bound, leaves = tensors(i)
         if part.role is Role.PRE:
             h, extras = measure(i, lambda: compute.run_stage(fn, bound, (batch,), part.name), leaves, [])
         elif part.role is Role.BETWEEN:
             h, extras = measure(i, lambda: compute.run_stage(fn, bound, (x, batch), part.name), leaves, [x])
         elif part.role is Role.STACK and part.rows:
             ex = tuple(e.detach() if isinstance(e, torch.Tensor) else e for e in extras)
-            rows = None if frozen[i] is None else (part.frozen, [frozen[i]])
-            measure(i, lambda: compute.run_layers(fn[:1], part.layout, [views[i]], x, ex, [part.prefix()], rows),
-                    views[i], [x])
+            measure(i, lambda: compute.run_layers(fn[:1], [bound], x, ex, [part.prefix()]), leaves, [x])
         elif part.role is Role.POST:
             measure(i, lambda: compute.run_loss(fn, False, bound, x, batch, "post"), leaves, [x])
         h = None if h is None else h.detach()

@@ -1,8 +1,10 @@
-"""The math of one unit over its gathered flat buffers, through ``torch.func.functional_call``.
+"""The math of one unit over its gathered flat buffers.
 
 Nothing here communicates. A gathered part arrives as ``(full,)`` (``(k, full)`` for k
-layers of a stack); parameters are views into it, bound by name (``bind``) for the
-function that runs the part.
+layers of a stack); parameters are views into it (``FlatLayout.views``), handed to the
+part's function through its ``Binding``. For gradients the gathered buffer itself is the
+autograd leaf: the views are ``split`` and ``view`` of it, whose backward is one ``cat``, so
+the unit's flat gradient comes out of autograd whole (no per-parameter leaves, no join).
 """
 
 from __future__ import annotations
@@ -11,23 +13,12 @@ import contextlib
 from typing import Any, Iterator, Sequence
 
 import torch
-from torch.func import functional_call
 
+from .binding import Binding
 from .layout import FlatLayout
-from .model import BoundFunction, ShardedModel
+from .model import ShardedModel
 
 Extras = tuple[Any, ...]
-
-
-def bind(layout: FlatLayout, tensors: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``{"m.<name>": tensor}`` for ``functional_call`` on a ``BoundFunction`` (tied names
-    share one tensor)."""
-    return {"m." + n: t for s, t in zip(layout.slots, tensors) for n in s.names}
-
-
-def leaves(views: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Autograd leaves that alias ``views`` (no copy): their gradients come back one per parameter."""
-    return [v.detach().requires_grad_() for v in views]
 
 
 @contextlib.contextmanager
@@ -44,11 +35,21 @@ def mode(model: ShardedModel) -> Iterator[None]:
             model.skeleton.train(before)
 
 
-def _call(fn: BoundFunction, bound: dict[str, torch.Tensor], args: tuple, name: str) -> Any:
-    """``functional_call``, naming a parameter of another part used by mistake: it is still on
-    the meta device in the skeleton, and an op that mixes it with real tensors fails."""
+def leaf(buffer: torch.Tensor) -> torch.Tensor:
+    """An autograd leaf aliasing a gathered buffer (no copy): its gradient is the flat gradient."""
+    return buffer.detach().requires_grad_()
+
+
+def views(layouts: Sequence[FlatLayout], buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """One view per slot of each layout, in its buffer (a ``Binding``'s tensors, in order)."""
+    return [v for layout, buf in zip(layouts, buffers) for v in layout.views(buf)]
+
+
+def call(binding: Binding, tensors: Sequence[torch.Tensor], args: tuple, name: str) -> Any:
+    """``binding(tensors, args)``, naming a parameter of another part used by mistake: it is
+    still on the meta device in the skeleton, and an op that mixes it with real tensors fails."""
     try:
-        return functional_call(fn, bound, args, tie_weights=False)
+        return binding(tensors, args)
     except (RuntimeError, NotImplementedError) as e:
         if "meta" not in str(e):
             raise
@@ -57,9 +58,10 @@ def _call(fn: BoundFunction, bound: dict[str, torch.Tensor], args: tuple, name: 
                          f"assign= to move some)") from e
 
 
-def run_stage(fn: BoundFunction, bound: dict[str, torch.Tensor], args: tuple, name: str) -> tuple[torch.Tensor, Extras]:
+def run_stage(binding: Binding, tensors: Sequence[torch.Tensor], args: tuple,
+              name: str) -> tuple[torch.Tensor, Extras]:
     """``pre`` or a ``between`` function: ``fn(m, *args) -> h | (h, *extras)``."""
-    out = _call(fn, bound, args, name)
+    out = call(binding, tensors, args, name)
     h, extras = (out[0], tuple(out[1:])) if isinstance(out, tuple) and out else (out, ())
     if not isinstance(h, torch.Tensor):
         raise TypeError(f"{name} returned {type(out).__name__}; return h or (h, *extra) with h a tensor")
@@ -70,11 +72,11 @@ def run_stage(fn: BoundFunction, bound: dict[str, torch.Tensor], args: tuple, na
     return h, extras
 
 
-def run_loss(fn: BoundFunction, has_aux: bool, bound: dict[str, torch.Tensor], h: torch.Tensor, batch: Any,
+def run_loss(binding: Binding, has_aux: bool, tensors: Sequence[torch.Tensor], h: torch.Tensor, batch: Any,
              name: str) -> tuple[torch.Tensor, Any]:
     """``(loss, aux)``: ``fn(m, h, batch)`` returns the scalar loss, or ``(loss, aux)`` when
     ``has_aux``; ``aux`` is None without it."""
-    out = _call(fn, bound, (h, batch), name)
+    out = call(binding, tensors, (h, batch), name)
     if has_aux:
         if not (isinstance(out, tuple) and len(out) == 2):
             raise TypeError(f"{name} was given with has_aux=True and must return (loss, aux), got "
@@ -93,71 +95,35 @@ def run_loss(fn: BoundFunction, has_aux: bool, bound: dict[str, torch.Tensor], h
     return out.reshape(()), aux
 
 
-def run_layers(fns: Sequence[BoundFunction], layout: FlatLayout, params: Sequence[Sequence[torch.Tensor]],
-               h: torch.Tensor, extras: Extras, names: Sequence[str],
-               frozen: tuple[FlatLayout, Sequence[Sequence[torch.Tensor]]] | None = None) -> torch.Tensor:
-    """Run consecutive layers (one function, one parameter list, one name each) on ``h``;
-    ``frozen``: the frozen parameters' layout and their views, one list per layer."""
-    for j, (fn, p, name) in enumerate(zip(fns, params, names)):
-        bound = bind(layout, p)
-        if frozen is not None:
-            bound.update(bind(frozen[0], frozen[1][j]))
-        h = _call(fn, bound, (h, *extras), f"layer {name}")
+def run_layers(bindings: Sequence[Binding], rows: Sequence[Sequence[torch.Tensor]], h: torch.Tensor,
+               extras: Extras, names: Sequence[str]) -> torch.Tensor:
+    """Run consecutive layers (one binding, one tensor list, one name each) on ``h``."""
+    for binding, tensors, name in zip(bindings, rows, names):
+        h = call(binding, tensors, (h, *extras), f"layer {name}")
         if not isinstance(h, torch.Tensor):
             raise TypeError(f"layer {name} returned {type(h).__name__}, not a tensor; pass "
                             f"call_layer=lambda layer, h, *extra: layer(h, *extra)[0] to fz3.shard")
     return h
 
 
-def layer_views(layout: FlatLayout, flat: torch.Tensor) -> list[list[torch.Tensor]]:
-    """Views of each layer's parameters in a ``(k, full)`` gathered buffer."""
-    return [layout.views(row) for row in flat]
-
-
-def flat_grads(layout: FlatLayout, grads: Sequence[Sequence[torch.Tensor | None]],
-               like: torch.Tensor) -> torch.Tensor:
-    """``(k, padded)``: k rows' flat gradients from their per-parameter gradients (None =
-    zero), padding zero, in one ``torch.cat``. Autograd through the views of the gathered
-    buffer would instead scatter each view's gradient into a full-size zero buffer and add
-    them up (quadratic in the parameter count)."""
-    parts = [p for g in grads for p in _parts(layout, g, like)]
-    if not parts:
-        return torch.zeros(len(grads), layout.padded, dtype=like.dtype, device=like.device)
-    return torch.cat(parts).view(len(grads), layout.padded)
-
-
-def _parts(layout: FlatLayout, grads: Sequence[torch.Tensor | None], like: torch.Tensor) -> list[torch.Tensor]:
-    parts = [torch.zeros(s.numel, dtype=like.dtype, device=like.device) if g is None else g.reshape(-1)
-             for s, g in zip(layout.slots, grads)]
-    if layout.pad:
-        parts.append(torch.zeros(layout.pad, dtype=like.dtype, device=like.device))
-    return parts
-
-
-def layer_leaves(views: Sequence[Sequence[torch.Tensor]], x: torch.Tensor, extras: Extras,
-                 grad_positions: Sequence[int]) -> tuple[list[list[torch.Tensor]], torch.Tensor, Extras]:
-    """Autograd leaves for a layer unit: parameters (per layer), input, differentiable extras."""
-    params = [leaves(v) for v in views]
-    x_leaf = x.detach().requires_grad_()
-    extras = tuple(e.detach().requires_grad_() if j in grad_positions else e for j, e in enumerate(extras))
-    return params, x_leaf, extras
-
-
-def layer_flat_grad(layout: FlatLayout, world: int, grads: Sequence[torch.Tensor | None], k: int,
-                    like: torch.Tensor, *, by_layer: bool) -> torch.Tensor:
-    """``(world, k, n)``: a unit of k layers' flat gradient from its per-parameter gradients
-    (layer by layer), each layer's ``(world, n)`` in rank order. ``by_layer``: the memory may
-    be layer-major (an all-reduce sums in any order); otherwise it is rank-major, since a
-    reduce-scatter hands rank r the r-th contiguous chunk."""
-    per = len(layout.slots)
-    layers = [grads[j * per:(j + 1) * per] for j in range(k)]
-    if k == 1 or by_layer:
-        # One cat, layer-major (k, world, n), seen as (world, k, n); for one layer the two
-        # orders are the same memory.
-        return flat_grads(layout, layers, like).view(k, world, -1).transpose(0, 1)
-    return torch.stack([flat_grads(layout, [g], like).view(world, -1) for g in layers], 1)
+def layer_grad(grad: torch.Tensor, world: int, *, by_layer: bool) -> torch.Tensor:
+    """``(world, k, n)``: a unit of k layers' flat gradient, each layer's ``(world, n)`` in rank
+    order, from the gradient of its ``(k, padded)`` gathered buffer. ``by_layer``: the memory may
+    stay layer-major (an all-reduce sums in any order; for one layer both orders are the same
+    memory); otherwise it is made rank-major, since a reduce-scatter hands rank r the r-th
+    contiguous chunk."""
+    k = grad.shape[0]
+    layered = grad.view(k, world, -1).transpose(0, 1)
+    return layered if k == 1 or by_layer else layered.contiguous()
 
 
 def differentiable(extras: Extras) -> list[int]:
     """Positions of extras that carry gradient (floating tensors that require grad)."""
     return [i for i, e in enumerate(extras) if isinstance(e, torch.Tensor) and e.requires_grad]
+
+
+def detach_extras(extras: Extras, positions: Sequence[int], *, grad: bool) -> Extras:
+    """Extras as a layer sees them: those that carry gradient as fresh leaves (``grad``) or
+    detached."""
+    return tuple((e.detach().requires_grad_() if grad else e.detach()) if j in positions else e
+                 for j, e in enumerate(extras))

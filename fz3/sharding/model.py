@@ -22,6 +22,7 @@ from torch import nn
 from ..comm.collectives import Comm
 from ..schedule.structure import PartShape, Role
 from .checks import check_not_wrapped, check_parameters, check_same_on_all_ranks, resolve_layers
+from .binding import Binding
 from .layout import FlatLayout
 from .parts import Part, partition
 from .precision import Precision
@@ -42,18 +43,6 @@ PostFn = Callable[..., torch.Tensor]  # (m, h, batch) -> scalar loss
 CallLayer = Callable[..., torch.Tensor]  # (layer, h, *extra) -> h
 
 
-class BoundFunction(nn.Module):
-    """Calls ``fn(m, *args)``; lets ``functional_call`` substitute ``m``'s parameters (names ``m.*``)."""
-
-    def __init__(self, fn: Callable[..., Any], m: nn.Module):
-        super().__init__()
-        self.fn = fn
-        self.m = m
-
-    def forward(self, *args: Any) -> Any:
-        return self.fn(self.m, *args)
-
-
 def _call_layer(layer: nn.Module, h: torch.Tensor, *extra: Any) -> torch.Tensor:
     return layer(h, *extra)
 
@@ -65,8 +54,8 @@ class ShardedModel:
     parts: tuple[Part, ...]
     frozen: tuple[torch.Tensor | None, ...]  # per part: this rank's shard of its frozen parameters,
     # (shard,) or (k, shard) in precision.frozen; None where none is frozen. Constant, like buffers.
-    functions: tuple[Any, ...]  # per part: a BoundFunction (pre/between/post), a tuple of them per
-    # layer (stacks: call_layer bound to each layer of the skeleton), None (shared parts)
+    functions: tuple[Any, ...]  # per part: a Binding (pre/between/post), a tuple of them per layer
+    # (stacks: call_layer bound to each layer of the skeleton), None (shared parts)
     skeleton: nn.Module  # the module with meta parameters (and real buffers)
     comm: Comm
     precision: Precision
@@ -94,7 +83,7 @@ class ShardedModel:
         return sum(p.rows for p in self.parts if p.role is Role.STACK)
 
     @property
-    def post(self) -> BoundFunction:
+    def post(self) -> Binding:
         return self.functions[self.part_index("post")]
 
     def part_index(self, name: str) -> int:
@@ -127,9 +116,9 @@ class ShardedModel:
     def eval(self) -> "ShardedModel":
         return self.train(False)
 
-    def bind(self, fn: Callable[..., Any]) -> BoundFunction:
-        """``fn(m, *args)`` bound to the skeleton, for ``functional_call`` (e.g. a loss function)."""
-        return BoundFunction(fn, self.skeleton)
+    def bind_loss(self, fn: Callable[..., Any]) -> Binding:
+        """``fn(m, h, batch)`` bound to the skeleton with post's parameters, like ``post``."""
+        return Binding(fn, self.skeleton, layouts(self.parts, self.part_index("post")))
 
 
 def check_tree(model: ShardedModel, tree: Any, what: str = "params", dtype: torch.dtype | None = None) -> None:
@@ -255,21 +244,27 @@ def _comm(module: nn.Module, group, mesh, device) -> tuple[Comm, torch.device]:
     return Comm(group, reduce_group, rank, world, replicate_group, replicas), device
 
 
+def layouts(parts: Sequence[Part], i: int) -> list[FlatLayout]:
+    """What part ``i``'s function is called with, one tensor per slot, in this order: its
+    trained parameters, its frozen ones, then those of each shared part it reads."""
+    out = []
+    for v in (i, *parts[i].reads):
+        out += [parts[v].layout] + ([parts[v].frozen] if parts[v].frozen is not None else [])
+    return out
+
+
 def _functions(parts: Sequence[Part], skeleton: nn.Module, pre, post, betweens, call_layer) -> tuple[Any, ...]:
     gaps = iter(betweens)
     out: list[Any] = []
-    for part in parts:
-        if part.role is Role.PRE:
-            out.append(BoundFunction(pre, skeleton))
-        elif part.role is Role.POST:
-            out.append(BoundFunction(post, skeleton))
-        elif part.role is Role.BETWEEN:
-            out.append(BoundFunction(next(gaps), skeleton))
-        elif part.role is Role.STACK:
+    for i, part in enumerate(parts):
+        if part.role is Role.STACK:
             stack = resolve_layers(skeleton, part.path)
-            out.append(tuple(BoundFunction(call_layer, stack[part.first + j]) for j in range(part.rows)))
-        else:
+            out.append(tuple(Binding(call_layer, stack[part.first + j], layouts(parts, i)) for j in range(part.rows)))
+        elif part.role is Role.SHARED:
             out.append(None)
+        else:
+            fn = {Role.PRE: pre, Role.POST: post}.get(part.role) or next(gaps)
+            out.append(Binding(fn, skeleton, layouts(parts, i)))
     return tuple(out)
 
 

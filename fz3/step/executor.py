@@ -122,35 +122,34 @@ def _forward_stage(s: StepState, op: Op, index: int) -> Frame:
     which extras (rotary tables, masks, ...) carry gradient, and costs one activation."""
     u, grad = op.unit, s.schedule.grad
     unit = s.schedule.units[u]
-    params = _params(s, u, leaves=grad)
+    leaves = _leaves(s, u) if grad else None
     x = s.batch if unit.role is Role.PRE else s.h.detach().requires_grad_(grad)
     args = (s.batch,) if unit.role is Role.PRE else (x, s.batch)
     with torch.set_grad_enabled(grad):
-        h, extras = compute.run_stage(s.model.functions[unit.part], _bind(s, u, params), args, unit.name)
+        h, extras = compute.run_stage(s.model.functions[unit.part], _tensors(s, u, leaves), args, unit.name)
     positions = compute.differentiable(extras)
     if grad:
-        s.saved[u] = Saved(True, x, (h, extras), params, (), None)
+        s.saved[u] = Saved(True, x, (h, extras), leaves, (), None)
     s.producer, s.grad_positions[u] = u, positions
     s.h = h.detach()
-    s.extras[u] = tuple(e.detach() if j in positions else e for j, e in enumerate(extras))
-    inputs = s.batch if unit.role is Role.PRE else x
-    return _frame(s, op, index, inputs, (s.h, *s.extras[u]), None)
+    s.extras[u] = compute.detach_extras(extras, positions, grad=False)
+    return _frame(s, op, index, s.batch if unit.role is Role.PRE else x, (s.h, *s.extras[u]), None)
 
 
 def _forward_layers(s: StepState, op: Op, index: int) -> Frame:
-    u, x, model = op.unit, s.h, s.model
-    views = compute.layer_views(model.parts[s.schedule.units[u].part].layout, s.gathered[u, False])
+    u, x = op.unit, s.h
     extras, positions = s.extras.get(s.producer, ()), s.grad_positions.get(s.producer, [])
     if op.kind == OpKind.FORWARD_SAVE:
-        params, x_leaf, leaf_extras = compute.layer_leaves(views, x, extras, positions)
+        leaf, x_leaf = compute.leaf(s.gathered[u, False]), x.detach().requires_grad_()
+        leaf_extras = compute.detach_extras(extras, positions, grad=True)
         with torch.enable_grad():
-            out = _run_layers(s, u, params, x_leaf, leaf_extras)
-        s.saved[u] = Saved(True, x_leaf, out, params, leaf_extras, None, s.producer)
+            out = _run_layers(s, u, leaf, x_leaf, leaf_extras)
+        s.saved[u] = Saved(True, x_leaf, out, [leaf], leaf_extras, None, s.producer)
         s.h = out.detach()
     else:
-        before = rng.capture(model.device) if s.schedule.grad else None
+        before = rng.capture(s.model.device) if s.schedule.grad else None
         with torch.no_grad():
-            s.h = _run_layers(s, u, views, x, extras)
+            s.h = _run_layers(s, u, s.gathered[u, False], x, extras)
         if s.schedule.grad:
             s.saved[u] = Saved(False, x, None, [], (), before, s.producer)
     return _frame(s, op, index, x, s.h, None)
@@ -162,18 +161,18 @@ def _loss(s: StepState, op: Op, index: int) -> Frame:
     name = "post" if fn is s.model.post else "the loss function"
     grad = None
     if s.schedule.grad:
-        params, h = _params(s, u, leaves=True), s.h.detach().requires_grad_()
+        leaves, h = _leaves(s, u), s.h.detach().requires_grad_()
         with torch.enable_grad():
-            loss, aux = compute.run_loss(fn, has_aux, _bind(s, u, params), h, s.batch, name)
+            loss, aux = compute.run_loss(fn, has_aux, _tensors(s, u, leaves), h, s.batch, name)
         # Seed 1/ranks: the reduces are sums over ranks, the loss a mean.
         seed = torch.full_like(loss, 1.0 / _ranks(s)) * s.loss_scale
-        g = torch.autograd.grad(loss, [h, *params], seed, allow_unused=True)
+        g = torch.autograd.grad(loss, [h, *leaves], seed, allow_unused=True)
         s.grad_h = _or_zeros(g[0], h)
-        grad = _add_gradients(s, u, g[1:], h)
+        grad = _add_gradients(s, u, g[1:], leaves)
         s.rng_after = rng.capture(s.model.device)
     else:
         with torch.no_grad():
-            loss, aux = compute.run_loss(fn, has_aux, _bind(s, u, _params(s, u)), s.h, s.batch, name)
+            loss, aux = compute.run_loss(fn, has_aux, _tensors(s, u, None), s.h, s.batch, name)
     s.loss, s.aux = loss.detach(), _detached(aux)
     s.loss_mean = all_reduce(s.model.comm, s.loss.float() / _ranks(s), group=s.model.comm.group,
                              label="the loss's mean")
@@ -188,46 +187,42 @@ def _backward(s: StepState, op: Op, index: int) -> Frame:
 def _backward_layers(s: StepState, op: Op, index: int) -> Frame:
     u, model = op.unit, s.model
     saved = s.saved.pop(u)
-    layout = model.parts[s.schedule.units[u].part].layout
     positions = s.grad_positions.get(saved.producer, [])
     if saved.graph:
-        out, params, x_leaf, extras = saved.out, saved.leaves, saved.x, saved.extras
+        out, (leaf,), x_leaf, extras = saved.out, saved.leaves, saved.x, saved.extras
     else:  # recompute from the saved input, replaying the forward's RNG
-        views = compute.layer_views(layout, s.gathered[u, False])
-        params, x_leaf, extras = compute.layer_leaves(views, saved.x, s.extras.get(saved.producer, ()), positions)
+        leaf, x_leaf = compute.leaf(s.gathered[u, False]), saved.x.detach().requires_grad_()
+        extras = compute.detach_extras(s.extras.get(saved.producer, ()), positions, grad=True)
         now = rng.swap(saved.rng, model.device)
         with torch.enable_grad():
-            out = _run_layers(s, u, params, x_leaf, extras)
+            out = _run_layers(s, u, leaf, x_leaf, extras)
         rng.restore(now, model.device)
-    flat_params = [p for layer in params for p in layer]
-    g = torch.autograd.grad(out, [*flat_params, x_leaf, *(extras[j] for j in positions)], s.grad_h,
-                            allow_unused=True)
-    n = len(flat_params)
-    grad_out, s.grad_h = s.grad_h, _or_zeros(g[n], x_leaf)
+    g = torch.autograd.grad(out, [leaf, x_leaf, *(extras[j] for j in positions)], s.grad_h, allow_unused=True)
+    grad_out, s.grad_h = s.grad_h, _or_zeros(g[1], x_leaf)
     summed = s.grad_extras.setdefault(saved.producer, {})
-    for j, ge in zip(positions, g[n + 1:]):
+    for j, ge in zip(positions, g[2:]):
         if ge is not None:
             summed[j] = ge if j not in summed else summed[j] + ge
-    s.unreduced[u] = compute.layer_flat_grad(layout, model.world_size, g[:n], len(params), out,
-                                             by_layer=s.schedule.reduce == "all_reduce").to(model.precision.reduce)
+    flat = compute.layer_grad(_or_zeros(g[0], leaf), model.world_size, by_layer=s.schedule.reduce == "all_reduce")
+    s.unreduced[u] = flat.to(model.precision.reduce)
     return _frame(s, op, index, grad_out, s.grad_h, s.unreduced[u])
 
 
 def _backward_stage(s: StepState, op: Op, index: int) -> Frame:
     u = op.unit
     saved = s.saved.pop(u)
-    (h, extras), params = saved.out, saved.leaves
+    (h, extras), leaves = saved.out, saved.leaves
     summed = s.grad_extras.pop(u, {})
     outputs = [(h, s.grad_h)] + [(extras[j], summed.get(j)) for j in s.grad_positions[u]]
     outputs = [(t, g) for t, g in outputs if t.requires_grad and g is not None]
     between = s.schedule.units[u].role is Role.BETWEEN
-    wrt = [*params, saved.x] if between else params
+    wrt = [*leaves, saved.x] if between else leaves
     grads = torch.autograd.grad([t for t, _ in outputs], wrt, [g for _, g in outputs],
                                 allow_unused=True) if outputs else [None] * len(wrt)
     grad_out = s.grad_h
     if between:
         s.grad_h, grads = _or_zeros(grads[-1], saved.x), grads[:-1]
-    flat = _add_gradients(s, u, grads, h)
+    flat = _add_gradients(s, u, grads, leaves)
     return _frame(s, op, index, grad_out, s.grad_h if between else None, flat)
 
 
@@ -300,36 +295,30 @@ def _finish(s: StepState) -> Result:
 # Helpers of the handlers.
 
 
-def _params(s: StepState, u: int, *, leaves: bool = False) -> list[torch.Tensor]:
-    """Views of a single unit's trained parameters, then of the shared units it reads
-    (autograd leaves aliasing them with ``leaves``)."""
-    views = []
-    for v in (u, *s.schedule.units[u].reads):
-        views += s.model.parts[s.schedule.units[v].part].layout.views(s.gathered[v, False])
-    return compute.leaves(views) if leaves else views
+def _leaves(s: StepState, u: int) -> list[torch.Tensor]:
+    """Autograd leaves aliasing the trained buffers of a single unit and of the shared units it
+    reads: their gradients are the flat gradients."""
+    return [compute.leaf(s.gathered[v, False]) for v in (u, *s.schedule.units[u].reads)]
 
 
-def _bind(s: StepState, u: int, params: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Names -> tensors for a single unit's function: its trained ``params`` (``_params``'
-    order), and the frozen parameters of it and of the shared units it reads."""
-    bound, i = {}, 0
-    for v in (u, *s.schedule.units[u].reads):
+def _tensors(s: StepState, u: int, leaves: list[torch.Tensor] | None) -> list[torch.Tensor]:
+    """What a single unit's function is called with (``fz3.sharding.model.layouts``' order):
+    views of the trained buffers (of ``leaves`` when given) and of the frozen ones."""
+    out = []
+    for i, v in enumerate((u, *s.schedule.units[u].reads)):
         part = s.model.parts[s.schedule.units[v].part]
-        bound.update(compute.bind(part.layout, params[i:i + len(part.layout.slots)]))
-        i += len(part.layout.slots)
+        out += part.layout.views(s.gathered[v, False] if leaves is None else leaves[i])
         if part.frozen is not None:
-            bound.update(compute.bind(part.frozen, part.frozen.views(s.gathered[v, True])))
-    return bound
+            out += part.frozen.views(s.gathered[v, True])
+    return out
 
 
-def _add_gradients(s: StepState, u: int, grads, like: torch.Tensor) -> torch.Tensor:
-    """Per-parameter gradients of a single unit and the shared units it reads (``_params``'
-    order) -> the unit's flat gradient, and contributions added into the shared units'."""
-    i, own = 0, None
-    for v in (u, *s.schedule.units[u].reads):
-        layout = s.model.parts[s.schedule.units[v].part].layout
-        flat = compute.flat_grads(layout, [grads[i:i + len(layout.slots)]], like)[0].to(s.model.precision.reduce)
-        i += len(layout.slots)
+def _add_gradients(s: StepState, u: int, grads, leaves: list[torch.Tensor]) -> torch.Tensor:
+    """Flat gradients of a single unit and of the shared units it reads (``_leaves``' order) ->
+    the unit's unreduced gradient, and contributions added into the shared units'."""
+    own = None
+    for v, g, leaf in zip((u, *s.schedule.units[u].reads), grads, leaves):
+        flat = _or_zeros(g, leaf).to(s.model.precision.reduce)
         if v == u:
             own = s.unreduced[u] = flat
         elif v in s.unreduced:
@@ -339,13 +328,16 @@ def _add_gradients(s: StepState, u: int, grads, like: torch.Tensor) -> torch.Ten
     return own
 
 
-def _run_layers(s: StepState, u: int, params, x, extras) -> torch.Tensor:
+def _run_layers(s: StepState, u: int, buffer: torch.Tensor, x, extras) -> torch.Tensor:
+    """A unit of k layers on ``x``, their parameters views of ``buffer`` (k, padded)."""
     unit = s.schedule.units[u]
     part = s.model.parts[unit.part]
+    frozen = s.gathered.get((u, True))
+    rows = [part.layout.views(row) + ([] if frozen is None else part.frozen.views(frozen[j]))
+            for j, row in enumerate(buffer.unbind(0))]
     fns = s.model.functions[unit.part][unit.rows.start:unit.rows.stop]
     names = [f"{part.path}.{part.first + r}" for r in unit.rows]
-    frozen = None if part.frozen is None else (part.frozen, compute.layer_views(part.frozen, s.gathered[u, True]))
-    return compute.run_layers(fns, part.layout, params, x, extras, names, frozen)
+    return compute.run_layers(fns, rows, x, extras, names)
 
 
 def _result_shard(s: StepState, unit) -> torch.Tensor:

@@ -122,7 +122,7 @@ def loss_of(model: ShardedModel, loss: Callable[..., Any] | None, has_aux: bool)
     the model's ``post``)."""
     if loss is not None and not callable(loss):
         raise TypeError(f"loss must be a function (m, h, batch) -> loss, got {type(loss).__name__}")
-    return Loss(model.post if loss is None else model.bind(loss), has_aux)
+    return Loss(model.post if loss is None else model.bind_loss(loss), has_aux)
 
 
 def drain(gen: Generator[Any, None, Result]) -> Result:

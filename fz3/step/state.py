@@ -16,7 +16,8 @@ from ..comm.collectives import Pending
 from ..rng import RngState
 from ..schedule.ops import Op
 from ..schedule.schedule import Schedule
-from ..sharding.model import BoundFunction, Params, ShardedModel
+from ..sharding.binding import Binding
+from ..sharding.model import Params, ShardedModel
 
 
 class Frame(NamedTuple):
@@ -42,7 +43,7 @@ class Result(NamedTuple):
 class Loss(NamedTuple):
     """The function the ``loss`` op runs: ``fn(m, h, batch) -> loss``, or ``(loss, aux)``."""
 
-    fn: BoundFunction
+    fn: Binding
     has_aux: bool = False
 
 
@@ -52,7 +53,7 @@ class Saved(NamedTuple):
     graph: bool  # True: out/leaves hold the forward graph; False: recompute from x with rng
     x: Any  # the unit's input: h (its autograd leaf for a graph), or the batch for pre
     out: Any  # graph only: the unit's output
-    leaves: list  # graph only: parameter leaves (per layer for layers), then those of parts it reads
+    leaves: list  # graph only: the leaves aliasing its trained buffer (then those of parts it reads)
     extras: tuple  # layers, graph only: the extras they were called with (leaves where differentiable)
     rng: RngState | None  # recompute only: the RNG state before the forward (dropout repeats)
     producer: int = -1  # layers: the unit (pre or between) whose extras they were called with
