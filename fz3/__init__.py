@@ -17,6 +17,7 @@ from .sharding.layout import FlatLayout, Slot
 from .sharding.model import Params, ShardedModel, shard
 from .sharding.precision import Precision
 from .step.accumulate import Accumulate, accumulate
+from .step.compiled import CompileError
 from .step.state import Frame, Result
 from .step.finite import NonFiniteError
 from .step.record import Event, Recorder
@@ -26,7 +27,7 @@ from .storage.export import ExportReport, export, read_export
 from .storage.state_dict import full_state_dict
 
 __all__ = [
-    "Accumulate", "Category", "Event", "ExportReport", "FlatLayout", "Frame", "MemoryPlan", "NonFiniteError",
+    "Accumulate", "Category", "CompileError", "Event", "ExportReport", "FlatLayout", "Frame", "MemoryPlan", "NonFiniteError",
     "Op", "OpKind", "PartShape", "Role", "Unit", "Params", "Policy", "Precision", "RankLostError", "Recorder", "Result", "Schedule",
     "ScheduleError", "ShardedModel", "Slot", "StepFrame", "ValueAndGrad", "accumulate", "any_rank", "apply",
     "chrome_trace", "decay_mask", "deferred", "export", "full_state_dict", "load", "memory_plan", "optim", "plan",

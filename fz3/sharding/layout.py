@@ -72,9 +72,9 @@ class FlatLayout:
         parts = torch.split(flat, self.sizes)
         return [part.view(s.shape) for part, s in zip(parts, self.slots)]
 
-    def named_views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``{name: view}`` for every name of every slot (tied names share one view)."""
-        return {n: v for v, s in zip(self.views(flat), self.slots) for n in s.names}
+    def named_views(self, flat: torch.Tensor, prefix: str = "") -> dict[str, torch.Tensor]:
+        """``{prefix + name: view}`` for every name of every slot (tied names share one view)."""
+        return {prefix + n: v for v, s in zip(self.views(flat), self.slots) for n in s.names}
 
     def flatten(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, device) -> torch.Tensor:
         """The padded flat buffer (padded,) built from ``{name: tensor}`` (first names)."""

@@ -22,6 +22,7 @@ import optree
 import torch
 
 from ..comm.collectives import all_reduce, wait
+from .compiled import CompiledLayers, check_compile_options
 from .executor import execute
 from ..sharding.model import Params, ShardedModel
 from ..schedule.schedule import Policy, Schedule, deferred
@@ -31,10 +32,11 @@ from .front import check_call, drain, prepare
 class Accumulate:
     """``f(params, micro_batches) -> (mean loss, grads)``."""
 
-    def __init__(self, model: ShardedModel, schedule: Schedule, policy: Literal["reduce", "defer"]):
+    def __init__(self, model: ShardedModel, schedule: Schedule, policy: Literal["reduce", "defer"],
+                 compiled: CompiledLayers | None = None):
         if policy not in ("reduce", "defer"):
             raise ValueError(f"policy={policy!r}: use 'reduce' (sum reduced shards) or 'defer' (reduce once)")
-        self.model, self.schedule, self.policy = model, schedule, policy
+        self.model, self.schedule, self.policy, self.compiled = model, schedule, policy, compiled
         self.deferred = deferred(schedule) if policy == "defer" else None
 
     def __call__(self, params: Params, micro_batches: Sequence[Any]) -> tuple[torch.Tensor, Params]:
@@ -52,7 +54,7 @@ class Accumulate:
             # Hybrid sharding: the reduce policy sums shards over micro-batches first and
             # across replicas once, below (FSDP2 keeps a partial reduce output the same way).
             result = drain(execute(self.model, sched, params, mb, loss_scale=1.0 / k, carry=carry,
-                                   reduce_replicas=self.policy == "defer"))
+                                   reduce_replicas=self.policy == "defer", compiled=self.compiled))
             losses.append(result.loss)
             if self.policy == "reduce":  # acc holds buffers this function received and owns
                 acc = result.grads if acc is None else optree.tree_map(torch.Tensor.add_, acc, result.grads)
@@ -67,7 +69,11 @@ class Accumulate:
 
 
 def accumulate(model: ShardedModel, schedule: Schedule | Policy | None = None, *,
-               policy: Literal["reduce", "defer"] = "reduce") -> Accumulate:
-    """A step over k micro-batches: ``f(params, [batch_1, ..., batch_k]) -> (loss, grads)``.
+               policy: Literal["reduce", "defer"] = "reduce", compile: bool = False,
+               strict: bool = False) -> Accumulate:
+    """A step over k micro-batches: ``f(params, [batch_1, ..., batch_k]) -> (loss, grads)``;
+    ``compile``/``strict`` as in ``fz3.value_and_grad``.
     **Collective**: the schedule is compared across ranks here; every rank must call it."""
-    return Accumulate(model, prepare(model, schedule, grad=True, entry="accumulate"), policy)
+    check_compile_options(model, compile, strict, False)
+    compiled = CompiledLayers(model.parts, strict=strict) if compile else None
+    return Accumulate(model, prepare(model, schedule, grad=True, entry="accumulate"), policy, compiled)

@@ -43,16 +43,17 @@ from .state import Frame, Loss, Reducing, Result, Saved, StepState, nbytes, pend
 
 def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any, recorder=None, *,
             loss: Loss | None = None, loss_scale: float | torch.Tensor = 1.0,
-            carry: dict[int, torch.Tensor] | None = None,
-            reduce_replicas: bool = True) -> Generator[Frame, None, Result]:
+            carry: dict[int, torch.Tensor] | None = None, reduce_replicas: bool = True,
+            compiled=None) -> Generator[Frame, None, Result]:
     """Run ``schedule`` on ``batch``. ``loss``: the function the ``loss`` op runs (default:
     the model's ``post``). ``loss_scale`` multiplies the backward's seed (fp16 loss scaling;
     1/k for k accumulated micro-batches). ``carry``: unsharded flat gradients accumulated by
     ``accumulate`` ops, added in at the next ``reduce`` of each unit. ``reduce_replicas``
     (hybrid sharding): sum the gradient shards across replicas (False: the caller does it
-    once for several micro-batches). ``recorder``: a ``fz3.Recorder``, or None (no cost)."""
+    once for several micro-batches). ``recorder``: a ``fz3.Recorder``, or None (no cost).
+    ``compiled``: a ``fz3.step.compiled.CompiledLayers`` to run layers with, or None (eager)."""
     state = StepState(model, schedule, params, batch, loss or Loss(model.post), loss_scale, carry,
-                      reduce_replicas)
+                      reduce_replicas, compiled)
     if recorder is not None:
         recorder.begin_step(schedule, model.device)
     try:
@@ -333,10 +334,14 @@ def _run_layers(s: StepState, u: int, buffer: torch.Tensor, x, extras) -> torch.
     unit = s.schedule.units[u]
     part = s.model.parts[unit.part]
     frozen = s.gathered.get((u, True))
-    rows = [part.layout.views(row) + ([] if frozen is None else part.frozen.views(frozen[j]))
-            for j, row in enumerate(buffer.unbind(0))]
     fns = s.model.functions[unit.part][unit.rows.start:unit.rows.stop]
     names = [f"{part.path}.{part.first + r}" for r in unit.rows]
+    if s.compiled is not None:
+        for j, row in enumerate(buffer.unbind(0)):
+            x = s.compiled(unit.part, part, fns[j], row, None if frozen is None else frozen[j], x, extras, names[j])
+        return x
+    rows = [part.layout.views(row) + ([] if frozen is None else part.frozen.views(frozen[j]))
+            for j, row in enumerate(buffer.unbind(0))]
     return compute.run_layers(fns, rows, x, extras, names)
 
 

@@ -82,6 +82,7 @@ class StepState:
     loss_scale: float | torch.Tensor = 1.0  # multiplies the backward's seed (fp16 scaling, 1/k)
     carry: dict[int, torch.Tensor] | None = None  # flat gradients accumulated across micro-batches
     reduces_replicas: bool = True  # hybrid: sum the shard across replicas at each wait_reduce
+    compiled: Any = None  # fz3.step.compiled.CompiledLayers: layers run compiled; None: eager
 
     # parameters, by (unit, frozen?): a unit's trained and frozen parameters are gathered apart
     gathering: dict[tuple[int, bool], Pending] = field(default_factory=dict)

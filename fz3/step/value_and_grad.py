@@ -8,6 +8,7 @@ import torch
 
 from ..schedule.schedule import Policy, Schedule
 from ..sharding.model import Params, ShardedModel
+from .compiled import CompiledLayers, check_compile_options
 from .executor import execute
 from .finite import drain_checking_finite
 from .front import check_call, check_in_sync, drain, loss_of, prepare
@@ -18,8 +19,9 @@ class ValueAndGrad:
     ``f.schedule`` is the schedule it runs."""
 
     def __init__(self, model: ShardedModel, schedule: Schedule, *, loss: Callable[..., Any] | None = None,
-                 has_aux: bool = False, recorder=None, check_finite: bool = False, check_sync: bool = False):
-        self.model, self.schedule, self.recorder = model, schedule, recorder
+                 has_aux: bool = False, recorder=None, check_finite: bool = False, check_sync: bool = False,
+                 compiled: CompiledLayers | None = None):
+        self.model, self.schedule, self.recorder, self.compiled = model, schedule, recorder, compiled
         self.loss = loss_of(model, loss, has_aux)
         self.check_finite, self.check_sync = check_finite, check_sync
         self.steps = 0  # calls so far (checked across ranks with check_sync)
@@ -31,7 +33,7 @@ class ValueAndGrad:
             check_in_sync(self.model, self.steps, batch)
         self.steps += 1
         gen = execute(self.model, self.schedule, params, batch, self.recorder, loss=self.loss,
-                      loss_scale=loss_scale)
+                      loss_scale=loss_scale, compiled=self.compiled)
         result = drain_checking_finite(self.model, self.schedule, gen) if self.check_finite else drain(gen)
         value = (result.loss, result.aux) if self.loss.has_aux else result.loss
         return value, result.grads
@@ -39,7 +41,8 @@ class ValueAndGrad:
 
 def value_and_grad(model: ShardedModel, schedule: Schedule | Policy | None = None, *,
                    loss: Callable[..., Any] | None = None, has_aux: bool = False, recorder=None,
-                   check_finite: bool = False, check_sync: bool = False) -> ValueAndGrad:
+                   check_finite: bool = False, check_sync: bool = False, compile: bool = False,
+                   strict: bool = False, cuda_graphs: bool = False) -> ValueAndGrad:
     """``f(params, batch) -> (loss, grads)``: the mean loss over ranks and this rank's shards
     of its gradient, same pytree structure as ``params``.
 
@@ -55,18 +58,28 @@ def value_and_grad(model: ShardedModel, schedule: Schedule | Policy | None = Non
     ``check_sync`` (debugging): before each step, one all-gather checks that every rank is at
     the same step with batches of the same shapes and dtypes; raises instead of hanging.
     Training or eval mode is the model's (``model.eval()`` is a copy in eval mode).
+    ``compile``: run each stack's layers through one ``torch.compile`` of the per-layer
+    function, shared by all its layers (``fz3.step.compiled``); a layer that cannot be compiled
+    runs eager with a warning, unless ``strict`` (then it raises). ``cuda_graphs``: replay each
+    layer unit's compute as a CUDA graph (``fz3.step.graphs``; CUDA only).
     """
+    check_compile_options(model, compile, strict, cuda_graphs)
     sched = prepare(model, schedule, grad=True, entry="value_and_grad")
     return ValueAndGrad(model, sched, loss=loss, has_aux=has_aux, recorder=recorder, check_finite=check_finite,
-                        check_sync=check_sync)
+                        check_sync=check_sync, compiled=CompiledLayers(model.parts, strict=strict) if compile else None)
 
 
 def apply(model: ShardedModel, params: Params, batch: Any, *, schedule: Schedule | Policy | None = None,
-          loss: Callable[..., Any] | None = None, has_aux: bool = False, recorder=None):
+          loss: Callable[..., Any] | None = None, has_aux: bool = False, recorder=None,
+          compile: CompiledLayers | bool = False):
     """The mean loss over ranks, forward only: no graph, no gradients, units freed after use.
     ``loss``/``has_aux`` as in ``value_and_grad`` (returns ``(loss, aux)`` with ``has_aux``).
+    ``compile``: True, or the ``compiled`` of a ``value_and_grad`` step to share its compiled
+    layers (a new ``CompiledLayers`` each call would compile again).
     **Collective**: every rank must call it (the schedule is compared across ranks first)."""
     sched = prepare(model, schedule, grad=False, entry="apply")
     check_call(model, params, batch)
-    result = drain(execute(model, sched, params, batch, recorder, loss=loss_of(model, loss, has_aux)))
+    compiled = CompiledLayers(model.parts, strict=False) if compile is True else compile or None
+    result = drain(execute(model, sched, params, batch, recorder, loss=loss_of(model, loss, has_aux),
+                           compiled=compiled))
     return (result.loss, result.aux) if has_aux else result.loss

@@ -1,0 +1,127 @@
+"""Compiled layers (``compile=True``): one ``torch.compile`` of the per-layer function serves
+every layer of a stack, on the CPU through inductor's C++ backend.
+
+Reference: plain PyTorch autograd on the unsharded GPT over the concatenated batch. Tolerance
+rtol 1e-4 / atol 1e-5 instead of fp32's 1e-5 / 1e-6: inductor fuses kernels and sums
+layer norms' and softmax's reductions in another order than eager ATen (PyTorch's own
+inductor tests compare fp32 at 1e-4). Measured here: 4e-7 relative. Models are tiny: a
+compile costs seconds on these 2 cores, and inductor's cache makes the next ones cheap."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+import dist
+import fz3
+from fz3.models import shard_gpt
+from fz3.models.gpt import GPTConfig
+from reference import assert_close, batches, gpt, reference_grads
+
+CFG = GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=2)
+RTOL, ATOL = 1e-4, 1e-5  # compiled kernels reorder fp32 sums (see the module docstring)
+
+
+def compiled_ranks(rank, world):
+    graphs = {}
+    for layers in (2, 6):
+        cfg = GPTConfig(**{**CFG.__dict__, "layers": layers})
+        module = gpt(cfg)
+        model, params = shard_gpt(module)
+        bs = batches(cfg, world)
+        ref_loss, ref = reference_grads(module, bs)
+        before = counters["stats"]["unique_graphs"]
+        for policy in (fz3.Policy(), fz3.Policy(activations="save", layers_per_unit=2)):
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message="fz3:")  # no fallback, no recompile warning
+                step = fz3.value_and_grad(model, policy, compile=True)
+                loss, grads = step(params, bs[rank])
+                loss, grads = step(params, bs[rank])  # a second call: nothing new to compile
+            torch.testing.assert_close(loss.item(), ref_loss, rtol=RTOL, atol=ATOL)
+            got = fz3.full_state_dict(model, grads, buffers=False)
+            if rank == 0:
+                assert_close(got, ref, rtol=RTOL, atol=ATOL, what=f"compiled {policy} layers={layers}")
+        fwd = fz3.apply(model, params, bs[rank], compile=step.compiled)
+        torch.testing.assert_close(fwd.item(), ref_loss, rtol=RTOL, atol=ATOL)
+        graphs[layers] = counters["stats"]["unique_graphs"] - before
+    # the first model compiled one graph per grad mode (no-grad forward, recompute + backward,
+    # forward with a graph); the second, 3x the layers, found them all compiled
+    assert 1 <= graphs[2] <= 3 and graphs[6] == 0, graphs
+    return "ok"
+
+
+def test_compiled_layers_equal_plain_and_compile_once():
+    assert dist.run(2, compiled_ranks, timeout=400) == ["ok"] * 2
+
+
+class Breaks(nn.Module):
+    """A layer dynamo cannot trace whole: it reads a tensor's value on the host."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, h):
+        return h + self.lin(h) * float(h.abs().max() > 0)
+
+
+class Indexed(nn.Module):
+    """Layers that differ by a Python attribute their code reads: each compiles on its own."""
+
+    def __init__(self, d, index):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.index = index
+
+    def forward(self, h):
+        return h + self.lin(h) / (1 + self.index)
+
+
+class Net(nn.Module):
+    def __init__(self, layers):
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.layers = nn.ModuleList(layers)
+        self.head = nn.Linear(6, 11)
+
+
+def _pre(m, b):
+    return m.emb(b[0])
+
+
+def _post(m, h, b):
+    return nn.functional.cross_entropy(m.head(h).flatten(0, 1), b[1].flatten())
+
+
+def fallback_ranks(rank, world):
+    g = torch.Generator().manual_seed(0)
+    b = (torch.randint(0, 11, (2, 5), generator=g), torch.randint(0, 11, (2, 5), generator=g))
+    torch.manual_seed(0)
+    model, params = fz3.shard(Net([Breaks(6) for _ in range(3)]), "layers", _pre, _post)
+    want, _ = fz3.value_and_grad(model)(params, b)
+    with pytest.warns(UserWarning, match=r"the layer function of layers cannot be compiled; it runs eager\. "
+                                         r"Reason: .*"):
+        loss, _ = fz3.value_and_grad(model, compile=True)(params, b)
+    assert torch.equal(loss, want)  # eager: the same bits
+    with pytest.raises(fz3.CompileError, match=r"(?s)layer layers.0 \(layers\) cannot be compiled: .*compile=False"):
+        fz3.value_and_grad(model, compile=True, strict=True)(params, b)
+    torch.manual_seed(0)
+    indexed, iparams = fz3.shard(Net([Indexed(6, i) for i in range(3)]), "layers", _pre, _post)
+    want, _ = fz3.value_and_grad(indexed)(iparams, b)
+    with pytest.warns(UserWarning, match=r"compiled layer function of layers compiled again at layer layers\.1: "
+                                         r"something its code reads differs per layer"):
+        loss, _ = fz3.value_and_grad(indexed, compile=True)(iparams, b)
+    torch.testing.assert_close(loss, want, rtol=RTOL, atol=ATOL)
+    with pytest.raises(ValueError, match=r"cuda_graphs=True replays CUDA graphs, and the model is on cpu"):
+        fz3.value_and_grad(model, cuda_graphs=True)
+    with pytest.raises(ValueError, match=r"strict=True asks compile=True to raise"):
+        fz3.value_and_grad(model, strict=True)
+    return "ok"
+
+
+def test_fallback_strict_and_recompiles_are_reported():
+    assert dist.run(1, fallback_ranks, timeout=300) == ["ok"]
