@@ -36,23 +36,29 @@ CONFIGS = {
 }
 
 
-def systems_for(config: str, layers: int) -> dict[str, tuple[str, dict]]:
-    """name -> (builder in systems.py, kwargs). Policies are fz3 schedule knobs, nothing else."""
-    tuned = {  # the schedule that fits each regime (see benchmarks/README.md for why)
-        "thin": dict(layers_per_unit=layers, activations="save_unsharded", reduce="all_reduce"),
-        "fat": dict(activations="save_unsharded", reduce="all_reduce"),
-    }[config]
+def systems_for(config: str, layers: int) -> dict[str, tuple[str, dict] | None]:
+    """name -> (builder in systems.py, kwargs). Each fz3 policy has its like-for-like peer
+    (``PAIRS``); fz3's policies are schedule knobs, nothing else."""
+    whole = dict(layers_per_unit=layers, activations="save_unsharded", reduce="all_reduce")
     return {
         "limit": ("plain", {}),
-        "fz3": ("fz3_system", {"policy": dict(tuned)}),
-        "fz3 default": ("fz3_system", {"policy": {}}),
-        "fz3 save": ("fz3_system", {"policy": {"activations": "save"}}) if config == "fat" else None,
+        "limit compiled": ("plain", {"compile_blocks": True}),
+        "fz3 whole stack": ("fz3_system", {"policy": whole}),
+        "FSDP2 root only": ("fsdp2", {"root_only": True}),
+        "fz3 save": ("fz3_system", {"policy": {"activations": "save"}}),
         "FSDP2": ("fsdp2", {}),
-        "FSDP2 prefetch": ("fsdp2", {"prefetch": True}),
-        "FSDP2 AC": ("fsdp2", {"ac": True}) if config == "fat" else None,
+        "fz3 recompute": ("fz3_system", {"policy": {}}),
+        "FSDP2 + AC": ("fsdp2", {"ac": True}),
+        "fz3 save compiled": ("fz3_system", {"policy": {"activations": "save"}, "compile": True}),
+        "FSDP2 compiled": ("fsdp2", {"compile_blocks": True}),
         "DeepSpeed ZeRO-3": ("deepspeed_zero3", {}),
         "DDP": ("ddp", {}),
     }
+
+
+# (fz3 system, its like-for-like peer): the same memory policy on both sides
+PAIRS = [("fz3 whole stack", "FSDP2 root only"), ("fz3 save", "FSDP2"), ("fz3 recompute", "FSDP2 + AC"),
+         ("fz3 save compiled", "FSDP2 compiled")]
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -79,14 +85,18 @@ def worker(args: argparse.Namespace) -> None:
     kw = dict(spec["kwargs"])
     if "policy" in kw:
         kw["policy"] = fz3.Policy(**kw["policy"])
-    step = getattr(systems, spec["builder"])(cfg, torch.device("cpu"), **kw)
-    times, loss = [], None
+    system = getattr(systems, spec["builder"])(cfg, torch.device("cpu"), **kw)
+    times, fbs, opts, loss = [], [], [], None
     for s in range(spec["warmup"] + spec["steps"]):
         b = systems.rank_batch(cfg, batch, s, rank, torch.device("cpu"))
         t0 = time.perf_counter()
-        loss = step(b)
+        loss = system.forward_backward(b)
+        t1 = time.perf_counter()
+        system.optimizer()
         if s >= spec["warmup"]:
             times.append(time.perf_counter() - t0)
+            fbs.append(t1 - t0)
+            opts.append(time.perf_counter() - t1)
     rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])  # MiB
     dist.all_reduce(rss, op=dist.ReduceOp.MAX)
     mean_loss = torch.tensor([float(loss)], dtype=torch.float64)  # fz3 returns it; others: rank-local
@@ -94,14 +104,15 @@ def worker(args: argparse.Namespace) -> None:
     loss = float(mean_loss) / dist.get_world_size()
     if rank == 0:
         with open(spec["out"], "w") as f:
-            json.dump(dict(step_s=statistics.median(times), loss=float(loss), rss_mib=float(rss),
+            json.dump(dict(step_s=statistics.median(times), fwd_bwd_s=statistics.median(fbs),
+                           optimizer_s=statistics.median(opts), loss=float(loss), rss_mib=float(rss),
                            tokens_per_step=batch * cfg.seq * dist.get_world_size()), f)
     dist.destroy_process_group()
 
 
 def launch(config: str, name: str, builder: str, kwargs: dict, args: argparse.Namespace,
            override: dict | None = None, nproc: int | None = None) -> dict:
-    nproc = nproc or (1 if name == "limit" else args.world)
+    nproc = nproc or (1 if name.startswith("limit") else args.world)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r.json")
         spec = json.dumps(dict(config=config, builder=builder, kwargs=kwargs, steps=args.steps,
@@ -119,7 +130,8 @@ def launch(config: str, name: str, builder: str, kwargs: dict, args: argparse.Na
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--quick", action="store_true", help="thin only; limit, fz3, FSDP2; 1 repeat")
+    ap.add_argument("--quick", action="store_true", help="thin only; limit, fz3 save/recompute and their FSDP2 "
+                                                          "peers; 1 repeat")
     ap.add_argument("--configs", default="thin,fat")
     ap.add_argument("--systems", default=None, help="comma-separated subset of system names")
     ap.add_argument("--repeats", type=int, default=5)
@@ -143,7 +155,7 @@ def main() -> None:
         return scaling(args)
     if args.quick:
         args.configs, args.repeats = "thin", 1
-        args.systems = args.systems or "limit,fz3,fz3 default,FSDP2"
+        args.systems = args.systems or "limit,fz3 save,FSDP2,fz3 recompute,FSDP2 + AC"
         args.steps = args.steps or 10
     want = set(args.systems.split(",")) if args.systems else None
 
@@ -252,14 +264,14 @@ def summarize(results: dict, args: argparse.Namespace) -> str:
     for config, by_system in results.items():
         c = CONFIGS[config]
         lines += [f"### {config}: {c['layers']} layers, hidden {c['dim']}, seq {c['seq']}, micro-batch {c['batch']}",
-                  "", "| system | s/step | tokens/s | x limit | x limit, paired | peak RSS/rank MiB | final loss |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
+                  "", "| system | s/step | fwd+bwd s | optimizer s | tokens/s | x limit | x limit, paired | "
+                      "peak RSS/rank MiB | final loss |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         limit = _median(by_system.get("limit", []), "step_s")
         limits = by_system.get("limit", [])
         for name, runs in by_system.items():
             ok = [r for r in runs if "error" not in r]
             if not ok:
-                lines.append(f"| {name} | failed | | | | |")
+                lines.append(f"| {name} | failed | | | | | | | |")
                 continue
             step = _median(ok, "step_s")
             tps = ok[0]["tokens_per_step"] / step
@@ -267,8 +279,20 @@ def summarize(results: dict, args: argparse.Namespace) -> str:
             # each repeat's run against the limit run just before it: robust to the machine's drift
             paired = [r["step_s"] / lr["step_s"] for r, lr in zip(runs, limits) if "error" not in r | lr]
             pr = statistics.median(paired) if paired else float("nan")
-            lines.append(f"| {name} | {step:.4f} | {tps:.0f} | {ratio:.2f} | {pr:.2f} | {_median(ok, 'rss_mib'):.0f} | "
-                         f"{ok[-1]['loss']:.5f} |")
+            lines.append(f"| {name} | {step:.4f} | {_median(ok, 'fwd_bwd_s'):.4f} | {_median(ok, 'optimizer_s'):.4f} "
+                         f"| {tps:.0f} | {ratio:.2f} | {pr:.2f} | {_median(ok, 'rss_mib'):.0f} | {ok[-1]['loss']:.5f} |")
+        lines += ["", "Like for like (the same memory policy on both sides): fz3 / its peer, medians of the "
+                      "paired per-repeat ratios", "", "| fz3 | peer | step | fwd+bwd | optimizer | peak RSS |",
+                  "|---|---|---:|---:|---:|---:|"]
+        for mine, peer in PAIRS:
+            a_runs, b_runs = by_system.get(mine, []), by_system.get(peer, [])
+            pairs = [(x, y) for x, y in zip(a_runs, b_runs) if "error" not in x | y]
+            if not pairs:
+                continue
+            ratio = {k: statistics.median(x[k] / y[k] for x, y in pairs)
+                     for k in ("step_s", "fwd_bwd_s", "optimizer_s", "rss_mib")}
+            lines.append(f"| {mine} | {peer} | {ratio['step_s']:.2f} | {ratio['fwd_bwd_s']:.2f} | "
+                         f"{ratio['optimizer_s']:.2f} | {ratio['rss_mib']:.2f} |")
         lines.append("")
     return "\n".join(lines)
 

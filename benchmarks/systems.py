@@ -1,9 +1,12 @@
 """The training systems the benchmarks compare, each built the same way on the same GPT.
 
-Every builder returns ``step(batch) -> loss`` (a detached 0-d tensor) that runs one full
-training step: forward, backward, AdamW update (lr, betas, weight decay on matrices only:
-identical hyperparameters everywhere). Models start from the same seed, so after N steps
-on the same data every system's loss must agree (a benchmark of a wrong answer is worthless).
+Every builder returns a ``System``: ``forward_backward(batch) -> loss`` (a detached 0-d tensor)
+and ``optimizer()`` (one update), timed apart; ``system(batch)`` runs both. Every system uses
+the same optimizer implementation, torch's AdamW with ``fused=True`` (on the CPU too; fz3's
+``fz3.optim.step(..., donate=True)`` calls the same fused kernel on its shards), with the
+same hyperparameters and weight decay on matrices only. Models start from the same seed, so
+after N steps on the same data every system's loss must agree (a benchmark of a wrong answer
+is worthless).
 """
 
 from __future__ import annotations
@@ -17,12 +20,23 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import fz3
-from fz3.models.gpt import GPT, GPTConfig
 from fz3.models import shard_gpt
+from fz3.models.gpt import GPT, GPTConfig
 
-Step = Callable[[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
 HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
 WD = 0.1
+
+
+class System:
+    """One training system: the step split into forward+backward and the optimizer."""
+
+    def __init__(self, forward_backward: Callable[[tuple], torch.Tensor], optimizer: Callable[[], None]):
+        self.forward_backward, self.optimizer = forward_backward, optimizer
+
+    def __call__(self, batch) -> torch.Tensor:
+        loss = self.forward_backward(batch)
+        self.optimizer()
+        return loss
 
 
 def build(cfg: GPTConfig, device: torch.device, seed: int = 0) -> GPT:
@@ -42,117 +56,109 @@ class Checkpointed(nn.Module):
         return checkpoint(self.block, x, use_reentrant=False)
 
 
-def _checkpoint_blocks(model: GPT) -> None:
+def _wrap_blocks(model: GPT, ac: bool, compile_blocks: bool) -> None:
+    """Activation checkpointing and/or ``torch.compile`` of each block (torchtitan's pattern)."""
     for i, b in enumerate(model.blocks):
-        model.blocks[i] = Checkpointed(b)
+        if compile_blocks:
+            b = torch.compile(b)
+        model.blocks[i] = Checkpointed(b) if ac else b
 
 
-def _torch_adamw(model: nn.Module, fused: bool | None = None) -> torch.optim.Optimizer:
+def _torch_adamw(model: nn.Module) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}],
-                             **HP, fused=fused)
+                             **HP, fused=True)
 
 
 def _autocast(device: torch.device, dtype: torch.dtype | None):
     return torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
 
 
-def plain(cfg: GPTConfig, device: torch.device, *, ac: bool = False, dtype: torch.dtype | None = None) -> Step:
-    """The unsharded model, plain autograd (autocast for mixed precision), no communication."""
-    model = build(cfg, device)
-    if ac:
-        _checkpoint_blocks(model)
-    opt = _torch_adamw(model, fused=True if device.type == "cuda" else None)
-
-    def step(batch):
-        with _autocast(device, dtype):
-            loss = model(*batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step
-
-
-def ddp(cfg: GPTConfig, device: torch.device, *, ac: bool = False, dtype: torch.dtype | None = None) -> Step:
-    from torch.nn.parallel import DistributedDataParallel
-
-    model = build(cfg, device)
-    if ac:
-        _checkpoint_blocks(model)
-    wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    opt = _torch_adamw(model)
-
-    def step(batch):
+def _torch_system(wrapped: nn.Module, opt: torch.optim.Optimizer, device: torch.device,
+                  dtype: torch.dtype | None) -> System:
+    def forward_backward(batch):
         with _autocast(device, dtype):
             loss = wrapped(*batch)
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    return step
+    def optimizer():
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return System(forward_backward, optimizer)
+
+
+def plain(cfg: GPTConfig, device: torch.device, *, ac: bool = False, dtype: torch.dtype | None = None,
+          compile_blocks: bool = False) -> System:
+    """The unsharded model, plain autograd (autocast for mixed precision), no communication."""
+    model = build(cfg, device)
+    _wrap_blocks(model, ac, compile_blocks)
+    return _torch_system(model, _torch_adamw(model), device, dtype)
+
+
+def ddp(cfg: GPTConfig, device: torch.device, *, ac: bool = False, dtype: torch.dtype | None = None) -> System:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = build(cfg, device)
+    _wrap_blocks(model, ac, False)
+    wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return _torch_system(wrapped, _torch_adamw(model), device, dtype)
 
 
 def fsdp2(cfg: GPTConfig, device: torch.device, *, ac: bool = False, dtype: torch.dtype | None = None,
-          prefetch: bool = False) -> Step:
-    """FSDP2: ``fully_shard`` on every block and the root, reshard after forward."""
+          prefetch: bool = False, root_only: bool = False, compile_blocks: bool = False) -> System:
+    """FSDP2. Default: ``fully_shard`` on every block and the root, reshard after forward.
+    ``root_only``: one ``fully_shard`` on the root with ``reshard_after_forward=False`` (the
+    whole model gathered once per step: fz3's whole-stack unit, like for like)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = build(cfg, device)
-    if ac:
-        _checkpoint_blocks(model)
+    _wrap_blocks(model, ac, compile_blocks)
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
-    for block in model.blocks:
-        fully_shard(block, mp_policy=mp, reshard_after_forward=True)
-    fully_shard(model, mp_policy=mp)
-    if prefetch:  # explicit prefetch: the next block in forward, the previous one in backward
+    if not root_only:
+        for block in model.blocks:
+            fully_shard(block, mp_policy=mp, reshard_after_forward=True)
+    fully_shard(model, mp_policy=mp, reshard_after_forward=not root_only)
+    if prefetch and not root_only:  # explicit prefetch: the next block in forward, the previous in backward
         blocks = list(model.blocks)
         for i, b in enumerate(blocks):
             if i + 1 < len(blocks):
                 b.set_modules_to_forward_prefetch([blocks[i + 1]])
             if i > 0:
                 b.set_modules_to_backward_prefetch([blocks[i - 1]])
-    opt = _torch_adamw(model)
-
-    def step(batch):
-        loss = model(*batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step
+    return _torch_system(model, _torch_adamw(model), device, None)  # MixedPrecisionPolicy casts, no autocast
 
 
 def fz3_system(cfg: GPTConfig, device: torch.device, *, policy: fz3.Policy = fz3.Policy(),
-               dtype: torch.dtype | None = None) -> Step:
+               dtype: torch.dtype | None = None, compile: bool = False) -> System:
     module = build(cfg, device)
-    model, params = shard_gpt(module, device=device,
-                              precision=fz3.Precision(dtype, torch.float32 if dtype else None))
+    model, params = shard_gpt(module, device=device, precision=fz3.Precision(dtype, torch.float32 if dtype else None))
     del module
     opt = fz3.optim.adamw(**HP, weight_decay=WD, mask=fz3.decay_mask(model))
-    value_and_grad = fz3.value_and_grad(model, policy)
-    carry = [params, opt.init(params)]
+    value_and_grad = fz3.value_and_grad(model, policy, compile=compile)
+    carry = {"params": params, "state": opt.init(params), "grads": None}
 
-    def step(batch):
-        params, state = carry
-        loss, grads = value_and_grad(params, batch)
-        carry[:] = fz3.optim.step(opt, grads, state, params, donate=True)  # fused, in place
+    def forward_backward(batch):
+        loss, carry["grads"] = value_and_grad(carry["params"], batch)
         return loss
 
-    return step
+    def optimizer():  # torch's fused AdamW kernel, in place on the shards
+        carry["params"], carry["state"] = fz3.optim.step(opt, carry["grads"], carry["state"], carry["params"],
+                                                         donate=True)
+        carry["grads"] = None
+
+    return System(forward_backward, optimizer)
 
 
-def deepspeed_zero3(cfg: GPTConfig, device: torch.device, *, ac: bool = False, dtype: torch.dtype | None = None) -> Step:
+def deepspeed_zero3(cfg: GPTConfig, device: torch.device, *, ac: bool = False,
+                    dtype: torch.dtype | None = None) -> System:
     """DeepSpeed ZeRO-3 (CPU accelerator on gloo here), client torch AdamW, every parameter sharded."""
     import deepspeed
 
     model = build(cfg, device)
-    if ac:
-        _checkpoint_blocks(model)
+    _wrap_blocks(model, ac, False)
     config = {
         "train_micro_batch_size_per_gpu": 1,  # batch sizes are the caller's; only used for bookkeeping
         "gradient_accumulation_steps": 1,
@@ -165,13 +171,12 @@ def deepspeed_zero3(cfg: GPTConfig, device: torch.device, *, ac: bool = False, d
     engine, *_ = deepspeed.initialize(model=model, optimizer=_torch_adamw(model), config=config,
                                       dist_init_required=False)
 
-    def step(batch):
+    def forward_backward(batch):
         loss = engine(*batch)
         engine.backward(loss)
-        engine.step()
         return loss.detach()
 
-    return step
+    return System(forward_backward, engine.step)
 
 
 def rank_batch(cfg: GPTConfig, per_rank: int, step: int, rank: int, device: torch.device):

@@ -28,8 +28,13 @@ def test_train_gpt_trains_saves_and_resumes(tmp_path):
 
 
 def test_compare_quick_fz3_only():
-    out = _run("benchmarks/compare.py", "--quick", "--steps", "2", "--systems", "fz3", "--warmup", "1")
-    assert re.search(r"\| fz3 \| \d+\.\d+ \|", out), out
+    out = _run("benchmarks/compare.py", "--quick", "--steps", "2", "--systems", "fz3 save", "--warmup", "1")
+    assert re.search(r"\| fz3 save \| \d+\.\d+ \| \d+\.\d+ \| \d+\.\d+ \|", out), out  # step, fwd+bwd, optimizer
+
+
+def test_host_overhead_proxy_runs():
+    out = _run("benchmarks/host_overhead.py", "--repeats", "1", "--steps", "2", "--systems", "plain eager,fz3 save")
+    assert re.search(r"\| fz3 save \| -?\d+ \| -?\d+\.\d+ \| \d+\.\d+ \|", out), out
 
 
 def test_gpu_check_dry_run_on_cpu():

@@ -182,3 +182,48 @@ def mode_ranks(rank, world):
 
 def test_train_and_eval_are_model_copies():
     assert dist.run(1, mode_ranks) == ["ok"]
+
+
+# Donated params and optimizer state (as with JAX's donate_argnums).
+
+
+def donation_ranks(rank, world):
+    model, params = shard_gpt(gpt(CFG))
+    b = batches(CFG, world)[rank]
+    opt = fz3.optim.adamw(lr=1e-3, weight_decay=0.1)
+    step = fz3.value_and_grad(model)
+    state = opt.init(params)
+    kept = fz3.optim.step(opt, step(params, b)[1], state, params)  # pure: nothing is given up
+    _, grads = step(params, b)
+    new_params, new_state = fz3.optim.step(opt, grads, state, params, donate=True)
+    for a, c in zip(new_params.parts, kept[0].parts):  # the same step (the fused kernel orders ops its own way)
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match=r"params were donated to fz3.optim.step\(\.\.\., donate=True\).*use the "
+                                         r"params it returned"):
+        step(params, b)
+    with pytest.raises(ValueError, match=r"the optimizer state were donated to fz3.optim.step\(\.\.\., "
+                                         r"donate=True\)"):
+        fz3.optim.step(opt, grads, state, new_params)
+    loss, grads = step(new_params, b)  # the returned ones work
+    fz3.optim.step(opt, grads, new_state, new_params, donate=True)
+    return "ok"
+
+
+def test_donated_params_and_state_cannot_be_used_again():
+    assert dist.run(1, donation_ranks) == ["ok"]
+
+
+def profiler_ranks(rank, world):
+    model, params = shard_gpt(gpt(CFG))
+    step = fz3.value_and_grad(model)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step(params, batches(CFG, world)[rank])
+    names = {e.name for e in prof.events()}
+    want = {f"fz3 {op}" for op in ("gather blocks.0", "forward blocks.2", "loss post", "backward pre",
+                                    "reduce blocks.1", "wait_reduce pre")}
+    assert want <= names, sorted(n for n in names if n.startswith("fz3"))[:10]
+    return "ok"
+
+
+def test_ops_are_named_ranges_in_profiler_traces():
+    assert dist.run(1, profiler_ranks) == ["ok"]

@@ -56,10 +56,43 @@ def step(opt: GradientTransformation, grads: Tree, state: Any, params: Tree, *,
     reads and writes each element once and allocates nothing. Do not use the donated
     ``params``/``state`` afterwards; use the returned ones.
     """
+    check_not_donated(params, "params")
+    check_not_donated(state, "the optimizer state")
     if donate and opt.update_inplace is not None:
-        return opt.update_inplace(grads, state, params)
+        new_params, new_state = opt.update_inplace(grads, state, params)
+        return _give_up(params, new_params), _give_up(state, new_state)
     updates, state = opt.update(grads, state, params)
     return apply_updates(params, updates), state
+
+
+# [Note: donated trees]
+# JAX deletes a donated buffer; here the step returns new tensor objects on the same storage
+# (``detach``: no copy) and empties the donated ones (``set_()``: zero elements, the storage
+# left to the new objects), so the donated tree can no longer be used by mistake: fz3's
+# checks see a tensor of no elements where a shard belongs and name ``donate=True``.
+
+
+def _give_up(old: Tree, new: Tree) -> Tree:
+    """``new`` with every tensor it shares with ``old`` replaced by a fresh alias; those tensors
+    of ``old`` emptied."""
+    donated = {id(t) for t in optree.tree_leaves(old) if isinstance(t, torch.Tensor)}
+
+    def alias(t: Any) -> Any:
+        return t.detach() if isinstance(t, torch.Tensor) and id(t) in donated else t
+
+    fresh = optree.tree_map(alias, new)
+    for t in optree.tree_leaves(old):
+        if isinstance(t, torch.Tensor) and t.numel() and t.dim():  # scalars (a step count) stay
+            t.set_()
+    return fresh
+
+
+def check_not_donated(tree: Tree, what: str) -> None:
+    """Raise if ``tree`` was given up to ``fz3.optim.step(..., donate=True)``."""
+    for t in optree.tree_leaves(tree):
+        if isinstance(t, torch.Tensor) and t.numel() == 0 and t.dim() == 1 and t.untyped_storage().nbytes() == 0:
+            raise ValueError(f"{what} were donated to fz3.optim.step(..., donate=True), which updated their buffers "
+                             f"in place and returned new ones: use the {what} it returned")
 
 
 def apply_updates(params: Tree, updates: Tree) -> Tree:

@@ -134,6 +134,9 @@ def check_tree(model: ShardedModel, tree: Any, what: str = "params", dtype: torc
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{what} of part {part.name} is {type(t).__name__}; pass the Params that fz3.shard "
                             f"returned")
+        if t.numel() == 0 and t.untyped_storage().nbytes() == 0:  # emptied by fz3.optim.step (donated)
+            raise ValueError(f"{what} were donated to fz3.optim.step(..., donate=True), which updated their "
+                             f"buffers in place and returned new ones: use the {what} it returned")
         if tuple(t.shape) != shape or (dtype is not None and t.dtype != dtype) or t.device != model.device:
             want = f"{list(shape)} {dtype or t.dtype} on {model.device}"
             raise ValueError(f"{what} of part {part.name} is {list(t.shape)} {t.dtype} on {t.device}; this "

@@ -56,11 +56,18 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
                       reduce_replicas, compiled)
     if recorder is not None:
         recorder.begin_step(schedule, model.device)
+    # With a profiler running (torch.profiler), each op is a named range in its trace; without
+    # one this costs a check per step, nothing per op.
+    profiling = torch.autograd._profiler_enabled()
     try:
         with compute.mode(model):
             for index, op in enumerate(schedule.ops):
                 start = recorder.start() if recorder is not None else None
-                frame = HANDLERS[op.kind](state, op, index)
+                if profiling:
+                    with torch.profiler.record_function(f"fz3 {schedule.describe(op)}"):
+                        frame = HANDLERS[op.kind](state, op, index)
+                else:
+                    frame = HANDLERS[op.kind](state, op, index)
                 if recorder is not None:
                     recorder.record(index, start, state.live_units(), _moved(state, op), state.owned_bytes())
                 if frame is not None:
