@@ -125,3 +125,38 @@ def fallback_ranks(rank, world):
 
 def test_fallback_strict_and_recompiles_are_reported():
     assert dist.run(1, fallback_ranks, timeout=300) == ["ok"]
+
+
+def ring_ranks(rank, world):
+    """The ring of gather slots behind cuda_graphs (capture itself needs a GPU: gpu_check runs it):
+    every unit gathered gets a slot no other live unit holds, and the ring is as small as the
+    schedule allows (prefetch depth + 1 for the default policy)."""
+    from fz3.step.graphs import GraphedLayers
+
+    model, _ = shard_gpt(gpt(GPTConfig(**{**CFG.__dict__, "layers": 5})))
+    for policy, size in ((fz3.Policy(), 2), (fz3.Policy(prefetch=2), 3), (fz3.Policy(prefetch=0), 1)):
+        sched = fz3.plan(model, policy)
+        ring = GraphedLayers(model.parts, sched, model.device, torch.float32, world)
+        stack = model.part_index("blocks")
+        assert ring.slots[stack] == size, (policy, ring.slots)
+        live: dict[int, int] = {}
+        for op in sched.ops:
+            unit = sched.units[op.unit]
+            if unit.part != stack:
+                continue
+            if op.kind == "gather":
+                slot = ring.slot(stack, op.unit).data_ptr()
+                assert slot not in live.values(), (policy, op)
+                live[op.unit] = slot
+            elif op.kind == "free":
+                ring.release(stack, op.unit)
+                del live[op.unit]
+    for bad, why in ((fz3.Policy(activations="save"), "needs activations='recompute'"),
+                     (fz3.Policy(layers_per_unit=2), "one layer per unit")):
+        with pytest.raises(ValueError, match=why):
+            GraphedLayers(model.parts, fz3.plan(model, bad), model.device, torch.float32, world)
+    return "ok"
+
+
+def test_gather_ring_for_cuda_graphs():
+    assert dist.run(1, ring_ranks) == ["ok"]

@@ -44,16 +44,17 @@ from .state import Frame, Loss, Reducing, Result, Saved, StepState, nbytes, pend
 def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any, recorder=None, *,
             loss: Loss | None = None, loss_scale: float | torch.Tensor = 1.0,
             carry: dict[int, torch.Tensor] | None = None, reduce_replicas: bool = True,
-            compiled=None) -> Generator[Frame, None, Result]:
+            compiled=None, graphs=None) -> Generator[Frame, None, Result]:
     """Run ``schedule`` on ``batch``. ``loss``: the function the ``loss`` op runs (default:
     the model's ``post``). ``loss_scale`` multiplies the backward's seed (fp16 loss scaling;
     1/k for k accumulated micro-batches). ``carry``: unsharded flat gradients accumulated by
     ``accumulate`` ops, added in at the next ``reduce`` of each unit. ``reduce_replicas``
     (hybrid sharding): sum the gradient shards across replicas (False: the caller does it
     once for several micro-batches). ``recorder``: a ``fz3.Recorder``, or None (no cost).
-    ``compiled``: a ``fz3.step.compiled.CompiledLayers`` to run layers with, or None (eager)."""
+    ``compiled``: a ``fz3.step.compiled.CompiledLayers`` to run layers with, or None (eager);
+    ``graphs``: a ``fz3.step.graphs.GraphedLayers`` to replay them with (CUDA)."""
     state = StepState(model, schedule, params, batch, loss or Loss(model.post), loss_scale, carry,
-                      reduce_replicas, compiled)
+                      reduce_replicas, compiled, graphs)
     if recorder is not None:
         recorder.begin_step(schedule, model.device)
     # With a profiler running (torch.profiler), each op is a named range in its trace; without
@@ -88,6 +89,8 @@ def _gather(s: StepState, op: Op, index: int) -> None:
         key = (u, frozen)
         if len(unit.rows) == 1 and key in s.released:  # back into the storage a live graph saved views of
             out = regrow(s.released[key].buffer).view(-1)
+        elif s.graphs is not None and unit.role is Role.STACK and not frozen:  # a fixed address: the ring
+            out = s.graphs.slot(unit.part, u)
         else:
             out = torch.empty(m.world_size * shard.numel(), dtype=shard.dtype, device=m.device)
         s.gathering[key] = all_gather(m.comm, out, shard.reshape(-1), Label(s.schedule, op))
@@ -206,6 +209,8 @@ def _backward_layers(s: StepState, op: Op, index: int) -> Frame:
             out = _run_layers(s, u, leaf, x_leaf, extras)
         rng.restore(now, model.device)
     g = torch.autograd.grad(out, [leaf, x_leaf, *(extras[j] for j in positions)], s.grad_h, allow_unused=True)
+    if s.graphs is not None:  # a replayed graph's gradients are its static buffers: the next replay overwrites
+        g = tuple(None if t is None else t.clone() for t in g)
     grad_out, s.grad_h = s.grad_h, _or_zeros(g[1], x_leaf)
     summed = s.grad_extras.setdefault(saved.producer, {})
     for j, ge in zip(positions, g[2:]):
@@ -236,6 +241,8 @@ def _backward_stage(s: StepState, op: Op, index: int) -> Frame:
 
 def _free(s: StepState, op: Op, index: int) -> None:
     u = op.unit
+    if s.graphs is not None:
+        s.graphs.release(s.schedule.units[u].part, u)
     saved = s.saved.get(u)
     for key in ((u, False), (u, True)):
         buf = s.gathered.pop(key, None)
@@ -343,6 +350,8 @@ def _run_layers(s: StepState, u: int, buffer: torch.Tensor, x, extras) -> torch.
     frozen = s.gathered.get((u, True))
     fns = s.model.functions[unit.part][unit.rows.start:unit.rows.stop]
     names = [f"{part.path}.{part.first + r}" for r in unit.rows]
+    if s.graphs is not None and frozen is None:
+        return s.graphs(unit.part, u, fns[0], buffer[0], x, extras)
     if s.compiled is not None:
         for j, row in enumerate(buffer.unbind(0)):
             x = s.compiled(unit.part, part, fns[j], row, None if frozen is None else frozen[j], x, extras, names[j])

@@ -83,6 +83,7 @@ class StepState:
     carry: dict[int, torch.Tensor] | None = None  # flat gradients accumulated across micro-batches
     reduces_replicas: bool = True  # hybrid: sum the shard across replicas at each wait_reduce
     compiled: Any = None  # fz3.step.compiled.CompiledLayers: layers run compiled; None: eager
+    graphs: Any = None  # fz3.step.graphs.GraphedLayers: layers replayed as CUDA graphs; None: not
 
     # parameters, by (unit, frozen?): a unit's trained and frozen parameters are gathered apart
     gathering: dict[tuple[int, bool], Pending] = field(default_factory=dict)

@@ -10,6 +10,7 @@ from ..schedule.schedule import Policy, Schedule
 from ..sharding.model import Params, ShardedModel
 from .compiled import CompiledLayers, check_compile_options
 from .executor import execute
+from .graphs import GraphedLayers
 from .finite import drain_checking_finite
 from .front import check_call, check_in_sync, drain, loss_of, prepare
 
@@ -20,8 +21,9 @@ class ValueAndGrad:
 
     def __init__(self, model: ShardedModel, schedule: Schedule, *, loss: Callable[..., Any] | None = None,
                  has_aux: bool = False, recorder=None, check_finite: bool = False, check_sync: bool = False,
-                 compiled: CompiledLayers | None = None):
+                 compiled: CompiledLayers | None = None, graphs: GraphedLayers | None = None):
         self.model, self.schedule, self.recorder, self.compiled = model, schedule, recorder, compiled
+        self.graphs = graphs
         self.loss = loss_of(model, loss, has_aux)
         self.check_finite, self.check_sync = check_finite, check_sync
         self.steps = 0  # calls so far (checked across ranks with check_sync)
@@ -29,11 +31,13 @@ class ValueAndGrad:
     def __call__(self, params: Params, batch: Any, *, loss_scale: float | torch.Tensor = 1.0):
         """``loss_scale`` multiplies the gradients, not the loss (fp16 loss scaling)."""
         check_call(self.model, params, batch)
+        if self.graphs is not None:
+            self.graphs.check_shapes(batch)
         if self.check_sync:
             check_in_sync(self.model, self.steps, batch)
         self.steps += 1
         gen = execute(self.model, self.schedule, params, batch, self.recorder, loss=self.loss,
-                      loss_scale=loss_scale, compiled=self.compiled)
+                      loss_scale=loss_scale, compiled=self.compiled, graphs=self.graphs)
         result = drain_checking_finite(self.model, self.schedule, gen) if self.check_finite else drain(gen)
         value = (result.loss, result.aux) if self.loss.has_aux else result.loss
         return value, result.grads
@@ -65,8 +69,11 @@ def value_and_grad(model: ShardedModel, schedule: Schedule | Policy | None = Non
     """
     check_compile_options(model, compile, strict, cuda_graphs)
     sched = prepare(model, schedule, grad=True, entry="value_and_grad")
+    graphs = GraphedLayers(model.parts, sched, model.device, model.precision.compute, model.world_size) \
+        if cuda_graphs else None
     return ValueAndGrad(model, sched, loss=loss, has_aux=has_aux, recorder=recorder, check_finite=check_finite,
-                        check_sync=check_sync, compiled=CompiledLayers(model.parts, strict=strict) if compile else None)
+                        check_sync=check_sync, compiled=CompiledLayers(model.parts, strict=strict) if compile else None,
+                        graphs=graphs)
 
 
 def apply(model: ShardedModel, params: Params, batch: Any, *, schedule: Schedule | Policy | None = None,
