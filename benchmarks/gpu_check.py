@@ -252,8 +252,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=420, help="skip remaining speed runs after this")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.json")
-    ap.add_argument("--part", default="all", choices=["all", "hf"],
-                    help="hf: only the Hugging Face Llama step")
+    ap.add_argument("--part", default="all", choices=["all", "hf", "speed", "memory", "safety"],
+                    help="hf: only the Hugging Face Llama step; speed / memory / safety: the round-2 "
+                         "parts in gpu_parts.py (each at most ~4 minutes on an H200)")
     args = ap.parse_args()
     t_start = time.monotonic()
     device = init(args.device)
@@ -274,6 +275,8 @@ def main() -> None:
         write(args.out, dict(env=env, hf=hf))
         dist.destroy_process_group()
         sys.exit(0 if hf["ok"] else 1)
+    if args.part in ("speed", "memory", "safety"):
+        sys.exit(run_part(args.part, device, env, args, t_start))
     checks = correctness(device)
     extra = features(device, quick=args.quick)
     hf = hf_llama_step(device) if importlib.util.find_spec("transformers") else None
@@ -291,10 +294,31 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def write(folder: str | None, result: dict) -> None:
+def run_part(part: str, device: torch.device, env: dict, args, t_start: float) -> int:
+    """One of the round-2 parts (``gpu_parts.py``); its rows land in gpu_check_<part>.json."""
+    import gpu_parts
+
+    if part == "speed":
+        graphs = gpu_parts.graphs_equal(device)
+        rows = gpu_parts.speed(device, args.quick, t_start + args.budget_s)
+        result, ok = dict(graphs=graphs, speed=rows), graphs.get("ok", True)
+        print(gpu_parts.table(rows))
+    elif part == "memory":
+        rows = gpu_parts.memory(device, args.quick)
+        result, ok = dict(memory=rows), True
+        print(gpu_parts.table(rows))
+    else:
+        result = dict(safety=gpu_parts.safety(device))
+        ok = all(v is True or isinstance(v, (str, float)) for v in result["safety"].values())
+    write(args.out, dict(env=env, **result), name=f"gpu_check_{part}.json")
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+def write(folder: str | None, result: dict, name: str = "gpu_check.json") -> None:
     if folder:
         os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, "gpu_check.json"), "w") as f:
+        with open(os.path.join(folder, name), "w") as f:
             json.dump(result, f, indent=1)
 
 

@@ -37,6 +37,13 @@ def test_host_overhead_proxy_runs():
     assert re.search(r"\| fz3 save \| -?\d+ \| -?\d+\.\d+ \| \d+\.\d+ \|", out), out
 
 
+def test_gpu_check_memory_and_safety_parts_dry_run_on_cpu():
+    out = _run("benchmarks/gpu_check.py", "--device", "cpu", "--quick", "--part", "memory")
+    assert "| tiny | fz3 recompute |" in out and "memory plan recompute: predicted" in out, out
+    out = _run("benchmarks/gpu_check.py", "--device", "cpu", "--quick", "--part", "safety")
+    assert '"gpu": "cpu"' in out, out
+
+
 def test_gpu_check_dry_run_on_cpu():
     out = _run("benchmarks/gpu_check.py", "--device", "cpu", "--quick")
     assert "correctness:" in out and "FAIL" not in out and "| fz3 | recompute |" in out, out

@@ -41,6 +41,7 @@ class Comm:
     replicate_group: dist.ProcessGroup | None = None  # hybrid sharding: all-reduce across replicas
     replicas: int = 1  # size of replicate_group (1: plain ZeRO-3)
     delay_s: float = 0.0  # debug: rank r sleeps r*delay_s before each collective (catches missing waits)
+    local_copies: bool = True  # a group of one rank copies locally (False: through the backend, to test it)
 
     def _delay(self) -> None:
         if self.delay_s:
@@ -67,7 +68,7 @@ class Pending(NamedTuple):
 def all_gather(comm: Comm, out: torch.Tensor, shard: torch.Tensor, label: object = "all-gather") -> Pending:
     """Issue ``out (world*n,) <- concat over ranks of shard (n,)``."""
     comm._delay()
-    if comm.world_size == 1:
+    if comm.world_size == 1 and comm.local_copies:
         return Pending(None, out.copy_(shard), shard, comm.group, label)
     work = _issue(comm.group, label, all_gather_into, out, shard, group=comm.group, async_op=True)
     return Pending(work, out, shard, comm.group, label)
@@ -76,7 +77,7 @@ def all_gather(comm: Comm, out: torch.Tensor, shard: torch.Tensor, label: object
 def reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor, label: object = "reduce-scatter") -> Pending:
     """Issue ``out (n,) <- sum over ranks of full[rank*n:(rank+1)*n]`` (full: (world*n,))."""
     comm._delay()
-    if comm.world_size == 1:
+    if comm.world_size == 1 and comm.local_copies:
         return Pending(None, out.copy_(full), full, comm.reduce_group, label)
     work = _issue(comm.reduce_group, label, reduce_scatter_into, out, full, op=dist.ReduceOp.SUM,
                   group=comm.reduce_group, async_op=True)
@@ -89,7 +90,7 @@ def all_reduce(comm: Comm, t: torch.Tensor, *, group: dist.ProcessGroup | None =
     comm._delay()
     group = group or comm.reduce_group
     size = comm.replicas if group is comm.replicate_group else comm.world_size
-    if size == 1:
+    if size == 1 and comm.local_copies:
         return Pending(None, t, None, group, label)
     work = _issue(group, label, dist.all_reduce, t, op=dist.ReduceOp.SUM, group=group, async_op=True)
     return Pending(work, t, None, group, label)
