@@ -23,11 +23,11 @@ from typing import Any, Generator, NamedTuple
 
 import torch
 
-from . import units
-from .comm import Pending, all_gather, all_reduce, reduce_scatter, wait
-from .model import Params, ShardedModel
+from ..comm.collectives import Pending, all_gather, all_reduce, reduce_scatter, wait
+from ..schedule.schedule import OUTER, Op, Schedule
+from ..sharding import compute as units
+from ..sharding.model import Params, ShardedModel
 from .record import Recorder, nbytes, owned_bytes, pending_bytes
-from .schedule import OUTER, Op, Schedule
 
 
 class Frame(NamedTuple):
