@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as tdist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -110,6 +111,44 @@ def test_dead_rank_is_named_in_bounded_time():
         assert f"rank {rank}: " in msg and "rank(s) [1] stopped responding" in msg
         assert took < 30
     assert time.monotonic() - t0 < 90
+
+
+def late_ranks(rank, world):
+    """Rank 1 dies between steps; rank 2 is alive but 10 s late into the next step."""
+    from fz3.comm.liveness import store
+
+    model, params = shard_gpt(gpt(CFG))
+    bs = batches(CFG, world)
+    step = fz3.value_and_grad(model)
+    step(params, bs[rank])
+    tdist.barrier()
+    if rank == 1:
+        os._exit(3)
+    if rank == 2:
+        time.sleep(10)
+    t0 = time.monotonic()
+    try:
+        step(params, bs[rank])
+        return "finished?!"
+    except fz3.RankLostError as e:
+        out = (str(e), e.lost, e.unconfirmed, time.monotonic() - t0)
+    st = store()  # rank 0 stays alive until rank 2 has judged it (an exited rank 0 is dead)
+    st.add("test/late/reported", 1)
+    deadline = time.monotonic() + 30
+    while st.add("test/late/reported", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return out
+
+
+def test_late_rank_is_not_reported_lost():
+    """The reporter used to call every rank lost that reached fz3's error path more than 3 s
+    after it (lost=[1, 2] here); heartbeats tell the late rank 2 from the dead rank 1."""
+    out = dist.run(3, late_ranks, may_die=frozenset({1}), timeout=60, env={"FZ3_TEST_PG_TIMEOUT": "30"})
+    assert out[1] is None
+    for rank in (0, 2):
+        msg, lost, unconfirmed, took = out[rank]
+        assert (lost, unconfirmed) == ([1], []), f"rank {rank}: {msg}"
+        assert "rank(s) [1] stopped responding" in msg and took < 20, (rank, took, msg)
 
 
 def determinism_ranks(rank, world):

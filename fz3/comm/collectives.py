@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .failures import lost_error
+from .liveness import Heartbeat
 
 # torch >= 2.13 names them *_single and deprecates the old names with a warning on every call;
 # older torch (2.11 on the GPU machine) only has the old names.
@@ -35,7 +36,8 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 @dataclass(frozen=True, eq=False)
 class Comm:
-    """The sharding group and how to talk to it. Built once by ``fz3.shard``."""
+    """The sharding group and how to talk to it. Built once by ``fz3.shard`` from
+    ``groups.comm_groups`` (which says who creates and frees each group)."""
 
     group: dist.ProcessGroup  # all-gathers (and the loss mean)
     reduce_group: dist.ProcessGroup  # reduce-scatters / all-reduces of gradients
@@ -44,6 +46,7 @@ class Comm:
     replicate_group: dist.ProcessGroup | None = None  # hybrid sharding: all-reduce across replicas
     replicas: int = 1  # size of replicate_group (1: plain ZeRO-3)
     delay_s: float = 0.0  # debug: rank r sleeps r*delay_s before each collective (catches missing waits)
+    heartbeat: Heartbeat | None = None  # this process's liveness signal while the model lives (liveness.py)
 
     def _delay(self) -> None:
         if self.delay_s:

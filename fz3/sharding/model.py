@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm.collectives import Comm
+from ..comm.liveness import Heartbeat
 from .checks import check_identical, check_not_wrapped, check_same_on_all_ranks, resolve_layers
 from .layout import FlatLayout
 from .precision import Precision
@@ -159,7 +160,7 @@ def shard(
     backend = dist.get_backend(group)
     device = torch.device(device) if device is not None else _default_device(module, backend)
     reduce_group = dist.new_group(dist.get_process_group_ranks(group)) if backend == "nccl" and world > 1 else group
-    comm = Comm(group, reduce_group, rank, world, replicate_group, replicas)
+    comm = Comm(group, reduce_group, rank, world, replicate_group, replicas, heartbeat=Heartbeat())
 
     stack = resolve_layers(module, layers)
     block_params = [_named_params(b) for b in stack]
