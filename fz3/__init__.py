@@ -5,6 +5,7 @@
 """
 
 from . import optim
+from .comm.arrival import CollectiveMismatchError
 from .comm.failures import RankLostError
 from .observe.memory import MemoryPlan, memory_plan
 from .observe.step_through import NonFiniteError, StepFrame, any_rank, step_through
@@ -23,7 +24,7 @@ from .storage.export import ExportReport, export, read_export
 from .storage.state_dict import full_state_dict
 
 __all__ = [
-    "Accumulate", "Event", "ExportReport", "FlatLayout", "Frame", "MemoryPlan", "NonFiniteError", "OUTER", "Op",
+    "Accumulate", "CollectiveMismatchError", "Event", "ExportReport", "FlatLayout", "Frame", "MemoryPlan", "NonFiniteError", "OUTER", "Op",
     "Params", "Policy", "Precision", "RankLostError", "Recorder", "Result", "Schedule", "ScheduleError",
     "ShardedModel", "Slot", "StepFrame", "ValueAndGrad", "accumulate", "any_rank", "apply", "chrome_trace",
     "decay_mask", "deferred", "export", "full_state_dict", "load", "memory_plan", "optim", "plan", "read_export",

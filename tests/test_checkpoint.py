@@ -4,8 +4,10 @@ loading errors, each in real gloo processes."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import pickle
+import time
 
 import pytest
 import torch
@@ -210,3 +212,44 @@ def tdist_barrier(model):
 
 def test_load_errors_on_every_rank(tmp_path):
     assert dist.run(2, load_errors_ranks, str(tmp_path), timeout=120) == ["ok"] * 2
+
+
+def skipped_ranks(rank, world, folder):
+    from fz3.comm.liveness import store
+
+    model, params = shard_gpt(gpt(CFG))
+    good = os.path.join(folder, "good")
+    fz3.save(good, model, {"params": params})
+    if rank == 0:  # rank 0 alone, as DDP and Hugging Face teach; rank 1 is alive, elsewhere
+        calls = {"fz3.save": lambda: fz3.save(os.path.join(folder, "s"), model, {"params": params}, timeout=2),
+                 "fz3.export": lambda: fz3.export(os.path.join(folder, "e"), model, params, timeout=2),
+                 "fz3.full_state_dict": lambda: fz3.full_state_dict(model, params, timeout=2),
+                 "fz3.load": lambda: fz3.load(good, model, {"params": params}, timeout=2)}
+        for what, call in calls.items():
+            t0 = time.monotonic()
+            with pytest.raises(fz3.CollectiveMismatchError, match=rf"{what} is collective: ranks \[1\] did not "
+                                                                  rf"call it within 2 s \(ranks \[1\] are alive"):
+                call()
+            assert 2 <= time.monotonic() - t0 < 5, (what, time.monotonic() - t0)
+        assert sorted(os.listdir(folder)) == ["good"]  # nothing created, not even an empty folder
+        store().set("test/skipped/done", "1")
+    else:
+        store().wait(["test/skipped/done"], datetime.timedelta(seconds=60))
+    # Ranks calling different collectives both raise, naming what each called.
+    with pytest.raises(fz3.CollectiveMismatchError, match="rank 0 called fz3.save, rank 1 called fz3.export"):
+        if rank == 0:
+            fz3.save(os.path.join(folder, "s"), model, {"params": params})
+        else:
+            fz3.export(os.path.join(folder, "e"), model, params)
+    assert sorted(os.listdir(folder)) == ["good"]
+    # Every rank calling again works: the skipped calls left the arrival keys in step.
+    fz3.save(os.path.join(folder, "again"), model, {"params": params})
+    return "ok"
+
+
+def test_collective_calls_skipped_by_a_rank_raise(tmp_path):
+    """Each of save, export, full_state_dict and load called on rank 0 only raises there
+    within its timeout, naming rank 1, and leaves no folder (it hung for the process group's
+    timeout, and export then blamed the healthy rank, leaving an empty folder)."""
+    out = dist.run(2, skipped_ranks, str(tmp_path), timeout=90, env={"FZ3_TEST_PG_TIMEOUT": "20"})
+    assert out == ["ok"] * 2

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..comm.arrival import DEFAULT_TIMEOUT_S, arrive
 from ..sharding.layout import FlatLayout
 from ..sharding.model import Params, ShardedModel
 
@@ -35,10 +36,14 @@ META = "fz3.json"
 # to import, which every process importing fz3 would otherwise pay.
 
 
-def save(path: str, model: ShardedModel, state: Any) -> None:
-    """Write ``state`` (a pytree: dicts, lists, NamedTuples, ``Params``, tensors, values) to ``path``."""
+def save(path: str, model: ShardedModel, state: Any, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """Write ``state`` (a pytree: dicts, lists, NamedTuples, ``Params``, tensors, values) to ``path``.
+
+    Collective: every rank calls it. A rank that does not within ``timeout`` seconds makes the
+    others raise ``fz3.CollectiveMismatchError`` naming it, before anything is written."""
     import torch.distributed.checkpoint as dcp
 
+    arrive(_everyone(model), "fz3.save", timeout)
     partial, old = path + ".partial", path + ".old"
     if dist.get_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
@@ -57,12 +62,16 @@ def save(path: str, model: ShardedModel, state: Any) -> None:
     _barrier(model)
 
 
-def load(path: str, model: ShardedModel, template: Any, *, restore_rng: bool = True) -> Any:
+def load(path: str, model: ShardedModel, template: Any, *, restore_rng: bool = True,
+         timeout: float = DEFAULT_TIMEOUT_S) -> Any:
     """Read a checkpoint into a new state shaped like ``template`` (built for this model and
-    world size, e.g. ``{"params": params, "opt": opt.init(params), "step": 0}``)."""
+    world size, e.g. ``{"params": params, "opt": opt.init(params), "step": 0}``).
+
+    Collective: every rank calls it (``timeout`` as in ``save``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    arrive(_everyone(model), "fz3.load", timeout)
     path = path if os.path.isdir(path) or not os.path.isdir(path + ".old") else path + ".old"
     meta = _read_meta(path)
     _check_model(path, meta, model)

@@ -20,6 +20,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from ..comm.arrival import DEFAULT_TIMEOUT_S, arrive
 from ..comm.collectives import all_gather, wait
 from ..sharding.layout import FlatLayout
 from ..sharding.model import Params, ShardedModel
@@ -32,8 +33,14 @@ class ExportReport(NamedTuple):
 
 
 def export(path: str, model: ShardedModel, params: Params, *,
-           format: Literal["safetensors", "torch"] | None = None) -> ExportReport:
-    """Write the consolidated weights (and persistent buffers) under ``path``; every rank must call it."""
+           format: Literal["safetensors", "torch"] | None = None,
+           timeout: float = DEFAULT_TIMEOUT_S) -> ExportReport:
+    """Write the consolidated weights (and persistent buffers) under ``path``.
+
+    Collective: every rank calls it. A rank of the sharding group that does not within
+    ``timeout`` seconds makes the others raise ``fz3.CollectiveMismatchError`` naming it,
+    before ``path`` is created."""
+    arrive(model.comm.group, "fz3.export", timeout)
     fmt = format or ("safetensors" if _has_safetensors() else "torch")
     rank0 = model.is_root
     units: list[tuple[FlatLayout, torch.Tensor, str]] = [(model.outer, params.outer, "")]

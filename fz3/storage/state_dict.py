@@ -4,20 +4,25 @@ from __future__ import annotations
 
 import torch
 
+from ..comm.arrival import DEFAULT_TIMEOUT_S, arrive
 from ..comm.collectives import all_gather, wait
 from ..sharding.layout import FlatLayout
 from ..sharding.model import Params, ShardedModel
 
 
-def full_state_dict(model: ShardedModel, tree: Params, *, buffers: bool = True) -> dict[str, torch.Tensor] | None:
+def full_state_dict(model: ShardedModel, tree: Params, *, buffers: bool = True,
+                    timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, torch.Tensor] | None:
     """Gather ``tree`` (params, grads, an optimizer moment: anything shaped like params) into
     ``{original name: full tensor}`` on (global) rank 0, in ``module.state_dict()`` order, cast
     to each parameter's original dtype; ``None`` on other ranks. Every rank must call it.
 
     One unit is gathered at a time, so the extra memory on ranks other than 0 is one unit.
     ``buffers=True`` adds the module's persistent buffers, so the result loads into the
-    original module with ``load_state_dict(strict=True)``.
+    original module with ``load_state_dict(strict=True)``. Collective over the sharding group:
+    a rank that does not call it within ``timeout`` seconds is named by the others
+    (``fz3.CollectiveMismatchError``).
     """
+    arrive(model.comm.group, "fz3.full_state_dict", timeout)
     rank0 = model.is_root
     found: dict[str, torch.Tensor] = {}
     _gather_unit(model, model.outer, tree.outer, "", found, rank0)
