@@ -7,6 +7,7 @@
 from . import optim
 from .comm.arrival import CollectiveMismatchError
 from .comm.failures import RankLostError
+from .comm.groups import destroy
 from .observe.memory import MemoryPlan, memory_plan
 from .observe.step_through import NonFiniteError, StepFrame, any_rank, step_through
 from .observe.trace import chrome_trace, trace, trace_summary
@@ -27,6 +28,6 @@ __all__ = [
     "Accumulate", "CollectiveMismatchError", "Event", "ExportReport", "FlatLayout", "Frame", "MemoryPlan", "NonFiniteError", "OUTER", "Op",
     "Params", "Policy", "Precision", "RankLostError", "Recorder", "Result", "Schedule", "ScheduleError",
     "ShardedModel", "Slot", "StepFrame", "ValueAndGrad", "accumulate", "any_rank", "apply", "chrome_trace",
-    "decay_mask", "deferred", "export", "full_state_dict", "load", "memory_plan", "optim", "plan", "read_export",
+    "decay_mask", "deferred", "destroy", "export", "full_state_dict", "load", "memory_plan", "optim", "plan", "read_export",
     "save", "shard", "step_through", "trace", "trace_summary", "validate", "value_and_grad",
 ]

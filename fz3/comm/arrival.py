@@ -80,7 +80,8 @@ def arrive(group: dist.ProcessGroup | None, what: str, timeout: float = DEFAULT_
             if missing:
                 _decide(st, base, inst, "abandon:" + json.dumps(missing))
             # everyone arrived: the last one is deciding; or another rank's verdict won
-            decision = _wait_done(st, inst, time.monotonic() + 10.0) or "abandon:" + json.dumps(missing)
+            late = _wait_done(st, inst, time.monotonic() + 10.0)
+            decision = late or "abandon:" + json.dumps(missing)
         _act(decision, what, timeout, st)
         return
 

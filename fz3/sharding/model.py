@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm.collectives import Comm
+from ..comm.groups import comm_groups
 from ..comm.liveness import Heartbeat
 from .checks import check_identical, check_not_wrapped, check_same_on_all_ranks, resolve_layers
 from .layout import FlatLayout
@@ -142,25 +143,11 @@ def shard(
         raise TypeError("fz3.shard needs layers=, pre= and post= (or none of them, for a model with a built-in "
                         "adapter): layers='<path of the nn.ModuleList>', pre(m, batch) -> h, post(m, h, batch) -> loss")
     check_not_wrapped(module)
-    if mesh is not None and mesh.ndim not in (1, 2):
-        raise ValueError(f"mesh has {mesh.ndim} dims {tuple(mesh.shape)}; fz3.shard takes a 1-D mesh (shard) "
-                         f"or a 2-D mesh (replicate, shard) for hybrid sharding")
-    if not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialized: launch with torchrun and call "
-                           "dist.init_process_group (world size 1 works too)")
-    replicate_group, replicas = None, 1
-    if mesh is not None:
-        if group is not None:
-            raise ValueError("pass group= or mesh=, not both")
-        group = mesh.get_group(mesh.ndim - 1)
-        if mesh.ndim == 2:  # hybrid: shard inside dim 1, replicate across dim 0 (HSDP, ZeRO++ hpZ)
-            replicate_group, replicas = mesh.get_group(0), mesh.size(0)
-    group = group or dist.group.WORLD
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    backend = dist.get_backend(group)
+    groups = comm_groups(group, mesh)  # collective: every row's groups, in one order on every rank
+    comm = Comm(**groups._asdict(), heartbeat=Heartbeat())
+    rank, world = comm.rank, comm.world_size
+    backend = dist.get_backend(comm.group)
     device = torch.device(device) if device is not None else _default_device(module, backend)
-    reduce_group = dist.new_group(dist.get_process_group_ranks(group)) if backend == "nccl" and world > 1 else group
-    comm = Comm(group, reduce_group, rank, world, replicate_group, replicas, heartbeat=Heartbeat())
 
     stack = resolve_layers(module, layers)
     block_params = [_named_params(b) for b in stack]
