@@ -151,6 +151,29 @@ def test_late_rank_is_not_reported_lost():
         assert "rank(s) [1] stopped responding" in msg and took < 20, (rank, took, msg)
 
 
+def optimizer_dying_ranks(rank, world):
+    """Rank 1 dies after its backward: clipping and the overflow check raise RankLostError."""
+    model, params = shard_gpt(gpt(CFG))
+    _, grads = fz3.value_and_grad(model)(params, batches(CFG, world)[rank])
+    if rank == 1:
+        os._exit(3)
+    out = []
+    for collective in (lambda: fz3.optim.clip_by_global_norm(1.0, model).update(grads, None),
+                       lambda: fz3.optim.unscale(grads, fz3.optim.LossScale(), model)):
+        with pytest.raises(fz3.RankLostError) as e:
+            collective()
+        out.append(e.value.lost)
+    return out
+
+
+def test_dead_rank_in_optimizer_collectives_is_named():
+    """clip_by_global_norm and unscale issued their own dist.all_reduce: a dead peer gave a
+    bare gloo error (or a hang) there instead of RankLostError naming it."""
+    out = dist.run(2, optimizer_dying_ranks, may_die=frozenset({1}), timeout=60,
+                   env={"FZ3_TEST_PG_TIMEOUT": "20"})
+    assert out == [[[1], [1]], None]
+
+
 def determinism_ranks(rank, world):
     torch.manual_seed(1234 + rank)
     cfg = dataclasses.replace(CFG, dropout=0.1)

@@ -43,7 +43,7 @@ def clip_ranks(rank, world, steps=4):
     model, params = shard_gpt(module)
     ref = gpt(cfg)
     torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    opt = fz3.optim.chain(fz3.optim.clip_by_global_norm(0.05, group=model.comm.group),
+    opt = fz3.optim.chain(fz3.optim.clip_by_global_norm(0.05, model),
                           fz3.optim.adamw(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1))
     state = opt.init(params)
     step = fz3.value_and_grad(model)
@@ -95,7 +95,7 @@ def precision_ranks(rank, world):
     for s in range(40):
         before = params16
         loss, grads = step(params16, bs[rank], loss_scale=ls.scale)
-        grads, ls, finite = fz3.optim.unscale(grads, ls, model16.comm.group)
+        grads, ls, finite = fz3.optim.unscale(grads, ls, model16)
         history.append((finite, ls.scale))
         if finite:
             if not gathered:  # every rank takes this branch together: `finite` is agreed
