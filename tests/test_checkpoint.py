@@ -7,6 +7,7 @@ import dataclasses
 import datetime
 import os
 import pickle
+import shutil
 import time
 
 import pytest
@@ -187,6 +188,39 @@ def load_errors_ranks(rank, world, folder):
         fz3.load(path, other, {"params": oparams})
     with pytest.raises(ValueError, match=r"has no \['step'\]"):
         fz3.load(path, model, {"params": params, "step": 0})
+    # A template that does not fit: named by key and difference, not called damage.
+    full = os.path.join(folder, "full")
+    fz3.save(full, model, {"params": params, "step": torch.tensor(3), "n": 5})
+    fits = {"params": params, "step": torch.tensor(0), "n": 0}
+    for change, want in (
+            (dict(params=fz3.Params(params.outer.double(), params.layers.double())),
+             r"does not fit the template: params.outer is \[1, \d+\] float32 there and \[1, \d+\] float64 "
+             r"in the template; build the template like the saved state"),
+            (dict(params=fz3.Params(params.outer.to("meta"), params.layers.to("meta"))),
+             r"the template's params.outer is on meta, not on the model's device cpu"),
+            (dict(step=torch.tensor(0.0)), r"step is \[\] int64 there and \[\] float32 in the template"),
+            (dict(step=torch.zeros(2, dtype=torch.int64)), r"step is \[\] int64 there and \[2\] int64"),
+            (dict(step=0), r"step is a tensor there and of type int in the template"),
+            (dict(n=torch.tensor(0)), r"n is a Python value there and of type Tensor in the template")):
+        with pytest.raises(ValueError, match=want):
+            fz3.load(full, model, {**fits, **change})
+    assert fz3.load(full, model, fits)["step"] == 3
+    # Damage inside files of full length: unreadable metadata, and data that does not decode.
+    tdist_barrier(model)
+    if rank == 0:
+        for name, victim in (("bad_meta", lambda p: ".metadata"),
+                             ("bad_data", lambda p: sorted(f for f in os.listdir(p) if f.endswith(".distcp"))[0])):
+            shutil.copytree(full, os.path.join(folder, name))
+            file = os.path.join(folder, name, victim(os.path.join(folder, name)))
+            size = os.path.getsize(file)
+            with open(file, "wb") as f:
+                f.write(b"\xff" * size)
+    tdist_barrier(model)
+    with pytest.raises(ValueError, match=r"bad_meta is damaged: its metadata \(fz3.json, .metadata\) cannot be read"):
+        fz3.load(os.path.join(folder, "bad_meta"), model, fits)
+    with pytest.raises(ValueError, match=r"bad_data is damaged inside a file, or the storage failed: its files have "
+                                         r"their full length and fit the model and the template"):
+        fz3.load(os.path.join(folder, "bad_data"), model, fits)
     tdist_barrier(model)
     if rank == 0:  # damage a data file
         data = sorted(f for f in os.listdir(path) if f.endswith(".distcp"))[0]

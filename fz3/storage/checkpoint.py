@@ -30,8 +30,8 @@ import torch.distributed as dist
 from ..comm.arrival import DEFAULT_TIMEOUT_S, arrive
 from ..sharding.layout import FlatLayout
 from ..sharding.model import Params, ShardedModel
+from .verify import META, check_model, check_template, describe, read_meta
 
-META = "fz3.json"
 # torch.distributed.checkpoint and DTensor are imported where used: they take over a second
 # to import, which every process importing fz3 would otherwise pay.
 
@@ -53,7 +53,7 @@ def save(path: str, model: ShardedModel, state: Any, *, timeout: float = DEFAULT
     dcp.save(flat, checkpoint_id=partial, process_group=_everyone(model))
     if dist.get_rank() == 0:  # DCP's save returns on the coordinator only after every rank has written
         with open(os.path.join(partial, META), "w") as f:
-            json.dump(_describe(model, [k for k in flat if not k.startswith("rng.")]), f, indent=1)
+            json.dump(describe(model, [k for k in flat if not k.startswith("rng.")]), f, indent=1)
         if os.path.exists(path):
             shutil.rmtree(old, ignore_errors=True)
             os.rename(path, old)
@@ -73,13 +73,10 @@ def load(path: str, model: ShardedModel, template: Any, *, restore_rng: bool = T
 
     arrive(_everyone(model), "fz3.load", timeout)
     path = path if os.path.isdir(path) or not os.path.isdir(path + ".old") else path + ".old"
-    meta = _read_meta(path)
-    _check_model(path, meta, model)
+    meta, saved = read_meta(path)
+    check_model(path, meta, model)
     flat = _flatten(model, template, "", for_load=True)
-    missing = sorted(set(flat) - set(meta["keys"]))
-    if missing:
-        raise ValueError(f"checkpoint {path} has no {missing[:5]}{' ...' if len(missing) > 5 else ''}; it holds "
-                         f"{meta['keys'][:8]}: build the template with the same structure as the saved state")
+    check_template(path, meta, saved, flat, model)
     rng_key = f"rng.rank{dist.get_rank()}"
     with_rng = restore_rng and dist.get_rank() < meta["ranks"]  # ranks beyond the saved job keep theirs
     if with_rng:
@@ -87,7 +84,9 @@ def load(path: str, model: ShardedModel, template: Any, *, restore_rng: bool = T
     try:
         dcp.load(flat, checkpoint_id=path, process_group=_everyone(model))
     except (Exception, CheckpointException) as e:  # DCP raises every rank's failure on all of them
-        raise ValueError(f"checkpoint {path} could not be read (damaged or truncated?): {e}") from e
+        raise ValueError(f"checkpoint {path} is damaged inside a file, or the storage failed: its "
+                         f"files have their full length and fit the model and the template, yet "
+                         f"reading them failed: {str(e)[:2000]}") from e
     if with_rng:
         _set_rng(model, flat.pop(rng_key))
     return _unflatten(model, template, flat, "")
@@ -147,54 +146,6 @@ def _local(layout: FlatLayout, t: Any, rank: int) -> torch.Tensor:
 def _real(layout: FlatLayout, rank: int) -> int:
     """Elements of rank's shard that are parameters, not padding (torch.chunk's split)."""
     return max(0, min(layout.shard_numel, layout.numel - rank * layout.shard_numel))
-
-
-def _describe(model: ShardedModel, keys: list[str]) -> dict:
-    return {"world_size": model.world_size, "ranks": dist.get_world_size(), "num_layers": model.num_layers,
-            "layers_path": model.layers_path,
-            "outer": [[list(s.names), list(s.shape)] for s in model.outer.slots],
-            "layer": [[list(s.names), list(s.shape)] for s in model.layer.slots], "keys": keys}
-
-
-def _read_meta(path: str) -> dict:
-    import torch.distributed.checkpoint as dcp
-
-    file = os.path.join(path, META)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"no checkpoint at {path} (nor {path}.old): check the path, or save one first")
-    for needed in (file, os.path.join(path, ".metadata")):
-        if not os.path.isfile(needed):
-            raise ValueError(f"checkpoint {path} is incomplete: {needed} is missing (an interrupted save?)")
-    with open(file) as f:
-        meta = json.load(f)
-    # Every data file DCP's metadata refers to must be there, long enough: a damaged or
-    # truncated checkpoint is named here, on every rank, before any rank starts reading.
-    need: dict[str, int] = {}
-    for info in dcp.FileSystemReader(path).read_metadata().storage_data.values():
-        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
-    for rel, size in sorted(need.items()):
-        data = os.path.join(path, rel)
-        have = os.path.getsize(data) if os.path.isfile(data) else -1
-        if have < size:
-            state = "is missing" if have < 0 else f"has {have} bytes, {size} expected (truncated)"
-            raise ValueError(f"checkpoint {path} is damaged: {data} {state}")
-    return meta
-
-
-def _check_model(path: str, meta: dict, model: ShardedModel) -> None:
-    mine = _describe(model, [])
-    if meta["num_layers"] != model.num_layers:
-        raise ValueError(f"checkpoint {path} has {meta['num_layers']} layers, the model {model.num_layers} "
-                         f"({os.path.join(path, META)})")
-    for unit in ("outer", "layer"):
-        for i, (a, b) in enumerate(zip(meta[unit] + [None] * len(mine[unit]), mine[unit] + [None] * len(meta[unit]))):
-            if a != b:
-                raise ValueError(f"checkpoint {path} was saved from another model: {unit} parameter #{i} is "
-                                 f"{_slot(a)} there and {_slot(b)} here ({os.path.join(path, META)})")
-
-
-def _slot(s) -> str:
-    return "nothing" if s is None else f"{s[0][0]} {s[1]}"
 
 
 def _rng(model: ShardedModel) -> torch.Tensor:
