@@ -74,3 +74,19 @@ def test_liveness_is_read_from_change_per_incident():
     stop.set()
     beating.join()
     assert observe(st, [1, 2, 3], window_s=0.5) == Liveness([], [1, 2], [3])
+
+
+def arrival_ranks(rank, world, calls):
+    from fz3.comm.arrival import arrive
+
+    for i in range(calls):
+        tdist.barrier()  # ranks leave a collective together and race into the check
+        arrive(None, f"call {i}", timeout=10)
+    return "ok"
+
+
+def test_arrivals_in_quick_succession_stay_in_step():
+    """Many calls, each right after a collective: the last rank's "go" can land
+    between another rank's count and its next look at the decision; that rank must not take
+    the call for one it missed (it did, and waited in the next call while the others went on)."""
+    assert dist.run(3, arrival_ranks, 600, timeout=60) == ["ok"] * 3

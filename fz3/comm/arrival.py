@@ -16,7 +16,9 @@ Everything lives in the rendezvous store under ``fz3/arrive/<restart>/<ranks dig
   timeout passed. Whoever wins then advances ``epoch`` and only then writes ``<epoch>/done``:
   every rank waits for ``done``, so none reads the old epoch after returning.
 - A rank arriving at an instance that is already decided (it came after the others gave
-  up) joins the next one, so one skipped call does not poison every later one.
+  up) joins the next one, so one skipped call does not poison every later one. Once counted
+  (``count`` <= ranks) a rank abides by the decision: the last rank may decide "go" between
+  another's count and its next look, and that rank is in it.
 - The last rank of a "go" deletes the previous instance's keys: every rank has arrived at
   this one, so none is still reading the last.
 Cost: about 6 store round trips per rank per call (one more per poll while waiting).
@@ -63,11 +65,15 @@ def arrive(group: dist.ProcessGroup | None, what: str, timeout: float = DEFAULT_
     while True:
         epoch = st.add(f"{base}/epoch", 0)
         inst = f"{base}/{epoch}"
-        st.set(f"{inst}/call/{me}", what)
-        count = st.add(f"{inst}/count", 1)
-        if count > len(ranks) or st.check([f"{inst}/decision"]):
+        if st.check([f"{inst}/decision"]):
             _wait_done(st, inst, deadline + 10.0)  # decided without us: take the next one
             continue
+        st.set(f"{inst}/call/{me}", what)  # before counting: the last to count reads them all
+        count = st.add(f"{inst}/count", 1)
+        if count > len(ranks):
+            _wait_done(st, inst, deadline + 10.0)
+            continue
+        # Counted: the decision, whatever it is, is this rank's too; never re-check it here.
         if count == len(ranks):
             calls = dict(zip(ranks, (v.decode() for v in st.multi_get(
                 [f"{inst}/call/{r}" for r in ranks]))))
