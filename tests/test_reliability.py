@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 import torch.distributed as tdist
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dist
@@ -196,34 +196,38 @@ def test_two_runs_are_bitwise_identical():
         assert la == lb and all(torch.equal(u, v) for u, v in zip(pa, pb))
 
 
-# Fuzzed shapes: every rank draws the same examples (derandomized), so they stay in step.
-@settings(max_examples=4, deadline=None, derandomize=True, database=None,
-          suppress_health_check=list(HealthCheck))
-@given(layers=st.integers(1, 6), heads=st.sampled_from([1, 2, 3]), head_dim=st.integers(1, 7),
-       vocab=st.integers(5, 53), seq=st.integers(1, 9), tie=st.booleans(),
-       policy=st.sampled_from([fz3.Policy(), fz3.Policy(activations="save", prefetch=2),
-                               fz3.Policy(layers_per_unit=2, reduce="all_reduce")]))
-def _fuzz_case(layers, heads, head_dim, vocab, seq, tie, policy):
-    import torch.distributed as tdist
+# Fuzzed shapes. Hypothesis draws each example in the test process and sends it to ranks
+# that stay up for the whole search (dist.Pool), so every rank runs the same example and
+# starting ranks is paid once per world size; shrinking a failure runs on the same ranks.
+CASES = st.tuples(  # layers, heads, head_dim, vocab, seq, tie, policy
+    st.integers(1, 6), st.sampled_from([1, 2, 3]), st.integers(1, 7), st.integers(5, 53),
+    st.integers(1, 9), st.booleans(), st.sampled_from([fz3.Policy(), fz3.Policy(activations="save", prefetch=2),
+                                    fz3.Policy(layers_per_unit=2, reduce="all_reduce")]))
 
-    rank, world = tdist.get_rank(), tdist.get_world_size()
+
+def fuzz_case(rank, world, case):
+    layers, heads, head_dim, vocab, seq, tie, policy = case
     cfg = GPTConfig(vocab=vocab, seq=seq, dim=heads * head_dim, heads=heads, layers=layers, tie=tie)
     module = gpt(cfg)
     model, params = shard_gpt(module)
     bs = batches(cfg, world)
     ref_loss, ref = reference_grads(module, bs)
     loss, grads = fz3.value_and_grad(model, policy)(params, bs[rank])
-    assert abs(float(loss) - ref_loss) <= 1e-5 * abs(ref_loss) + 1e-6
     got = fz3.full_state_dict(model, grads, buffers=False)
+    fz3.destroy(model)  # every rank gets here: the asserts below are local
+    assert abs(float(loss) - ref_loss) <= 1e-5 * abs(ref_loss) + 1e-6
     if rank == 0:
         assert_close(got, ref, what=f"fuzz {cfg} {policy} world={world}")
 
 
-def fuzz_ranks(rank, world):
-    _fuzz_case()
-    return "ok"
-
-
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", [1, 2, 3])
 def test_fuzzed_shapes_equal_plain_model(world):
-    assert dist.run(world, fuzz_ranks, timeout=240) == ["ok"] * world
+    """50 fresh examples per run (not derandomized: each run searches further), health checks
+    on; a failure is shrunk to the smallest case that fails."""
+    with dist.Pool(world) as pool:
+        @settings(max_examples=50, deadline=None)
+        @given(case=CASES)
+        def check(case):
+            pool.run(fuzz_case, case)
+
+        check()
