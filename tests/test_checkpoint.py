@@ -114,10 +114,10 @@ def export_ranks(rank, world, folder):
         out = os.path.join(folder, fmt)
         with LiveBytes() as mem:  # every tensor storage export allocates, while it lives
             report = fz3.export(out, model, params, format=fmt)
-        # Streaming, measured: one unit gathered, plus its host copy on rank 0 (on the others
-        # gloo may still hold the last unit's buffer while the next is gathered): 2 units of
-        # the 6.1 the model has. Keeping every unit until the end measures 7 units on rank 0.
-        assert mem.peak <= 2 * unit and 3 * unit < report.model_bytes, (mem.peak, unit, report)
+        # Streaming, measured: one gather buffer, plus the unit's host copy on rank 0: 1 or 2
+        # of the 6.1 units the model has. (Keeping every unit measured 7 on rank 0; a fresh
+        # buffer per unit measured 3 at times, gloo holding the last one after its wait.)
+        assert mem.peak <= (2 if rank == 0 else 1) * unit < report.model_bytes / 3, (mem.peak, unit)
         if rank == 0:  # the report's own figure is the measured one
             assert abs(report.peak_bytes - mem.peak) <= 0.1 * mem.peak, (report, mem.peak)
         if rank == 0:

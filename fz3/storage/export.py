@@ -1,12 +1,14 @@
 """Export consolidated weights with the original module's names, one unit at a time.
 
-``fz3.export(path, model, params)`` gathers one unit (the outer unit, then each layer),
-rank 0 writes it to its own file and drops it before the next: the extra memory on any
-rank is about one unit, never the whole model. The files follow Hugging Face's sharded
-layout (``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``; with
-``format="torch"`` or without safetensors installed, ``pytorch_model-*.bin`` and its index),
-so ``from_pretrained(path)`` reads an exported HF model (its ``config.json`` is written
-too); ``fz3.read_export(path)`` returns a state dict for ``load_state_dict(strict=True)``.
+``fz3.export(path, model, params)`` gathers one unit (the outer unit, then each layer)
+into one reused buffer, rank 0 writes it to its own file and drops its host copy before
+the next: the extra memory is one unit (two on rank 0, with the host copy), never the
+whole model. The files follow Hugging Face's sharded layout
+(``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``; with
+``format="torch"`` or without safetensors installed, ``pytorch_model-*.bin`` and its
+index), so ``from_pretrained(path)`` reads an exported HF model (its ``config.json`` is
+written too); ``fz3.read_export(path)`` returns a state dict for
+``load_state_dict(strict=True)``.
 
 Tied parameters are stored once, under their first name; the index's ``fz3_aliases``
 records the other names.
@@ -28,7 +30,7 @@ from ..sharding.model import Params, ShardedModel
 
 class ExportReport(NamedTuple):
     files: list[str]  # written by rank 0 (empty on other ranks)
-    peak_bytes: int  # the most this rank held at once: one gathered unit (+ its host copies on rank 0)
+    peak_bytes: int  # the most this rank held at once: one gathered unit (+ host copies on rank 0)
     model_bytes: int  # the whole model, for comparison
 
 
@@ -44,18 +46,26 @@ def export(path: str, model: ShardedModel, params: Params, *,
     fmt = format or ("safetensors" if _has_safetensors() else "torch")
     rank0 = model.is_root
     units: list[tuple[FlatLayout, torch.Tensor, str]] = [(model.outer, params.outer, "")]
-    units += [(model.layer, params.layers[i], f"{model.layers_path}.{i}.") for i in range(model.num_layers)]
+    units += [(model.layer, params.layers[i], f"{model.layers_path}.{i}.")
+              for i in range(model.num_layers)]
     n = len(units)
     stem, ext = ("model", "safetensors") if fmt == "safetensors" else ("pytorch_model", "bin")
     if rank0:
         os.makedirs(path, exist_ok=True)
     weight_map, aliases, files, peak, total = {}, {}, [], 0, 0
     skeleton_params = dict(model.skeleton.named_parameters(remove_duplicate=False))
-    buffers = {k: v for k, v in model.skeleton.state_dict(keep_vars=True).items() if k not in skeleton_params}
+    buffers = {k: v for k, v in model.skeleton.state_dict(keep_vars=True).items()
+               if k not in skeleton_params}
+    # One gather buffer, the largest unit's size, reused by every unit: a finished
+    # collective's output may stay referenced by the backend a moment after ``wait`` (gloo's
+    # worker thread), so a fresh buffer per unit briefly made two; reusing it keeps one.
+    # (units, padded) -> buffer[:padded] is the unit's (padded,) gathered buffer.
+    gathered = torch.empty(max(model.outer.padded, model.layer.padded), dtype=params.outer.dtype,
+                           device=params.outer.device)
     for k, (layout, shard, prefix) in enumerate(units):
-        full = torch.empty(layout.padded, dtype=shard.dtype, device=shard.device)
+        full = gathered[: layout.padded]
         wait(all_gather(model.comm, full, shard.contiguous()))
-        held = full.numel() * full.element_size()
+        held = gathered.numel() * gathered.element_size()
         if rank0:
             tensors = {}
             for s, v in zip(layout.slots, layout.views(full)):
@@ -71,9 +81,9 @@ def export(path: str, model: ShardedModel, params: Params, *,
             total += sum(t.numel() * t.element_size() for t in tensors.values())
             del tensors
         peak = max(peak, held)
-        del full
     if rank0:
-        index = {"metadata": {"total_size": total, "format": fmt}, "weight_map": weight_map, "fz3_aliases": aliases}
+        index = {"metadata": {"total_size": total, "format": fmt}, "weight_map": weight_map,
+                 "fz3_aliases": aliases}
         with open(os.path.join(path, f"{stem}.{ext}.index.json"), "w") as f:
             json.dump(index, f, indent=1)
         config = getattr(model.skeleton, "config", None)
@@ -90,7 +100,8 @@ def read_export(path: str) -> dict[str, torch.Tensor]:
         if os.path.exists(index_file):
             break
     else:
-        raise FileNotFoundError(f"no model.safetensors.index.json or pytorch_model.bin.index.json in {path}")
+        raise FileNotFoundError(f"no model.safetensors.index.json or "
+                                f"pytorch_model.bin.index.json in {path}")
     with open(index_file) as f:
         index = json.load(f)
     sd: dict[str, torch.Tensor] = {}
