@@ -45,8 +45,9 @@ class Comm:
     world_size: int
     replicate_group: dist.ProcessGroup | None = None  # hybrid sharding: all-reduce across replicas
     replicas: int = 1  # size of replicate_group (1: plain ZeRO-3)
-    delay_s: float = 0.0  # debug: rank r sleeps r*delay_s before each collective (catches missing waits)
-    heartbeat: Heartbeat | None = None  # this process's liveness signal while the model lives (liveness.py)
+    # debug: rank r sleeps r*delay_s before each collective (catches missing waits)
+    delay_s: float = 0.0
+    heartbeat: Heartbeat | None = None  # this process's liveness signal (liveness.py)
 
     def _delay(self) -> None:
         if self.delay_s:
@@ -54,7 +55,7 @@ class Comm:
 
 
 class Pending(NamedTuple):
-    """An issued collective. ``out`` is valid only after ``wait``; ``keep`` stays alive until then."""
+    """An issued collective: ``out`` is valid only after ``wait``; ``keep`` lives until then."""
 
     work: object  # torch.distributed Work, or None when it ran synchronously
     out: torch.Tensor
@@ -63,14 +64,16 @@ class Pending(NamedTuple):
     label: object = None  # what it is, str()-ed only on failure (the executor passes its Op)
 
 
-def all_gather(comm: Comm, out: torch.Tensor, shard: torch.Tensor, label: object = "all-gather") -> Pending:
+def all_gather(comm: Comm, out: torch.Tensor, shard: torch.Tensor,
+               label: object = "all-gather") -> Pending:
     """Issue ``out (world*n,) <- concat over ranks of shard (n,)``."""
     comm._delay()
     work = _issue(comm.group, label, _all_gather, out, shard, group=comm.group, async_op=True)
     return Pending(work, out, shard, comm.group, label)
 
 
-def reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor, label: object = "reduce-scatter") -> Pending:
+def reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor,
+                   label: object = "reduce-scatter") -> Pending:
     """Issue ``out (n,) <- sum over ranks of full[rank*n:(rank+1)*n]`` (full: (world*n,))."""
     comm._delay()
     work = _issue(comm.reduce_group, label, _reduce_scatter, out, full, op=dist.ReduceOp.SUM,
@@ -83,7 +86,8 @@ def all_reduce(comm: Comm, t: torch.Tensor, *, group: dist.ProcessGroup | None =
     """Issue an in-place sum of ``t`` over ``group`` (default: the gradient group)."""
     comm._delay()
     group = group or comm.reduce_group
-    work = _issue(group, label, dist.all_reduce, t, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    work = _issue(group, label, dist.all_reduce, t, op=dist.ReduceOp.SUM, group=group,
+                  async_op=True)
     return Pending(work, t, None, group, label)
 
 

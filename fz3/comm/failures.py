@@ -27,11 +27,13 @@ class RankLostError(RuntimeError):
 
 
 def differing_ranks(group: dist.ProcessGroup, values: list[int], device: torch.device) -> list[int]:
-    """One all-gather of ``values`` (equal length on every rank): the ranks whose values differ from rank 0's."""
+    """One all-gather of ``values`` (equal length on every rank): the ranks whose values
+    differ from rank 0's."""
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
     everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(everyone, mine, group=group)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(everyone, mine, group=group)
     rows = everyone.view(world, -1).cpu()
     return [r for r in range(world) if not torch.equal(rows[r], rows[0])]
 
@@ -57,15 +59,16 @@ def lost_error(group: dist.ProcessGroup, what: object, cause: BaseException,
     first = str(cause).splitlines()[0][:300]
     if seen is None:
         return RankLostError(
-            f"rank {me}: {what} failed and the rendezvous store is unreachable, so the rank hosting "
-            f"it (rank 0 without torchrun's agent store) is probably gone. Cause: {first}", [])
+            f"rank {me}: {what} failed and the rendezvous store is unreachable, so the rank "
+            f"hosting it (rank 0 without torchrun's agent store) is probably gone. Cause: "
+            f"{first}", [])
     parts = []
     if seen.dead:
         parts.append(f"rank(s) {seen.dead} stopped responding (heartbeat stopped {window_s:.0f} s: "
                      f"died, or frozen)")
     if seen.unconfirmed:
-        parts.append(f"rank(s) {seen.unconfirmed} are unconfirmed (no heartbeat ever seen: did they "
-                     f"reach fz3.shard?)")
+        parts.append(f"rank(s) {seen.unconfirmed} are unconfirmed (no heartbeat ever seen: did "
+                     f"they reach fz3.shard?)")
     if parts:
         alive = f"; alive: {seen.alive}" if seen.alive else ""
         msg = f"rank {me}: {what} failed: {'; '.join(parts)}{alive}. Cause: {first}"

@@ -46,7 +46,8 @@ def unscale(grads: Tree, state: LossScale, model: ShardedModel) -> tuple[Tree, L
     bad = wait(all_reduce(comm, bad, group=comm.group, label="the loss scale's overflow check"))
     finite = not bool(bad.item())  # the one host read per step: it decides whether the step runs
     if not finite:
-        return grads, state._replace(scale=max(state.scale / state.factor, state.min_scale), good_steps=0), False
+        smaller = max(state.scale / state.factor, state.min_scale)
+        return grads, state._replace(scale=smaller, good_steps=0), False
     inv = 1.0 / state.scale
     grads = optree.tree_map(lambda g: g * inv, grads)
     good = state.good_steps + 1

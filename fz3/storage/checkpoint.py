@@ -37,7 +37,8 @@ from .verify import META, check_model, check_template, describe, read_meta
 
 
 def save(path: str, model: ShardedModel, state: Any, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
-    """Write ``state`` (a pytree: dicts, lists, NamedTuples, ``Params``, tensors, values) to ``path``.
+    """Write ``state`` (a pytree: dicts, lists, NamedTuples, ``Params``, tensors, values) to
+    ``path``.
 
     Collective: every rank calls it. A rank that does not within ``timeout`` seconds makes the
     others raise ``fz3.CollectiveMismatchError`` naming it, before anything is written."""
@@ -51,7 +52,8 @@ def save(path: str, model: ShardedModel, state: Any, *, timeout: float = DEFAULT
     flat = _flatten(model, state, "")
     flat[f"rng.rank{dist.get_rank()}"] = _rng(model)
     dcp.save(flat, checkpoint_id=partial, process_group=_everyone(model))
-    if dist.get_rank() == 0:  # DCP's save returns on the coordinator only after every rank has written
+    # DCP's save returns on the coordinator only after every rank has written
+    if dist.get_rank() == 0:
         with open(os.path.join(partial, META), "w") as f:
             json.dump(describe(model, [k for k in flat if not k.startswith("rng.")]), f, indent=1)
         if os.path.exists(path):
@@ -78,7 +80,8 @@ def load(path: str, model: ShardedModel, template: Any, *, restore_rng: bool = T
     flat = _flatten(model, template, "", for_load=True)
     check_template(path, meta, saved, flat, model)
     rng_key = f"rng.rank{dist.get_rank()}"
-    with_rng = restore_rng and dist.get_rank() < meta["ranks"]  # ranks beyond the saved job keep theirs
+    # ranks beyond the saved job keep their RNG state
+    with_rng = restore_rng and dist.get_rank() < meta["ranks"]
     if with_rng:
         flat[rng_key] = _rng(model)
     try:
@@ -94,16 +97,23 @@ def load(path: str, model: ShardedModel, template: Any, *, restore_rng: bool = T
 
 def _flatten(model: ShardedModel, x: Any, key: str, for_load: bool = False) -> dict[str, Any]:
     if isinstance(x, Params):
-        return {f"{key}outer": _dtensor(model, model.outer, x.outer.reshape(1, -1), for_load, vector=True),
+        return {f"{key}outer": _dtensor(model, model.outer, x.outer.reshape(1, -1), for_load,
+                                        vector=True),
                 f"{key}layers": _dtensor(model, model.layer, x.layers, for_load, vector=False)}
     if isinstance(x, tuple) and hasattr(x, "_fields"):
-        return {k: v for f, item in zip(x._fields, x) for k, v in _flatten(model, item, f"{key}{f}.", for_load).items()}
+        return _merge(model, zip(x._fields, x), key, for_load)
     if isinstance(x, dict):
-        return {k: v for f, item in x.items() for k, v in _flatten(model, item, f"{key}{f}.", for_load).items()}
+        return _merge(model, x.items(), key, for_load)
     if isinstance(x, (list, tuple)):
-        return {k: v for i, item in enumerate(x) for k, v in _flatten(model, item, f"{key}{i}.", for_load).items()}
+        return _merge(model, enumerate(x), key, for_load)
     name = key.rstrip(".") or "state"
     return {name: x.clone() if for_load and isinstance(x, torch.Tensor) else x}
+
+
+def _merge(model: ShardedModel, items, key: str, for_load: bool) -> dict[str, Any]:
+    """``_flatten`` of each ``(field, item)``, keys prefixed ``key + field + "."``, merged."""
+    return {k: v for f, item in items
+            for k, v in _flatten(model, item, f"{key}{f}.", for_load).items()}
 
 
 def _unflatten(model: ShardedModel, x: Any, flat: dict[str, Any], key: str) -> Any:
@@ -111,7 +121,8 @@ def _unflatten(model: ShardedModel, x: Any, flat: dict[str, Any], key: str) -> A
         return Params(_local(model.outer, flat[f"{key}outer"], model.rank).reshape(-1),
                       _local(model.layer, flat[f"{key}layers"], model.rank))
     if isinstance(x, tuple) and hasattr(x, "_fields"):
-        return type(x)(*(_unflatten(model, item, flat, f"{key}{f}.") for f, item in zip(x._fields, x)))
+        return type(x)(*(_unflatten(model, item, flat, f"{key}{f}.")
+                         for f, item in zip(x._fields, x)))
     if isinstance(x, dict):
         return {f: _unflatten(model, item, flat, f"{key}{f}.") for f, item in x.items()}
     if isinstance(x, (list, tuple)):
@@ -119,20 +130,26 @@ def _unflatten(model: ShardedModel, x: Any, flat: dict[str, Any], key: str) -> A
     return flat[key.rstrip(".") or "state"]
 
 
-def _dtensor(model: ShardedModel, layout: FlatLayout, shards: torch.Tensor, for_load: bool, vector: bool):
-    """(rows, shard) padded shards -> a DTensor over the unpadded (rows, numel), sharded on dim 1."""
+def _dtensor(model: ShardedModel, layout: FlatLayout, shards: torch.Tensor, for_load: bool,
+             vector: bool):
+    """(rows, shard) padded shards -> a DTensor over the unpadded (rows, numel), sharded on
+    dim 1."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     real = _real(layout, model.rank)
-    local = torch.empty(shards.shape[0], real, dtype=shards.dtype, device=shards.device) if for_load \
-        else shards[:, :real].contiguous()
-    if model.mesh is not None and model.mesh.ndim == 2:  # hybrid: the same shards in every replica row
+    if for_load:
+        local = torch.empty(shards.shape[0], real, dtype=shards.dtype, device=shards.device)
+    else:
+        local = shards[:, :real].contiguous()
+    if model.mesh is not None and model.mesh.ndim == 2:  # hybrid: same shards in every row
         mesh, placements = model.mesh, [Replicate(), Shard(1)]
     else:
-        mesh, placements = DeviceMesh.from_group(model.comm.group, device_type=model.device.type), [Shard(1)]
+        mesh = DeviceMesh.from_group(model.comm.group, device_type=model.device.type)
+        placements = [Shard(1)]
     shape = torch.Size([shards.shape[0], layout.numel])
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=(layout.numel, 1))
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
+                              stride=(layout.numel, 1))
 
 
 def _local(layout: FlatLayout, t: Any, rank: int) -> torch.Tensor:

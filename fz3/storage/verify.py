@@ -75,7 +75,8 @@ def check_model(path: str, meta: dict, model: ShardedModel) -> None:
             b = ours[i] if i < len(ours) else None
             if a != b:
                 raise ValueError(f"checkpoint {path} was saved from another model: {unit} "
-                                 f"parameter #{i} is {_slot(a)} there and {_slot(b)} here ({where})")
+                                 f"parameter #{i} is {_slot(a)} there and {_slot(b)} here "
+                                 f"({where})")
 
 
 def check_template(path: str, meta: dict, saved: Any, flat: dict[str, Any],
