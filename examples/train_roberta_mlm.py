@@ -65,7 +65,7 @@ def main() -> None:
     cfg = RobertaConfig(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
                         intermediate_size=512, max_position_embeddings=args.seq + 2, type_vocab_size=1)
     model, params = fz3.shard(RobertaForMaskedLM(cfg))  # built-in adapter: no pre/post needed
-    opt = fz3.optim.chain(fz3.optim.clip_by_global_norm(1.0, group=model.comm.group),
+    opt = fz3.optim.chain(fz3.optim.clip_by_global_norm(1.0, model),
                           fz3.optim.adamw(lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01,
                                           mask=fz3.decay_mask(model)))
     state = opt.init(params)

@@ -5,7 +5,9 @@
 """
 
 from . import optim
+from .comm.arrival import CollectiveMismatchError
 from .comm.failures import RankLostError
+from .comm.groups import destroy
 from .observe.memory import MemoryPlan, memory_plan
 from .observe.step_through import StepFrame, any_rank, step_through
 from .observe.trace import chrome_trace, trace, trace_summary
@@ -27,9 +29,11 @@ from .storage.export import ExportReport, export, read_export
 from .storage.state_dict import full_state_dict
 
 __all__ = [
-    "Accumulate", "Category", "CompileError", "Event", "ExportReport", "FlatLayout", "Frame", "MemoryPlan", "NonFiniteError",
-    "Op", "OpKind", "PartShape", "Role", "Unit", "Params", "Policy", "Precision", "RankLostError", "Recorder", "Result", "Schedule",
-    "ScheduleError", "ShardedModel", "Slot", "StepFrame", "ValueAndGrad", "accumulate", "any_rank", "apply",
-    "chrome_trace", "decay_mask", "deferred", "export", "full_state_dict", "load", "memory_plan", "optim", "plan",
-    "read_export", "save", "shard", "step_through", "trace", "trace_summary", "validate", "value_and_grad",
+    "Accumulate", "Category", "CollectiveMismatchError", "CompileError", "Event", "ExportReport",
+    "FlatLayout", "Frame", "MemoryPlan", "NonFiniteError", "Op", "OpKind", "Params", "PartShape",
+    "Policy", "Precision", "RankLostError", "Recorder", "Result", "Role", "Schedule", "ScheduleError",
+    "ShardedModel", "Slot", "StepFrame", "Unit", "ValueAndGrad", "accumulate", "any_rank", "apply",
+    "chrome_trace", "decay_mask", "deferred", "destroy", "export", "full_state_dict", "load",
+    "memory_plan", "optim", "plan", "read_export", "save", "shard", "step_through", "trace",
+    "trace_summary", "validate", "value_and_grad",
 ]

@@ -10,6 +10,9 @@ Ranks are forked from a forkserver that imported torch, fz3 and torch's checkpoi
 Hugging Face modules once (``spawn`` would import them again in every rank: ~3 s of CPU
 each, which on 2 cores was more than half of the suite). The server never runs a torch op,
 so no thread pool exists when it forks; every rank still builds its own process group.
+
+``Pool`` keeps ranks (and their process group) up across many tasks, for property tests
+whose examples each cost less than starting ranks.
 """
 
 from __future__ import annotations
@@ -95,6 +98,100 @@ def run(world: int, fn: Callable, *args: Any, timeout: float = 180.0, env: dict 
                     p.kill()
                     p.join()
     return [results[r] for r in range(world)]
+
+
+def _pool_child(rank: int, world: int, store: str, inbox: Any, q: Any, env: dict) -> None:
+    """A rank that keeps its process group and runs one task after another from ``inbox``."""
+    os.environ.update(env)
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=float(env.get("FZ3_TEST_PG_TIMEOUT", 300)))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timeout)
+    while (task := inbox.get()) is not None:
+        fn, args = task
+        try:
+            q.put((rank, True, fn(rank, world, *args)))
+        except BaseException:  # noqa: BLE001 - reported; the rank stays for the next task
+            q.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class Pool:
+    """``world`` ranks started once, running many tasks: ``pool.run(fn, *args)`` runs
+    ``fn(rank, world, *args)`` on every rank and returns the results by rank. For many small
+    cases (a property test's examples) where starting ranks would cost more than the cases.
+
+    A task that fails on any rank, or hangs past ``timeout``, may have left the other ranks
+    inside a collective: the pool then replaces its ranks with fresh ones (their own process
+    group) and raises AssertionError with every failing rank's traceback, or TimeoutError.
+    So a failure costs one restart (a few seconds) and the next task starts clean."""
+
+    def __init__(self, world: int, env: dict | None = None) -> None:
+        self.world, self._env = world, env or {}
+        self._start()
+
+    def _start(self) -> None:
+        self._tmp = tempfile.TemporaryDirectory()
+        self._q = _CTX.Queue()
+        self._inboxes = [_CTX.Queue() for _ in range(self.world)]
+        store = os.path.join(self._tmp.name, "store")
+        self._procs = [_CTX.Process(target=_pool_child, daemon=True,
+                                    args=(r, self.world, store, self._inboxes[r], self._q,
+                                          self._env))
+                       for r in range(self.world)]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable, *args: Any, timeout: float = 60.0,
+            grace: float = 2.0) -> list[Any]:
+        for inbox in self._inboxes:
+            inbox.put((fn, args))
+        results: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while len(results) < self.world and time.monotonic() < deadline:
+            if any(not ok for ok, _ in results.values()):  # the others get `grace` to report
+                deadline = min(deadline, time.monotonic() + grace)
+            try:
+                rank, ok, out = self._q.get(timeout=0.2)
+            except queue.Empty:
+                if any(p.exitcode is not None for p in self._procs):
+                    break
+                continue
+            results[rank] = (ok, out)
+        failed = {r: out for r, (ok, out) in results.items() if not ok}
+        if len(results) == self.world and not failed:
+            return [results[r][1] for r in range(self.world)]
+        self.close()
+        self._start()
+        silent = sorted(set(range(self.world)) - set(results))
+        if not failed:
+            raise TimeoutError(f"ranks {silent} of {self.world} did not finish "
+                               f"{fn.__name__}{args} within {timeout}s, or died")
+        stuck = [f"ranks {silent} did not report (stuck after it?)"] if silent else []
+        raise AssertionError("\n".join([f"rank {r} of {self.world} failed:\n{msg}"
+                                        for r, msg in sorted(failed.items())] + stuck))
+
+    def close(self) -> None:
+        for inbox, p in zip(self._inboxes, self._procs):
+            if p.is_alive():
+                inbox.put(None)
+        for p in self._procs:
+            p.join(timeout=2)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> "Pool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _failures(q: Any, world: int, failed: dict[int, str]) -> dict[int, str]:

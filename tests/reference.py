@@ -34,6 +34,19 @@ def reference_grads(module: torch.nn.Module, bs) -> tuple[float, dict[str, torch
     return float(loss.detach()), {n: p.grad for n, p in m.named_parameters(remove_duplicate=False)}
 
 
+def low_precision_grads(module: torch.nn.Module, bs, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """What fz3 computes with ``Precision(dtype, torch.float32)``, done in plain autograd: each
+    rank's batch through the module cast to ``dtype``, the gradients of the mean loss summed
+    over ranks in fp32. Only the order of that sum can differ from fz3's."""
+    total: dict[str, torch.Tensor] = {}
+    for b in bs:
+        m = copy.deepcopy(module).to(dtype)
+        (m(*b) / len(bs)).backward()
+        for n, p in m.named_parameters(remove_duplicate=False):
+            total[n] = total[n] + p.grad.float() if n in total else p.grad.float()
+    return total
+
+
 def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rtol=RTOL, atol=ATOL, what="") -> None:
     assert set(got) == set(want), f"{what}: names differ: {sorted(set(got) ^ set(want))}"
     for n in want:

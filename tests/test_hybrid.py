@@ -33,7 +33,7 @@ def hybrid_ranks(rank, world, folder):
             if rank == 0:
                 assert_close(got, ref, what=f"hybrid {shape} {policy}")
         # two optimizer steps keep the replicas identical and match torch on the whole batch
-        opt = fz3.optim.chain(fz3.optim.clip_by_global_norm(1.0, group=model.comm.group),
+        opt = fz3.optim.chain(fz3.optim.clip_by_global_norm(1.0, model),
                               fz3.optim.adamw(lr=1e-3, weight_decay=0.1))
         state = opt.init(params)
         torch_ref = gpt(CFG)
@@ -45,7 +45,9 @@ def hybrid_ranks(rank, world, folder):
             p, state = fz3.optim.step(opt, g, state, p, donate=True)
             topt.zero_grad()
             torch_ref(*concat(b)).backward()
-            torch.nn.utils.clip_grad_norm_(torch_ref.parameters(), 1.0)
+            norm = torch.nn.utils.clip_grad_norm_(torch_ref.parameters(), 1.0)
+            # the norm of R identical replicas is the norm of one (a sum over the world: sqrt(R) x)
+            torch.testing.assert_close(state[0].norm, norm, rtol=1e-5, atol=0, msg=f"{shape} norm")
             topt.step()
         got = fz3.full_state_dict(model, p, buffers=False)
         if rank == 0:

@@ -27,12 +27,14 @@ import torch.distributed as dist
 
 from .compat import all_gather_into, reduce_scatter_into
 from .failures import lost_error
+from .liveness import Heartbeat
 
 
 
 @dataclass(frozen=True, eq=False)
 class Comm:
-    """The sharding group and how to talk to it. Built once by ``fz3.shard``."""
+    """The sharding group and how to talk to it. Built once by ``fz3.shard`` from
+    ``groups.comm_groups`` (which says who creates and frees each group)."""
 
     group: dist.ProcessGroup  # all-gathers (and the loss mean)
     reduce_group: dist.ProcessGroup  # reduce-scatters / all-reduces of gradients
@@ -40,8 +42,10 @@ class Comm:
     world_size: int
     replicate_group: dist.ProcessGroup | None = None  # hybrid sharding: all-reduce across replicas
     replicas: int = 1  # size of replicate_group (1: plain ZeRO-3)
-    delay_s: float = 0.0  # debug: rank r sleeps r*delay_s before each collective (catches missing waits)
-    local_copies: bool = True  # a group of one rank copies locally (False: through the backend, to test it)
+    # debug: rank r sleeps r*delay_s before each collective (catches missing waits)
+    delay_s: float = 0.0
+    heartbeat: Heartbeat | None = None  # this process's liveness signal (liveness.py)
+    local_copies: bool = True  # a group of one rank copies locally (False: through the backend)
 
     def _delay(self) -> None:
         if self.delay_s:
@@ -49,7 +53,7 @@ class Comm:
 
 
 class Pending(NamedTuple):
-    """An issued collective. ``out`` is valid only after ``wait``; ``keep`` stays alive until then."""
+    """An issued collective: ``out`` is valid only after ``wait``; ``keep`` lives until then."""
 
     work: object  # torch.distributed Work, or None when it ran synchronously
     out: torch.Tensor
@@ -65,7 +69,8 @@ class Pending(NamedTuple):
 # of fz3 pays for no communication. The executor above runs the same code at any size.
 
 
-def all_gather(comm: Comm, out: torch.Tensor, shard: torch.Tensor, label: object = "all-gather") -> Pending:
+def all_gather(comm: Comm, out: torch.Tensor, shard: torch.Tensor,
+               label: object = "all-gather") -> Pending:
     """Issue ``out (world*n,) <- concat over ranks of shard (n,)``."""
     comm._delay()
     if comm.world_size == 1 and comm.local_copies:
@@ -74,7 +79,8 @@ def all_gather(comm: Comm, out: torch.Tensor, shard: torch.Tensor, label: object
     return Pending(work, out, shard, comm.group, label)
 
 
-def reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor, label: object = "reduce-scatter") -> Pending:
+def reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor,
+                   label: object = "reduce-scatter") -> Pending:
     """Issue ``out (n,) <- sum over ranks of full[rank*n:(rank+1)*n]`` (full: (world*n,))."""
     comm._delay()
     if comm.world_size == 1 and comm.local_copies:
@@ -92,7 +98,8 @@ def all_reduce(comm: Comm, t: torch.Tensor, *, group: dist.ProcessGroup | None =
     size = comm.replicas if group is comm.replicate_group else comm.world_size
     if size == 1 and comm.local_copies:
         return Pending(None, t, None, group, label)
-    work = _issue(group, label, dist.all_reduce, t, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    work = _issue(group, label, dist.all_reduce, t, op=dist.ReduceOp.SUM, group=group,
+                  async_op=True)
     return Pending(work, t, None, group, label)
 
 

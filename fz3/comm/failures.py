@@ -3,30 +3,33 @@
 A ZeRO-3 step is a fixed sequence of collectives on every rank; a rank that takes another
 path (another model, another schedule, another step count, a different batch) or dies
 leaves the others waiting in a collective that never completes. fz3 checks what it can up
-front with one small all-gather, and when a collective does fail, asks the process
-group's store which ranks are still there before raising.
+front with one small all-gather, and when a collective does fail, reads the ranks'
+heartbeats in the rendezvous store to name the ones that are gone (``liveness.py``).
 """
 
 from __future__ import annotations
-
-import time
 
 import torch
 import torch.distributed as dist
 
 from .compat import all_gather_into
+from .liveness import WINDOW_S, Liveness, observe, store
 
 
 class RankLostError(RuntimeError):
-    """A collective failed; ``lost`` are the ranks that did not answer (empty: none was lost)."""
+    """A collective failed. ``lost``: ranks known dead (their heartbeat stopped); empty when
+    every rank is alive. ``unconfirmed``: ranks with no heartbeat to judge by (see
+    ``fz3/comm/liveness.py``); a live rank is in neither list."""
 
-    def __init__(self, message: str, lost: list[int]):
+    def __init__(self, message: str, lost: list[int], unconfirmed: list[int] | None = None):
         super().__init__(message)
         self.lost = lost
+        self.unconfirmed = unconfirmed or []
 
 
 def differing_ranks(group: dist.ProcessGroup, values: list[int], device: torch.device) -> list[int]:
-    """One all-gather of ``values`` (equal length on every rank): the ranks whose values differ from rank 0's."""
+    """One all-gather of ``values`` (equal length on every rank): the ranks whose values
+    differ from rank 0's."""
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
     everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
@@ -42,32 +45,35 @@ def gather_objects(group: dist.ProcessGroup, obj: object) -> list[object]:
     return out
 
 
-def lost_error(group: dist.ProcessGroup, what: object, cause: BaseException, grace_s: float = 3.0) -> RankLostError:
-    """After ``what`` failed with ``cause``: mark this rank alive in the store, wait ``grace_s``
-    for the others to do the same, and name the ranks that never did."""
-    ranks = dist.get_process_group_ranks(group)
+def lost_error(group: dist.ProcessGroup, what: object, cause: BaseException,
+               window_s: float = WINDOW_S) -> RankLostError:
+    """After ``what`` failed with ``cause``: watch the heartbeats of ``group``'s other ranks
+    for up to ``window_s`` and name the ones that stopped (see [Note: heartbeat])."""
     me = dist.get_rank()
-    lost: list[int] | None
+    peers = [r for r in dist.get_process_group_ranks(group) if r != me]
+    seen: Liveness | None
     try:
-        store = dist.distributed_c10d._get_default_store()  # the rendezvous store outlives the group
-        store.set(f"fz3/alive/{me}", "1")
-        deadline = time.monotonic() + grace_s
-        while True:
-            alive = [r for r in ranks if store.check([f"fz3/alive/{r}"])]
-            if len(alive) == len(ranks) or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        lost = [r for r in ranks if r not in alive]
+        seen = observe(store(), peers, window_s)
     except Exception:  # noqa: BLE001 - the store itself is gone (it lived in a dead rank's process)
-        lost = None
+        seen = None
     first = str(cause).splitlines()[0][:300]
-    if lost:
-        msg = (f"rank {me}: {what} failed because rank(s) {lost} stopped responding (died, or hung past the "
-               f"process group's timeout). Cause: {first}")
-    elif lost is None:
-        msg = (f"rank {me}: {what} failed and the rendezvous store is unreachable, so the rank hosting it "
-               f"(rank 0 without torchrun's agent store) is probably gone. Cause: {first}")
+    if seen is None:
+        return RankLostError(
+            f"rank {me}: {what} failed and the rendezvous store is unreachable, so the rank "
+            f"hosting it (rank 0 without torchrun's agent store) is probably gone. Cause: "
+            f"{first}", [])
+    parts = []
+    if seen.dead:
+        parts.append(f"rank(s) {seen.dead} stopped responding (heartbeat stopped {window_s:.0f} s: "
+                     f"died, or frozen)")
+    if seen.unconfirmed:
+        parts.append(f"rank(s) {seen.unconfirmed} are unconfirmed (no heartbeat ever seen: did "
+                     f"they reach fz3.shard?)")
+    if parts:
+        alive = f"; alive: {seen.alive}" if seen.alive else ""
+        msg = f"rank {me}: {what} failed: {'; '.join(parts)}{alive}. Cause: {first}"
     else:
-        msg = (f"rank {me}: {what} failed while every rank is still alive: the ranks issued different "
-               f"collectives (another model, schedule or batch on some rank?). Cause: {first}")
-    return RankLostError(msg, lost or [])
+        msg = (f"rank {me}: {what} failed while every rank is still alive (heartbeats moving): the "
+               f"ranks issued different collectives (another model, schedule or batch on some "
+               f"rank?), or one is hung past the process group's timeout. Cause: {first}")
+    return RankLostError(msg, seen.dead, seen.unconfirmed)

@@ -20,6 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm.collectives import Comm
+from ..comm.groups import comm_groups
+from ..comm.liveness import Heartbeat
 from ..schedule.structure import PartShape, Role
 from .checks import check_not_wrapped, check_parameters, check_same_on_all_ranks, resolve_layers
 from .binding import Binding
@@ -226,25 +228,13 @@ def shard(
 
 
 def _comm(module: nn.Module, group, mesh, device) -> tuple[Comm, torch.device]:
-    if mesh is not None and mesh.ndim not in (1, 2):
-        raise ValueError(f"mesh has {mesh.ndim} dims {tuple(mesh.shape)}; fz3.shard takes a 1-D mesh (shard) "
-                         f"or a 2-D mesh (replicate, shard) for hybrid sharding")
-    if not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialized: launch with torchrun and call "
-                           "dist.init_process_group (world size 1 works too)")
-    replicate_group, replicas = None, 1
-    if mesh is not None:
-        if group is not None:
-            raise ValueError("pass group= or mesh=, not both")
-        group = mesh.get_group(mesh.ndim - 1)
-        if mesh.ndim == 2:  # hybrid: shard inside dim 1, replicate across dim 0 (HSDP, ZeRO++ hpZ)
-            replicate_group, replicas = mesh.get_group(0), mesh.size(0)
-    group = group or dist.group.WORLD
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    backend = dist.get_backend(group)
+    """The groups (``fz3/comm/groups.py``: collective, every row's groups in one order on every
+    rank) and the device."""
+    groups = comm_groups(group, mesh)
+    comm = Comm(**groups._asdict(), heartbeat=Heartbeat())
+    backend = dist.get_backend(comm.group)
     device = torch.device(device) if device is not None else _default_device(module, backend)
-    reduce_group = dist.new_group(dist.get_process_group_ranks(group)) if backend == "nccl" and world > 1 else group
-    return Comm(group, reduce_group, rank, world, replicate_group, replicas), device
+    return comm, device
 
 
 def layouts(parts: Sequence[Part], i: int) -> list[FlatLayout]:

@@ -28,19 +28,24 @@ import torch
 import torch.distributed as dist
 
 from .. import rng
-from ..compare import first_difference
+from ..comm.arrival import DEFAULT_TIMEOUT_S, arrive
 from ..sharding.layout import FlatLayout
 from ..sharding.model import Params, ShardedModel
+from .verify import META, check_model, check_template, describe, read_meta
 
-META = "fz3.json"
 # torch.distributed.checkpoint and DTensor are imported where used: they take over a second
 # to import, which every process importing fz3 would otherwise pay.
 
 
-def save(path: str, model: ShardedModel, state: Any) -> None:
-    """Write ``state`` (a pytree: dicts, lists, NamedTuples, ``Params``, tensors, values) to ``path``."""
+def save(path: str, model: ShardedModel, state: Any, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """Write ``state`` (a pytree: dicts, lists, NamedTuples, ``Params``, tensors, values) to
+    ``path``.
+
+    Collective: every rank calls it. A rank that does not within ``timeout`` seconds makes the
+    others raise ``fz3.CollectiveMismatchError`` naming it, before anything is written."""
     import torch.distributed.checkpoint as dcp
 
+    arrive(_everyone(model), "fz3.save", timeout)
     partial, old = path + ".partial", path + ".old"
     if dist.get_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
@@ -48,9 +53,10 @@ def save(path: str, model: ShardedModel, state: Any) -> None:
     flat = _flatten(model, state, "")
     flat[f"rng.rank{dist.get_rank()}"] = rng.pack(rng.capture(model.device))
     dcp.save(flat, checkpoint_id=partial, process_group=_everyone(model))
-    if dist.get_rank() == 0:  # DCP's save returns on the coordinator only after every rank has written
+    # DCP's save returns on the coordinator only after every rank has written
+    if dist.get_rank() == 0:
         with open(os.path.join(partial, META), "w") as f:
-            json.dump(_describe(model, [k for k in flat if not k.startswith("rng.")]), f, indent=1)
+            json.dump(describe(model, [k for k in flat if not k.startswith("rng.")]), f, indent=1)
         if os.path.exists(path):
             shutil.rmtree(old, ignore_errors=True)
             os.rename(path, old)
@@ -59,28 +65,32 @@ def save(path: str, model: ShardedModel, state: Any) -> None:
     _barrier(model)
 
 
-def load(path: str, model: ShardedModel, template: Any, *, restore_rng: bool = True) -> Any:
+def load(path: str, model: ShardedModel, template: Any, *, restore_rng: bool = True,
+         timeout: float = DEFAULT_TIMEOUT_S) -> Any:
     """Read a checkpoint into a new state shaped like ``template`` (built for this model and
-    world size, e.g. ``{"params": params, "opt": opt.init(params), "step": 0}``)."""
+    world size, e.g. ``{"params": params, "opt": opt.init(params), "step": 0}``).
+
+    Collective: every rank calls it (``timeout`` as in ``save``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    arrive(_everyone(model), "fz3.load", timeout)
     path = path if os.path.isdir(path) or not os.path.isdir(path + ".old") else path + ".old"
-    meta = _read_meta(path)
-    _check_model(path, meta, model)
+    meta, saved = read_meta(path)
+    check_model(path, meta, model)
     flat = _flatten(model, template, "", for_load=True)
-    missing = sorted(set(flat) - set(meta["keys"]))
-    if missing:
-        raise ValueError(f"checkpoint {path} has no {missing[:5]}{' ...' if len(missing) > 5 else ''}; it holds "
-                         f"{meta['keys'][:8]}: build the template with the same structure as the saved state")
+    check_template(path, meta, saved, flat, model)
     rng_key = f"rng.rank{dist.get_rank()}"
-    with_rng = restore_rng and dist.get_rank() < meta["ranks"]  # ranks beyond the saved job keep theirs
+    # ranks beyond the saved job keep their RNG state
+    with_rng = restore_rng and dist.get_rank() < meta["ranks"]
     if with_rng:
         flat[rng_key] = rng.pack(rng.capture(model.device))
     try:
         dcp.load(flat, checkpoint_id=path, process_group=_everyone(model))
     except (Exception, CheckpointException) as e:  # DCP raises every rank's failure on all of them
-        raise ValueError(f"checkpoint {path} could not be read (damaged or truncated?): {e}") from e
+        raise ValueError(f"checkpoint {path} is damaged inside a file, or the storage failed: its "
+                         f"files have their full length and fit the model and the template, yet "
+                         f"reading them failed: {str(e)[:2000]}") from e
     if with_rng:
         rng.restore(rng.unpack(flat.pop(rng_key), model.device), model.device)
     return _unflatten(model, template, flat, "")
@@ -91,13 +101,19 @@ def _flatten(model: ShardedModel, x: Any, key: str, for_load: bool = False) -> d
         return {f"{key}{part.name}": _dtensor(model, part.layout, t.reshape(part.rows, -1), for_load)
                 for part, t in zip(model.parts, x.parts)}
     if isinstance(x, tuple) and hasattr(x, "_fields"):
-        return {k: v for f, item in zip(x._fields, x) for k, v in _flatten(model, item, f"{key}{f}.", for_load).items()}
+        return _merge(model, zip(x._fields, x), key, for_load)
     if isinstance(x, dict):
-        return {k: v for f, item in x.items() for k, v in _flatten(model, item, f"{key}{f}.", for_load).items()}
+        return _merge(model, x.items(), key, for_load)
     if isinstance(x, (list, tuple)):
-        return {k: v for i, item in enumerate(x) for k, v in _flatten(model, item, f"{key}{i}.", for_load).items()}
+        return _merge(model, enumerate(x), key, for_load)
     name = key.rstrip(".") or "state"
     return {name: x.clone() if for_load and isinstance(x, torch.Tensor) else x}
+
+
+def _merge(model: ShardedModel, items, key: str, for_load: bool) -> dict[str, Any]:
+    """``_flatten`` of each ``(field, item)``, keys prefixed ``key + field + "."``, merged."""
+    return {k: v for f, item in items
+            for k, v in _flatten(model, item, f"{key}{f}.", for_load).items()}
 
 
 def _unflatten(model: ShardedModel, x: Any, flat: dict[str, Any], key: str) -> Any:
@@ -105,7 +121,8 @@ def _unflatten(model: ShardedModel, x: Any, flat: dict[str, Any], key: str) -> A
         return Params(tuple(_local(part.layout, flat[f"{key}{part.name}"]).reshape(t.shape)
                             for part, t in zip(model.parts, x.parts)))
     if isinstance(x, tuple) and hasattr(x, "_fields"):
-        return type(x)(*(_unflatten(model, item, flat, f"{key}{f}.") for f, item in zip(x._fields, x)))
+        return type(x)(*(_unflatten(model, item, flat, f"{key}{f}.")
+                         for f, item in zip(x._fields, x)))
     if isinstance(x, dict):
         return {f: _unflatten(model, item, flat, f"{key}{f}.") for f, item in x.items()}
     if isinstance(x, (list, tuple)):
@@ -114,19 +131,24 @@ def _unflatten(model: ShardedModel, x: Any, flat: dict[str, Any], key: str) -> A
 
 
 def _dtensor(model: ShardedModel, layout: FlatLayout, shards: torch.Tensor, for_load: bool):
-    """(rows, shard) padded shards -> a DTensor over the unpadded (rows, numel), sharded on dim 1."""
+    """(rows, shard) padded shards -> a DTensor over the unpadded (rows, numel), sharded on
+    dim 1."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     real = _real(layout, model.rank)
-    local = torch.empty(shards.shape[0], real, dtype=shards.dtype, device=shards.device) if for_load \
-        else shards[:, :real].contiguous()
-    if model.mesh is not None and model.mesh.ndim == 2:  # hybrid: the same shards in every replica row
+    if for_load:
+        local = torch.empty(shards.shape[0], real, dtype=shards.dtype, device=shards.device)
+    else:
+        local = shards[:, :real].contiguous()
+    if model.mesh is not None and model.mesh.ndim == 2:  # hybrid: same shards in every row
         mesh, placements = model.mesh, [Replicate(), Shard(1)]
     else:
-        mesh, placements = DeviceMesh.from_group(model.comm.group, device_type=model.device.type), [Shard(1)]
+        mesh = DeviceMesh.from_group(model.comm.group, device_type=model.device.type)
+        placements = [Shard(1)]
     shape = torch.Size([shards.shape[0], layout.numel])
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=(layout.numel, 1))
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
+                              stride=(layout.numel, 1))
 
 
 def _local(layout: FlatLayout, t: Any) -> torch.Tensor:
@@ -142,64 +164,8 @@ def _real(layout: FlatLayout, rank: int) -> int:
     return max(0, min(layout.shard_numel, layout.numel - rank * layout.shard_numel))
 
 
-def _describe(model: ShardedModel, keys: list[str]) -> dict:
-    parts = [{"name": p.name, "role": p.role.value, "rows": p.rows,
-              "slots": [[list(s.names), list(s.shape)] for s in p.layout.slots]} for p in model.parts]
-    return {"world_size": model.world_size, "ranks": dist.get_world_size(), "parts": parts, "keys": keys}
-
-
-def _read_meta(path: str) -> dict:
-    import torch.distributed.checkpoint as dcp
-
-    file = os.path.join(path, META)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"no checkpoint at {path} (nor {path}.old): check the path, or save one first")
-    for needed in (file, os.path.join(path, ".metadata")):
-        if not os.path.isfile(needed):
-            raise ValueError(f"checkpoint {path} is incomplete: {needed} is missing (an interrupted save?)")
-    with open(file) as f:
-        meta = json.load(f)
-    # Every data file DCP's metadata refers to must be there, long enough: a damaged or
-    # truncated checkpoint is named here, on every rank, before any rank starts reading.
-    need: dict[str, int] = {}
-    for info in dcp.FileSystemReader(path).read_metadata().storage_data.values():
-        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
-    for rel, size in sorted(need.items()):
-        data = os.path.join(path, rel)
-        have = os.path.getsize(data) if os.path.isfile(data) else -1
-        if have < size:
-            state = "is missing" if have < 0 else f"has {have} bytes, {size} expected (truncated)"
-            raise ValueError(f"checkpoint {path} is damaged: {data} {state}")
-    return meta
-
-
-def _check_model(path: str, meta: dict, model: ShardedModel) -> None:
-    where = os.path.join(path, META)
-    if "parts" not in meta:
-        raise ValueError(f"checkpoint {path} was written by an fz3 before the unit list (an outer unit and one "
-                         f"layer stack); this fz3 cannot read that layout: export the weights with that "
-                         f"version (fz3.export) and shard the module again ({where})")
-    mine = _describe(model, [])["parts"]
-    diff = first_difference([(p["name"], p["role"], p["rows"]) for p in meta["parts"]],
-                            [(p["name"], p["role"], p["rows"]) for p in mine])
-    if diff is not None:
-        i, there, here = diff
-        raise ValueError(f"checkpoint {path} has other parts than the model: part #{i} is {_part(there)} there "
-                         f"and {_part(here)} here ({where})")
-    for a, b in zip(meta["parts"], mine):
-        diff = first_difference(a["slots"], b["slots"])
-        if diff is not None:
-            i, there, here = diff
-            raise ValueError(f"checkpoint {path} was saved from another model: part {a['name']} parameter #{i} "
-                             f"is {_slot(there)} there and {_slot(here)} here ({where})")
-
-
-def _part(p) -> str:
-    return "nothing" if p is None else f"{p[0]} ({p[1]}, {p[2]} rows)"
-
-
-def _slot(s) -> str:
-    return "nothing" if s is None else f"{s[0][0]} {s[1]}"
+from .. import rng
+from ..comm.arrival import DEFAULT_TIMEOUT_S, arrive
 
 
 def _everyone(model: ShardedModel) -> dist.ProcessGroup | None:

@@ -1,12 +1,14 @@
 """Export consolidated weights with the original module's names, one unit at a time.
 
-``fz3.export(path, model, params)`` gathers one unit (the outer unit, then each layer),
-rank 0 writes it to its own file and drops it before the next: the extra memory on any
-rank is about one unit, never the whole model. The files follow Hugging Face's sharded
-layout (``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``; with
-``format="torch"`` or without safetensors installed, ``pytorch_model-*.bin`` and its index),
-so ``from_pretrained(path)`` reads an exported HF model (its ``config.json`` is written
-too); ``fz3.read_export(path)`` returns a state dict for ``load_state_dict(strict=True)``.
+``fz3.export(path, model, params)`` gathers one unit (the outer unit, then each layer)
+into one reused buffer, rank 0 writes it to its own file and drops its host copy before
+the next: the extra memory is one unit (two on rank 0, with the host copy), never the
+whole model. The files follow Hugging Face's sharded layout
+(``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``; with
+``format="torch"`` or without safetensors installed, ``pytorch_model-*.bin`` and its
+index), so ``from_pretrained(path)`` reads an exported HF model (its ``config.json`` is
+written too); ``fz3.read_export(path)`` returns a state dict for
+``load_state_dict(strict=True)``.
 
 Tied parameters are stored once, under their first name; the index's ``fz3_aliases``
 records the other names.
@@ -20,6 +22,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from ..comm.arrival import DEFAULT_TIMEOUT_S, arrive
 from ..sharding.layout import FlatLayout
 from ..sharding.model import Params, ShardedModel, check_tree
 from .gather import gather_unit
@@ -27,19 +30,25 @@ from .gather import gather_unit
 
 class ExportReport(NamedTuple):
     files: list[str]  # written by rank 0 (empty on other ranks)
-    peak_bytes: int  # the most this rank held at once: one gathered unit (+ its host copies on rank 0)
+    peak_bytes: int  # the most this rank held at once: one gathered unit (+ host copies on rank 0)
     model_bytes: int  # the whole model, for comparison
 
 
 def export(path: str, model: ShardedModel, params: Params, *,
-           format: Literal["safetensors", "torch"] | None = None) -> ExportReport:
+           format: Literal["safetensors", "torch"] | None = None,
+           timeout: float = DEFAULT_TIMEOUT_S) -> ExportReport:
     """Write the consolidated weights (and persistent buffers) under ``path``.
-    **Collective**: one all-gather per unit; every rank must call it."""
+
+    **Collective**: one all-gather per unit; every rank calls it. A rank of the sharding group
+    that does not within ``timeout`` seconds makes the others raise
+    ``fz3.CollectiveMismatchError`` naming it, before ``path`` is created."""
     check_tree(model, params, "params")
+    arrive(model.comm.group, "fz3.export", timeout)
     fmt = format or ("safetensors" if _has_safetensors() else "torch")
     rank0 = model.is_root
     units: list[tuple[FlatLayout, torch.Tensor, str]] = [
-        (layout, shard, part.prefix(row)) for part, trained, frozen in zip(model.parts, params.parts, model.frozen)
+        (layout, shard, part.prefix(row))
+        for part, trained, frozen in zip(model.parts, params.parts, model.frozen)
         for layout, shards in ((part.layout, trained), (part.frozen, frozen)) if shards is not None
         for row, shard in enumerate(shards.reshape(part.rows, -1))]
     n = len(units)
@@ -48,15 +57,22 @@ def export(path: str, model: ShardedModel, params: Params, *,
         os.makedirs(path, exist_ok=True)
     weight_map, aliases, files, peak, total = {}, {}, [], 0, 0
     skeleton_params = dict(model.skeleton.named_parameters(remove_duplicate=False))
-    buffers = {k: v for k, v in model.skeleton.state_dict(keep_vars=True).items() if k not in skeleton_params}
+    buffers = {k: v for k, v in model.skeleton.state_dict(keep_vars=True).items()
+               if k not in skeleton_params}
+    # One gather buffer per dtype, the largest unit's size, reused by every unit: a finished
+    # collective's output may stay referenced by the backend a moment after ``wait`` (gloo's
+    # worker thread), so a fresh buffer per unit briefly made two; reusing it keeps one.
+    biggest = max(layout.padded for layout, _, _ in units)
+    reused: dict[torch.dtype, torch.Tensor] = {}
     for k, (layout, shard, prefix) in enumerate(units):
-        gathered = gather_unit(model, layout, shard)
-        held = layout.padded * shard.element_size()
+        if shard.dtype not in reused:
+            reused[shard.dtype] = torch.empty(biggest, dtype=shard.dtype, device=shard.device)
+        gathered = gather_unit(model, layout, shard, out=reused[shard.dtype][:layout.padded])
+        held = sum(b.numel() * b.element_size() for b in reused.values())
         if rank0:
-            tensors = {}
-            for s, t in gathered:
-                tensors[prefix + s.name] = t
-                aliases.update({prefix + alias: prefix + s.name for alias in s.names[1:]})
+            # comprehensions: no loop variable outlives the unit and holds one of its copies
+            tensors = {prefix + s.name: t for s, t in gathered}
+            aliases.update({prefix + alias: prefix + s.name for s, _ in gathered for alias in s.names[1:]})
             if k == 0:
                 tensors.update({b: t.detach().cpu().clone() for b, t in buffers.items()})
             held += sum(t.numel() * t.element_size() for t in tensors.values())
@@ -67,9 +83,10 @@ def export(path: str, model: ShardedModel, params: Params, *,
             total += sum(t.numel() * t.element_size() for t in tensors.values())
             del tensors
         peak = max(peak, held)
-        del gathered
+        del gathered  # before the next unit's copies: one unit of them at a time
     if rank0:
-        index = {"metadata": {"total_size": total, "format": fmt}, "weight_map": weight_map, "fz3_aliases": aliases}
+        index = {"metadata": {"total_size": total, "format": fmt}, "weight_map": weight_map,
+                 "fz3_aliases": aliases}
         with open(os.path.join(path, f"{stem}.{ext}.index.json"), "w") as f:
             json.dump(index, f, indent=1)
         config = getattr(model.skeleton, "config", None)
@@ -86,7 +103,8 @@ def read_export(path: str) -> dict[str, torch.Tensor]:
         if os.path.exists(index_file):
             break
     else:
-        raise FileNotFoundError(f"no model.safetensors.index.json or pytorch_model.bin.index.json in {path}")
+        raise FileNotFoundError(f"no model.safetensors.index.json or "
+                                f"pytorch_model.bin.index.json in {path}")
     with open(index_file) as f:
         index = json.load(f)
     sd: dict[str, torch.Tensor] = {}

@@ -1,0 +1,107 @@
+"""Which ranks are alive, from a heartbeat each rank keeps in the rendezvous store.
+
+[Note: heartbeat]
+``fz3.shard`` starts a ``Heartbeat``: a daemon thread that adds 1 to the store key
+``fz3/heartbeat/<restart>/<rank>`` every ``PERIOD_S``, whatever the rank's main thread is
+doing (computing, sleeping, blocked in a collective or in another rank's late arrival).
+Cost: one store ``add`` per period per rank, a round trip to the store's host with the GIL
+released; nothing on the training thread. Lifetime: owned by the model's ``Comm``; it stops
+at ``fz3.destroy(model)``, when the ``Comm`` is garbage-collected, or when the store stops
+answering (process group destroyed, store host gone); a daemon thread never delays exit.
+``<restart>`` is torchrun's restart count, so a restarted job never reads its previous
+attempt's counters.
+
+A reporter decides from change, never from presence: it reads every peer's counter, watches
+up to ``WINDOW_S``, and calls a rank
+- alive: its counter moved,
+- dead: its counter exists and did not move for the whole window (the heartbeat stopped:
+  the process died, or is frozen),
+- unconfirmed: it has no counter (it never reached ``fz3.shard``, or cannot write the store).
+Each report reads fresh values, so nothing an earlier incident saw can make a dead rank look
+alive in a later one (the ``fz3/alive/<rank>`` flags this replaces stayed set forever, and a
+live rank that reached the error path more than 3 s late was called lost).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from typing import NamedTuple
+
+import torch.distributed as dist
+
+PERIOD_S = 0.5  # between beats
+WINDOW_S = 3.0  # a counter that did not move for this long (6 beats) is a stopped heartbeat
+
+
+def store() -> dist.Store:
+    """The rendezvous store every rank shares; it outlives the process groups built on it.
+    torch has no public accessor for it (``init_process_group`` does not return it)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def heartbeat_key(rank: int) -> str:
+    return f"fz3/heartbeat/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{rank}"
+
+
+class Heartbeat:
+    """This process's heartbeat while its owner lives (see [Note: heartbeat])."""
+
+    def __init__(self, period_s: float = PERIOD_S) -> None:
+        self._stop = threading.Event()
+        key = heartbeat_key(dist.get_rank())
+        self._thread = threading.Thread(target=_beat, args=(store(), key, period_s, self._stop),
+                                        name=f"fz3-heartbeat-{key}", daemon=True)
+        # The thread holds the event, not self: dropping the owner stops the thread.
+        weakref.finalize(self, self._stop.set)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+
+def _beat(st: dist.Store, key: str, period_s: float, stop: threading.Event) -> None:
+    while True:
+        try:
+            st.add(key, 1)
+        except Exception:  # noqa: BLE001 - the store is gone: nobody is left to read the beat
+            return
+        if stop.wait(period_s):
+            return
+
+
+class Liveness(NamedTuple):
+    alive: list[int]  # counter moved during the window
+    dead: list[int]  # counter stopped: known dead (or frozen)
+    unconfirmed: list[int]  # no counter ever written
+
+
+def observe(st: dist.Store, ranks: list[int], window_s: float = WINDOW_S,
+            first: dict[int, int | None] | None = None) -> Liveness:
+    """Watch ``ranks``' heartbeats for up to ``window_s`` from now (less once every counter
+    moved), comparing with ``first``: counters ``read`` earlier (default: read now). A caller
+    that read ``first`` at least ``WINDOW_S`` ago passes ``window_s=0``."""
+    start = first if first is not None else read(st, ranks)
+    alive: set[int] = set()
+    deadline = time.monotonic() + window_s
+    while True:
+        now = read(st, [r for r in ranks if r not in alive])
+        alive |= {r for r, v in now.items() if v is not None and v != start.get(r)}
+        if len(alive) == len(ranks) or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    rest = [r for r in ranks if r not in alive]
+    last = read(st, rest)
+    return Liveness(sorted(alive), sorted(r for r in rest if last[r] is not None),
+                    sorted(r for r in rest if last[r] is None))
+
+
+def read(st: dist.Store, ranks: list[int]) -> dict[int, int | None]:
+    """Each rank's heartbeat counter, None where it has none (``add(k, 0)`` would create it)."""
+    return {r: st.add(heartbeat_key(r), 0) if st.check([heartbeat_key(r)]) else None for r in ranks}

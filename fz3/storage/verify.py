@@ -1,0 +1,135 @@
+"""What ``fz3.load`` refuses before it reads a byte of data, on every rank alike, each with
+the file or key and what differs: a damaged checkpoint (missing, truncated or unreadable
+files), one saved from another model, and a template that does not fit what was saved
+(another structure, shape, dtype, or a device that is not the model's).
+
+Told apart because the fixes differ: a damaged checkpoint needs the previous one; another
+model's needs another path; a wrong template needs building like the saved state. DCP would
+report the last as a read failure, or worse, silently cast a float64 or meta template.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..compare import first_difference
+from ..sharding.model import ShardedModel
+
+META = "fz3.json"
+
+
+def describe(model: ShardedModel, keys: list[str]) -> dict:
+    """What ``path/fz3.json`` says about the model a checkpoint was saved from: its parts and
+    their trained parameters (what a checkpoint holds; frozen ones are the model's)."""
+    parts = [{"name": p.name, "role": p.role.value, "rows": p.rows,
+              "slots": [[list(s.names), list(s.shape)] for s in p.layout.slots]} for p in model.parts]
+    return {"world_size": model.world_size, "ranks": dist.get_world_size(), "parts": parts,
+            "keys": keys}
+
+
+def read_meta(path: str) -> tuple[dict, Any]:
+    """``(fz3.json, DCP's Metadata)``, once every file the checkpoint needs is there in full."""
+    import torch.distributed.checkpoint as dcp
+
+    file = os.path.join(path, META)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no checkpoint at {path} (nor {path}.old): check the path, or "
+                                f"save one first")
+    for needed in (file, os.path.join(path, ".metadata")):
+        if not os.path.isfile(needed):
+            raise ValueError(f"checkpoint {path} is incomplete: {needed} is missing (an "
+                             f"interrupted save?)")
+    try:
+        with open(file) as f:
+            meta = json.load(f)
+        saved = dcp.FileSystemReader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any decoding failure of the two metadata files
+        raise ValueError(f"checkpoint {path} is damaged: its metadata ({META}, .metadata) cannot "
+                         f"be read: {type(e).__name__}: {e}") from e
+    # Every data file DCP's metadata refers to must be there, long enough: a damaged or
+    # truncated checkpoint is named here, on every rank, before any rank starts reading.
+    need: dict[str, int] = {}
+    for info in saved.storage_data.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for rel, size in sorted(need.items()):
+        data = os.path.join(path, rel)
+        have = os.path.getsize(data) if os.path.isfile(data) else -1
+        if have < size:
+            state = "is missing" if have < 0 else f"has {have} bytes, {size} expected (truncated)"
+            raise ValueError(f"checkpoint {path} is damaged: {data} {state}")
+    return meta, saved
+
+
+def check_model(path: str, meta: dict, model: ShardedModel) -> None:
+    where = os.path.join(path, META)
+    if "parts" not in meta:
+        raise ValueError(f"checkpoint {path} was written by an fz3 before the unit list (an outer "
+                         f"unit and one layer stack); this fz3 cannot read that layout: export the "
+                         f"weights with that version (fz3.export) and shard the module again "
+                         f"({where})")
+    mine = describe(model, [])["parts"]
+    diff = first_difference([(p["name"], p["role"], p["rows"]) for p in meta["parts"]],
+                            [(p["name"], p["role"], p["rows"]) for p in mine])
+    if diff is not None:
+        i, there, here = diff
+        raise ValueError(f"checkpoint {path} has other parts than the model: part #{i} is "
+                         f"{_part(there)} there and {_part(here)} here ({where})")
+    for theirs, ours in zip(meta["parts"], mine):
+        diff = first_difference(theirs["slots"], ours["slots"])
+        if diff is not None:
+            i, there, here = diff
+            raise ValueError(f"checkpoint {path} was saved from another model: part "
+                             f"{theirs['name']} parameter #{i} is {_slot(there)} there and "
+                             f"{_slot(here)} here ({where})")
+
+
+def _part(p) -> str:
+    return "nothing" if p is None else f"{p[0]} ({p[1]}, {p[2]} rows)"
+
+
+def check_template(path: str, meta: dict, saved: Any, flat: dict[str, Any],
+                   model: ShardedModel) -> None:
+    """Every key of the flattened template exists in the checkpoint with the same kind
+    (tensor or value), shape and dtype, and its tensors can hold data on the model's device."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.tensor import DTensor
+
+    missing = sorted(set(flat) - set(saved.state_dict_metadata))
+    if missing:
+        more = " ..." if len(missing) > 5 else ""
+        raise ValueError(f"checkpoint {path} has no {missing[:5]}{more}; it holds "
+                         f"{meta['keys'][:8]}: build the template with the same structure as the "
+                         f"saved state")
+    fix = "build the template like the saved state (from this model's params and opt.init(params))"
+    for key, value in flat.items():
+        md = saved.state_dict_metadata[key]
+        is_tensor = isinstance(value, torch.Tensor)
+        if isinstance(md, TensorStorageMetadata) != is_tensor:
+            there = "a tensor" if isinstance(md, TensorStorageMetadata) else "a Python value"
+            raise ValueError(f"checkpoint {path} does not fit the template: {key} is {there} there "
+                             f"and of type {type(value).__name__} in the template; {fix}")
+        if not is_tensor:
+            continue
+        there, here = (list(md.size), md.properties.dtype), (list(value.shape), value.dtype)
+        if there != here:
+            raise ValueError(f"checkpoint {path} does not fit the template: {key} is "
+                             f"{_tensor(*there)} there and {_tensor(*here)} in the template; {fix}")
+        device = value.to_local().device if isinstance(value, DTensor) else value.device
+        sharded = isinstance(value, DTensor)
+        if device.type == "meta" or (sharded and device != model.device):
+            want = f"the model's device {model.device}" if sharded else "a real device"
+            raise ValueError(f"checkpoint {path}: the template's {key} is on {device}, not on "
+                             f"{want}; {fix}")
+
+
+def _tensor(size: list[int], dtype: torch.dtype) -> str:
+    return f"{size} {str(dtype).removeprefix('torch.')}"
+
+
+def _slot(s) -> str:
+    return "nothing" if s is None else f"{s[0][0]} {s[1]}"
