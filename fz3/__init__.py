@@ -27,9 +27,11 @@ from .storage.export import ExportReport, export, read_export
 from .storage.state_dict import full_state_dict
 
 __all__ = [
-    "Accumulate", "Category", "CompileError", "Event", "ExportReport", "FlatLayout", "Frame", "MemoryPlan", "NonFiniteError",
-    "Op", "OpKind", "PartShape", "Role", "Unit", "Params", "Policy", "Precision", "RankLostError", "Recorder", "Result", "Schedule",
-    "ScheduleError", "ShardedModel", "Slot", "StepFrame", "ValueAndGrad", "accumulate", "any_rank", "apply",
-    "chrome_trace", "decay_mask", "deferred", "export", "full_state_dict", "load", "memory_plan", "optim", "plan",
-    "read_export", "save", "shard", "step_through", "trace", "trace_summary", "validate", "value_and_grad",
+    "Accumulate", "Category", "CompileError", "Event", "ExportReport", "FlatLayout", "Frame",
+    "MemoryPlan", "NonFiniteError", "Op", "OpKind", "PartShape", "Role", "Unit", "Params", "Policy",
+    "Precision", "RankLostError", "Recorder", "Result", "Schedule", "ScheduleError", "ShardedModel",
+    "Slot", "StepFrame", "ValueAndGrad", "accumulate", "any_rank", "apply", "chrome_trace",
+    "decay_mask", "deferred", "export", "full_state_dict", "load", "memory_plan", "optim", "plan",
+    "read_export", "save", "shard", "step_through", "trace", "trace_summary", "validate",
+    "value_and_grad",
 ]

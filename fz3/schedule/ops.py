@@ -68,7 +68,8 @@ _CATEGORY = {
     OpKind.FREE: Category.LIFETIME, OpKind.ACCUMULATE: Category.LIFETIME,
 }
 COMPUTE_KINDS = frozenset(k for k in OpKind if k.category is Category.COMPUTE)
-COMPLETES = {OpKind.WAIT: OpKind.GATHER, OpKind.WAIT_REDUCE: OpKind.REDUCE}  # wait -> the issue it ends
+# wait -> the issue it ends
+COMPLETES = {OpKind.WAIT: OpKind.GATHER, OpKind.WAIT_REDUCE: OpKind.REDUCE}
 
 
 class Op(NamedTuple):
@@ -142,7 +143,8 @@ READ_TABLE: dict[OpKind, tuple[Change, ...]] = {
 }
 
 
-def apply(kind: OpKind, name: str, state: UnitState, *, grad: bool = True, read: bool = False) -> UnitState | str:
+def apply(kind: OpKind, name: str, state: UnitState, *, grad: bool = True,
+          read: bool = False) -> UnitState | str:
     """Unit ``name``'s state after an op of ``kind`` (``read``: an op of another unit that
     reads it), or the reason it cannot run (a string)."""
     new = state
@@ -158,10 +160,12 @@ def apply(kind: OpKind, name: str, state: UnitState, *, grad: bool = True, read:
 
 def _why(kind: OpKind, field: str, now: Enum, name: str, read: bool) -> str:
     if read and field == "grad":
-        return f"the gradient of {name} is {now.value} already: a reader's {kind} adds to it after its reduce"
+        return (f"the gradient of {name} is {now.value} already: a reader's {kind} adds to it "
+                f"after its reduce")
     if field == "params":
         if kind == OpKind.GATHER:
-            return f"{name} is already {'being gathered' if now is Params.GATHERING else 'gathered'}"
+            return (f"{name} is already "
+                    f"{'being gathered' if now is Params.GATHERING else 'gathered'}")
         if kind == OpKind.WAIT:
             return f"no gather of {name} is in flight"
         if kind == OpKind.FREE:
