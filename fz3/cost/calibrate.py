@@ -36,7 +36,8 @@ class Probe(NamedTuple):
     batch: Any
 
 
-def calibrate_cpu(probe: Probe, group: Any = None, repeats: int = 5, network: Cluster | None = None) -> Cluster:
+def calibrate_cpu(probe: Probe, group: Any = None, repeats: int = 5,
+                  network: Cluster | None = None) -> Cluster:
     """A one-node ``Cluster`` for this CPU machine: one device per rank, no overlap of
     communication with compute (the cores are all computing), the machine's core count.
     **Collective** over ``group`` (default: the world).
@@ -50,20 +51,24 @@ def calibrate_cpu(probe: Probe, group: Any = None, repeats: int = 5, network: Cl
     dist.barrier(group)
     dist.all_reduce(local, group=group)  # rank 0's numbers, everywhere
     rate, mem_bw, op, call = local.tolist()
-    singles = [dist.new_group([r]) for r in dist.get_process_group_ranks(group)]  # collective: all ranks
+    # collective: all ranks
+    singles = [dist.new_group([r]) for r in dist.get_process_group_ranks(group)]
     collective = _collective_overhead(group, singles[0], repeats)
-    unit = _unit_overhead(probe, group, singles[0], Cluster(1, 1, rate, mem_bw, 0.0, mem_bw, mem_bw, op_overhead=op,
-                                                     call_overhead=call, collective_overhead=collective,
-                                                     overlap=False), repeats)
+    unit = _unit_overhead(probe, group, singles[0],
+                          Cluster(1, 1, rate, mem_bw, 0.0, mem_bw, mem_bw, op_overhead=op,
+                                  call_overhead=call, collective_overhead=collective,
+                                  overlap=False), repeats)
     bw, lat, contention = mem_bw, 1e-6, 1.0
     if network is not None:
         bw, lat, contention = network.intra_bw, network.intra_latency, network.contention
     elif world > 1:
         bw, lat = _gather_rates(group, world, repeats)
         contention = _contention(group, repeats)
-    return Cluster(nodes=1, devices_per_node=world, flops=rate, mem_bw=mem_bw, memory=0.0, intra_bw=bw,
-                   inter_bw=bw, intra_latency=lat, inter_latency=lat, op_overhead=op, call_overhead=max(call, op),
-                   unit_overhead=unit, collective_overhead=collective, overlap=False, cores_per_node=os.cpu_count() or 1, contention=contention)
+    return Cluster(nodes=1, devices_per_node=world, flops=rate, mem_bw=mem_bw, memory=0.0,
+                   intra_bw=bw, inter_bw=bw, intra_latency=lat, inter_latency=lat, op_overhead=op,
+                   call_overhead=max(call, op), unit_overhead=unit,
+                   collective_overhead=collective, overlap=False,
+                   cores_per_node=os.cpu_count() or 1, contention=contention)
 
 
 def _time(fn: Callable[[], Any], n: int) -> float:
@@ -119,7 +124,8 @@ def _collective_overhead(group: Any, single: Any, repeats: int) -> float:
     value = torch.zeros(1, dtype=torch.float64)
     if dist.get_rank(group) == 0:
         src, out = torch.randn(64), torch.empty(64)
-        value[0] = _time(lambda: [gather(out, src, group=single, async_op=True).wait() for _ in range(500)],
+        value[0] = _time(lambda: [gather(out, src, group=single, async_op=True).wait()
+                                  for _ in range(500)],
                          repeats) / 500
     dist.all_reduce(value, group=group)
     return float(value)
@@ -134,7 +140,8 @@ def _unit_overhead(probe: Probe, group: Any, single: Any, local: Cluster, repeat
         batch = probe.batch
         step = value_and_grad(model, Policy())
         t = _time(lambda: [step(params, batch) for _ in range(10)], repeats) / 10
-        predicted = estimate(Workload.from_model(model, batch), step.schedule, local, shard=1).step_s
+        predicted = estimate(Workload.from_model(model, batch), step.schedule, local,
+                             shard=1).step_s
         computes = sum(op.kind in COMPUTE_KINDS for op in step.schedule.ops)
         unit[0] = max(t - predicted, 0.0) / computes
     dist.all_reduce(unit, group=group)
@@ -189,7 +196,8 @@ def _contention(group: Any, repeats: int) -> float:
     shared = _time(mix, repeats)
     ratio = torch.tensor([shared / alone if alone else 0.0])
     dist.all_reduce(ratio, op=dist.ReduceOp.MAX, group=group)
-    per_core = max(1.0, dist.get_world_size(group) / (os.cpu_count() or 1))  # time-sharing is counted apart
+    # time-sharing is counted apart
+    per_core = max(1.0, dist.get_world_size(group) / (os.cpu_count() or 1))
     return max(1.0, float(ratio) / per_core)
 
 

@@ -48,7 +48,8 @@ class Cluster:
     inter_latency: float = 20e-6
     op_overhead: float = 5e-6  # host s per ATen op (launch / dispatch)
     call_overhead: float = 30e-6  # host s per layer call (functional_call)
-    unit_overhead: float = 0.0  # host s of the executor's own work per compute op (leaves, joins, RNG)
+    # host s of the executor's own work per compute op (leaves, joins, RNG)
+    unit_overhead: float = 0.0
     collective_overhead: float = 0.0  # host s to issue and wait one async collective, network aside
     overlap: bool = True  # communication runs beside compute (GPUs); False: it takes the same cores
     cores_per_node: int = 0  # CPU: ranks beyond this share cores (0: one device per rank)
@@ -78,11 +79,12 @@ class Estimate(NamedTuple):
     def row(self) -> str:
         return (f"{self.step_s:.3f} s/step, {self.model_tflops:.1f} model TFLOPS/device "
                 f"({self.hardware_tflops:.1f} with recompute), MFU {self.mfu:.2f}, exposed comm "
-                f"{self.exposed_comm_s:.3f} s, {self.memory_bytes / 2**30:.1f} GiB; limited by {self.limiter}")
+                f"{self.exposed_comm_s:.3f} s, {self.memory_bytes / 2**30:.1f} GiB; "
+                f"limited by {self.limiter}")
 
 
-def estimate(work: Workload, schedule: Schedule | Policy, cluster: Cluster, *, shard: int | None = None,
-             replicas: int = 1) -> Estimate:
+def estimate(work: Workload, schedule: Schedule | Policy, cluster: Cluster, *,
+             shard: int | None = None, replicas: int = 1) -> Estimate:
     """Predict one training step on ``cluster``: ``shard`` ranks per sharding group (default:
     every device, plain ZeRO-3), ``replicas`` groups (hybrid sharding)."""
     shard = shard or cluster.devices // replicas
@@ -90,23 +92,27 @@ def estimate(work: Workload, schedule: Schedule | Policy, cluster: Cluster, *, s
     t = _Timeline(work, sched, cluster, shard, replicas)
     for op in sched.ops:
         t.run(op)
-    opt = t.slow * math.ceil(work.params / shard) * 28 / cluster.mem_bw  # fused AdamW: read p, g, m, v; write p, m, v
+    # fused AdamW: read p, g, m, v; write p, m, v
+    opt = t.slow * math.ceil(work.params / shard) * 28 / cluster.mem_bw
     step = max(t.t_comp, t.t_host) + opt
     model_flops = sum(p.rows * (p.fwd.flops + p.bwd.flops) for p in work.parts)
-    hw_flops = model_flops + sum(work.parts[sched.units[u].part].fwd.flops * t.layers_in(u) for u in t.recompute)
+    hw_flops = model_flops + sum(work.parts[sched.units[u].part].fwd.flops * t.layers_in(u)
+                                 for u in t.recompute)
     peak = cluster.peak_flops or cluster.flops
     limiter = _limiter(t.comp_total, t.exposed, t.t_host, step, t.spans_nodes)
     return Estimate(step, t.comp_total, t.comm_total, t.exposed, t.t_host, opt, work.tokens / step,
-                    model_flops / step / 1e12, hw_flops / step / 1e12, model_flops / step / peak, t.sent,
-                    memory_bytes(work, sched, shard), limiter)
+                    model_flops / step / 1e12, hw_flops / step / 1e12, model_flops / step / peak,
+                    t.sent, memory_bytes(work, sched, shard), limiter)
 
 
 class _Timeline:
     """A discrete-event simulation of one step: the host issuing ops, a compute stream, one
     stream per collective kind. Each op advances it by its ``Category``."""
 
-    def __init__(self, work: Workload, sched: Schedule, cluster: Cluster, shard: int, replicas: int):
-        self.work, self.sched, self.c, self.shard, self.replicas = work, sched, cluster, shard, replicas
+    def __init__(self, work: Workload, sched: Schedule, cluster: Cluster, shard: int,
+                 replicas: int):
+        self.work, self.sched, self.c = work, sched, cluster
+        self.shard, self.replicas = shard, replicas
         ranks_per_node = min(cluster.devices_per_node, shard * replicas)
         slow = max(1.0, ranks_per_node / cluster.cores_per_node) if cluster.cores_per_node else 1.0
         if cluster.cores_per_node and ranks_per_node > 1:
@@ -164,7 +170,8 @@ class _Timeline:
         passes = 2 if not gather and self.sched.reduce == "all_reduce" else 1
         dur = self._ring(nbytes, shard, self.spans_nodes, passes)
         self.sent += (shard - 1) / shard * nbytes * passes
-        if not gather and self.replicas > 1:  # the shard, all-reduced across replicas (across nodes)
+        # the shard, all-reduced across replicas (across nodes)
+        if not gather and self.replicas > 1:
             dur += self._ring(nbytes / shard, self.replicas, True, 2)
             self.sent += 2 * (self.replicas - 1) / self.replicas * nbytes / shard
         self.comm_total += dur
@@ -221,7 +228,8 @@ class WorkloadSizes:
         part, k = self.work.parts[unit.part], len(unit.rows)
         if unit.role is not Role.STACK:
             return 0, int(part.graph_bytes)
-        return (0, int(part.graph_bytes * k)) if op.kind == OpKind.FORWARD_SAVE else (int(part.input_bytes), 0)
+        return ((0, int(part.graph_bytes * k)) if op.kind == OpKind.FORWARD_SAVE
+                else (int(part.input_bytes), 0))
 
     def during(self, op: Op) -> int:
         unit = self.sched.units[op.unit]
@@ -240,4 +248,5 @@ def memory_bytes(work: Workload, sched: Schedule, shard: int, optimizer_states: 
     transient bytes op by op (``fz3.schedule.footprint``, the memory plan's own fold), which
     include the gradient shards as the reduces write them."""
     per_op = footprint(sched, WorkloadSizes(work, sched, shard))
-    return 4 * (1 + optimizer_states) * work.params / shard + max((b.peak for b in per_op), default=0)
+    return (4 * (1 + optimizer_states) * work.params / shard
+            + max((b.peak for b in per_op), default=0))

@@ -88,35 +88,42 @@ class Workload(NamedTuple):
             fwd, bwd = cnt.work.get(f"fwd{i}", Work()), cnt.work.get(f"bwd{i}", Work())
             if p.role is Role.POST:  # the loss op runs both
                 fwd, bwd = fwd + bwd, Work()
-            parts.append(PartWork(p.name, p.role, p.rows, p.layout.numel, fwd, bwd, act[i].input, act[i].graph,
-                                  p.reads))
+            parts.append(PartWork(p.name, p.role, p.rows, p.layout.numel, fwd, bwd, act[i].input,
+                                  act[i].graph, p.reads))
         size = torch.empty((), dtype=model.precision.compute).element_size()
         return Workload(tuple(parts), int(tokens[0]), size,
                         torch.empty((), dtype=model.precision.reduce).element_size())
 
     @staticmethod
     def transformer(layers: int, hidden: int, ffn: int, vocab: int, seq: int, micro_batch: int, *,
-                    positions: int = 0, param_bytes: int = 2, grad_bytes: int = 4, kv_dim: int | None = None,
-                    gated: bool = False, flash: bool = True, tied: bool = True) -> "Workload":
+                    positions: int = 0, param_bytes: int = 2, grad_bytes: int = 4,
+                    kv_dim: int | None = None, gated: bool = False, flash: bool = True,
+                    tied: bool = True) -> "Workload":
         """A pre-LN transformer in closed form (Megatron's counts): per layer 2h^2 + 2h*kv_dim
         attention weights (kv_dim = h without grouped-query attention) and 2h*ffn MLP weights
         (3h*ffn when ``gated``, SwiGLU); matmul FLOPs 2 x tokens x weights, attention scores
         and values 4 x tokens x seq x h; backward twice the forward. ``tied``: the LM head is
         the token embedding (one shared part read by pre and post)."""
         t = seq * micro_batch
-        w_layer = 2 * hidden * hidden + 2 * hidden * (kv_dim or hidden) + (3 if gated else 2) * hidden * ffn
-        fwd = Work(2 * t * w_layer + 4 * t * seq * hidden, bytes=param_bytes * (w_layer + 12 * t * hidden), ops=25)
-        head = Work(2 * t * hidden * vocab * 3, bytes=param_bytes * (hidden * vocab + 3 * t * vocab), ops=12)
-        graph = t * hidden * param_bytes * 17 + (0 if flash else micro_batch * seq * seq * param_bytes * 2)
+        w_layer = (2 * hidden * hidden + 2 * hidden * (kv_dim or hidden)
+                   + (3 if gated else 2) * hidden * ffn)
+        fwd = Work(2 * t * w_layer + 4 * t * seq * hidden,
+                   bytes=param_bytes * (w_layer + 12 * t * hidden), ops=25)
+        head = Work(2 * t * hidden * vocab * 3,
+                    bytes=param_bytes * (hidden * vocab + 3 * t * vocab), ops=12)
+        graph = (t * hidden * param_bytes * 17
+                 + (0 if flash else micro_batch * seq * seq * param_bytes * 2))
         embed = Work(0, t * hidden * param_bytes * 3, 4)
         table = vocab * hidden
         parts = (
             PartWork("pre", Role.PRE, 1, positions * hidden + (0 if tied else table), embed, embed,
-                     graph_bytes=t * hidden * param_bytes, reads=(3,) if tied else ()),  # the embedding's output
+                     graph_bytes=t * hidden * param_bytes,  # the embedding's output
+                     reads=(3,) if tied else ()),
             PartWork("layers", Role.STACK, layers, w_layer + 9 * hidden + ffn, fwd, fwd.scale(2.0),
                      t * hidden * param_bytes, graph),
             PartWork("post", Role.POST, 1, 2 * hidden + (0 if tied else table), head,
-                     graph_bytes=t * vocab * (param_bytes + 4), reads=(3,) if tied else ()),  # logits, fp32 softmax
+                     graph_bytes=t * vocab * (param_bytes + 4),  # logits, fp32 softmax
+                     reads=(3,) if tied else ()),
         ) + ((PartWork("tied:embedding", Role.SHARED, 1, table, Work()),) if tied else ())
         return Workload(parts, t, param_bytes, grad_bytes)
 
@@ -148,7 +155,8 @@ class OpCounter:
                     self.flops += flop_registry[packet](*args, **kwargs, out_val=out)
                 if packet not in _FREE:
                     self.ops += 1
-                    tensors = [t for t in optree.tree_leaves((args, out)) if isinstance(t, torch.Tensor)]
+                    tensors = [t for t in optree.tree_leaves((args, out))
+                               if isinstance(t, torch.Tensor)]
                     self.bytes += sum(t.numel() * t.element_size() for t in tensors)
                 return out
 
@@ -159,7 +167,8 @@ class OpCounter:
         return Count()
 
 
-_FREE = {getattr(torch.ops.aten, n) for n in ("view", "_unsafe_view", "t", "transpose", "permute", "expand",
-                                             "detach", "alias", "split", "split_with_sizes", "slice", "select",
-                                             "unsqueeze", "squeeze", "as_strided", "reshape", "_reshape_alias")}
+_FREE = {getattr(torch.ops.aten, n)
+         for n in ("view", "_unsafe_view", "t", "transpose", "permute", "expand", "detach", "alias",
+                   "split", "split_with_sizes", "slice", "select", "unsqueeze", "squeeze",
+                   "as_strided", "reshape", "_reshape_alias")}
 

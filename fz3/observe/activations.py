@@ -34,7 +34,8 @@ def walk_parts(model: ShardedModel, batch: Any, measure: Measure) -> list[int]:
     dev = model.device
     trained = [compute.leaf(torch.zeros(p.layout.padded, dtype=model.precision.compute, device=dev))
                for p in model.parts]
-    frozen = [None if p.frozen is None else torch.zeros(p.frozen.padded, dtype=model.precision.frozen, device=dev)
+    frozen = [None if p.frozen is None
+              else torch.zeros(p.frozen.padded, dtype=model.precision.frozen, device=dev)
               for p in model.parts]
 
     def tensors(i: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -42,7 +43,8 @@ def walk_parts(model: ShardedModel, batch: Any, measure: Measure) -> list[int]:
         out, leaves = [], []
         for v in (i, *model.parts[i].reads):
             part = model.parts[v]
-            out += part.layout.views(trained[v]) + ([] if part.frozen is None else part.frozen.views(frozen[v]))
+            out += part.layout.views(trained[v]) + ([] if part.frozen is None
+                                                    else part.frozen.views(frozen[v]))
             leaves.append(trained[v])
         return out, leaves
 
@@ -54,12 +56,15 @@ def walk_parts(model: ShardedModel, batch: Any, measure: Measure) -> list[int]:
         x = None if h is None else h.detach().requires_grad_()
         bound, leaves = tensors(i)
         if part.role is Role.PRE:
-            h, extras = measure(i, lambda: compute.run_stage(fn, bound, (batch,), part.name), leaves, [])
+            h, extras = measure(i, lambda: compute.run_stage(fn, bound, (batch,), part.name),
+                                leaves, [])
         elif part.role is Role.BETWEEN:
-            h, extras = measure(i, lambda: compute.run_stage(fn, bound, (x, batch), part.name), leaves, [x])
+            h, extras = measure(i, lambda: compute.run_stage(fn, bound, (x, batch), part.name),
+                                leaves, [x])
         elif part.role is Role.STACK and part.rows:
             ex = tuple(e.detach() if isinstance(e, torch.Tensor) else e for e in extras)
-            measure(i, lambda: compute.run_layers(fn[:1], [bound], x, ex, [part.prefix()]), leaves, [x])
+            measure(i, lambda: compute.run_layers(fn[:1], [bound], x, ex, [part.prefix()]),
+                    leaves, [x])
         elif part.role is Role.POST:
             measure(i, lambda: compute.run_loss(fn, False, bound, x, batch, "post"), leaves, [x])
         h = None if h is None else h.detach()
@@ -70,9 +75,11 @@ def activation_sizes(model: ShardedModel, batch: Any) -> tuple[PartActivations, 
     """Per part, in order: the storages autograd saves running it, each counted once,
     parameters excluded; and the peak bytes its forward allocates, without a graph and with
     one followed by the backward, tracked by ``LiveBytes``."""
-    graphs, forwards, trains = [0] * len(model.parts), [0] * len(model.parts), [0] * len(model.parts)
+    graphs, forwards, trains = ([0] * len(model.parts), [0] * len(model.parts),
+                                [0] * len(model.parts))
 
-    def measure(i: int, run: Callable[[], Any], params: list[torch.Tensor], inputs: list[torch.Tensor]) -> Any:
+    def measure(i: int, run: Callable[[], Any], params: list[torch.Tensor],
+                inputs: list[torch.Tensor]) -> Any:
         with torch.no_grad(), LiveBytes() as live:
             run()
         forwards[i] = live.peak
@@ -96,5 +103,6 @@ def activation_sizes(model: ShardedModel, batch: Any) -> tuple[PartActivations, 
         return out
 
     inputs = walk_parts(model, batch, measure)
-    return tuple(PartActivations(inputs[i] if p.role is Role.STACK else 0, graphs[i], forwards[i], trains[i])
+    return tuple(PartActivations(inputs[i] if p.role is Role.STACK else 0, graphs[i], forwards[i],
+                                 trains[i])
                  for i, p in enumerate(model.parts))

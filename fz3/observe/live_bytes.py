@@ -27,11 +27,13 @@ class LiveBytes(TorchDispatchMode):
         self.now = self.peak = self._since_mark = 0
         self._refs: dict[int, int] = {}  # storage address -> tensors alive that the mode saw on it
         self._size: dict[int, int] = {}  # storage address -> bytes, as last counted
-        self._probe: dict[int, weakref.ref] = {}  # storage address -> a tensor on it, to read its size
+        # storage address -> a tensor on it, to read its size
+        self._probe: dict[int, weakref.ref] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {_address(t) for t in optree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = {_address(t) for t in optree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
         for t in optree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 self._track(t, new=_address(t) not in inputs)

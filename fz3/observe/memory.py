@@ -28,21 +28,27 @@ MiB = 2**20
 
 
 class MemoryPlan(NamedTuple):
-    params: int  # sharded fp32 parameters (trained ones), and the frozen ones' shards in their dtype
-    grads: int  # sharded fp32 gradients (a part's allocated at its first reduce, returned as they are)
+    # sharded fp32 parameters (trained ones), and the frozen ones' shards in their dtype
+    params: int
+    # sharded fp32 gradients (a part's allocated at its first reduce, returned as they are)
+    grads: int
     optimizer: int  # sharded optimizer state
     gathered: int  # peak gathered parameter buffers
     unsharded_grads: int  # peak unreduced flat gradients
     saved_inputs: int  # peak layer inputs kept for recompute
-    graphs: int  # peak autograd graphs kept (forward_save units, pre) and recomputed (during backward)
-    peak: int  # persistent + the largest transient total at any op (gradient shards included as allocated)
-    per_op: tuple[tuple[int, int, int, int], ...]  # (gathered, unsharded grads, saved inputs, graphs) after each op
+    # peak autograd graphs kept (forward_save units, pre) and recomputed (during backward)
+    graphs: int
+    # persistent + the largest transient total at any op (gradient shards included as allocated)
+    peak: int
+    # (gathered, unsharded grads, saved inputs, graphs) after each op
+    per_op: tuple[tuple[int, int, int, int], ...]
 
     def __str__(self) -> str:
         rows = [("sharded params", self.params), ("sharded grads", self.grads),
                 ("optimizer state", self.optimizer), ("gathered units (peak)", self.gathered),
                 ("unreduced gradients (peak)", self.unsharded_grads),
-                ("saved layer inputs (peak)", self.saved_inputs), ("autograd graphs (peak)", self.graphs),
+                ("saved layer inputs (peak)", self.saved_inputs),
+                ("autograd graphs (peak)", self.graphs),
                 ("peak per rank", self.peak)]
         return "\n".join(f"{name:<28} {b / MiB:10.2f} MiB" for name, b in rows)
 
@@ -64,7 +70,8 @@ class ModelSizes:
     def gathered(self, u: int) -> int:
         unit = self.schedule.units[u]
         frozen = self.model.parts[unit.part].frozen
-        return self._elements(u) * self.csize + (len(unit.rows) * frozen.padded * self.fsize if frozen else 0)
+        return self._elements(u) * self.csize + (len(unit.rows) * frozen.padded * self.fsize
+                                                 if frozen else 0)
 
     def unreduced(self, u: int) -> int:
         return self._elements(u) * self.rsize
@@ -76,7 +83,8 @@ class ModelSizes:
     def kept(self, op: Op) -> tuple[int, int]:
         unit = self.schedule.units[op.unit]
         act, k = self.act[unit.part], len(unit.rows)
-        if unit.role is not Role.STACK:  # pre's and between's graphs are kept whenever gradients are wanted
+        # pre's and between's graphs are kept whenever gradients are wanted
+        if unit.role is not Role.STACK:
             return 0, act.graph
         return (0, act.graph * k) if op.kind == OpKind.FORWARD_SAVE else (act.input, 0)
 
@@ -98,7 +106,8 @@ class ModelSizes:
         return max(before_join, k * self.model.parts[unit.part].layout.padded * self.csize)
 
 
-def memory_plan(model: ShardedModel, schedule: Schedule, batch: Any, *, optimizer_states: int = 2) -> MemoryPlan:
+def memory_plan(model: ShardedModel, schedule: Schedule, batch: Any, *,
+                optimizer_states: int = 2) -> MemoryPlan:
     """Predict this rank's memory for ``schedule`` on batches shaped like ``batch``.
 
     Within an op it also counts what lives only during it (``ModelSizes.during``), measured
@@ -109,10 +118,13 @@ def memory_plan(model: ShardedModel, schedule: Schedule, batch: Any, *, optimize
     shard_bytes = sum(p.rows * p.layout.shard_numel for p in model.parts) * 4
     frozen_bytes = sum(t.numel() * t.element_size() for t in model.frozen if t is not None)
     peak_transient = max((b.peak for b in per_op), default=0)
-    persistent = frozen_bytes + (shard_bytes * (1 + optimizer_states) if schedule.grad else shard_bytes)
+    persistent = frozen_bytes + (shard_bytes * (1 + optimizer_states) if schedule.grad
+                                 else shard_bytes)
     col = lambda f: max((getattr(b, f) for b in per_op), default=0)  # noqa: E731
-    during_graphs = max((len(schedule.units[op.unit].rows) * sizes.act[schedule.units[op.unit].part].graph
-                         for op in schedule.ops if op.kind in (OpKind.BACKWARD, OpKind.LOSS)), default=0)
+    during_graphs = max((len(schedule.units[op.unit].rows)
+                         * sizes.act[schedule.units[op.unit].part].graph
+                         for op in schedule.ops if op.kind in (OpKind.BACKWARD, OpKind.LOSS)),
+                        default=0)
     return MemoryPlan(
         params=shard_bytes + frozen_bytes,
         grads=shard_bytes if schedule.grad else 0,

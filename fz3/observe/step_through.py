@@ -27,15 +27,19 @@ class StepFrame(NamedTuple):
     name: str  # the unit's name ("pre", "blocks.3", "post"); "" for the final frame
     op: Op | None
     index: int  # the op's position in the schedule (-1 for the final frame)
-    params: dict[str, torch.Tensor]  # gathered parameters by original module name (views: clone to keep)
-    inputs: Any  # forward: the unit's input (the batch for outer); backward: gradient w.r.t. its output
+    # gathered parameters by original module name (views: clone to keep)
+    params: dict[str, torch.Tensor]
+    # forward: the unit's input (the batch for outer); backward: gradient w.r.t. its output
+    inputs: Any
     outputs: Any  # forward: its output (the loss for `loss`); backward: gradient w.r.t. its input
-    grads: dict[str, torch.Tensor] | None  # backward: the unit's full gradient before reduction, by name
+    # backward: the unit's full gradient before reduction, by name
+    grads: dict[str, torch.Tensor] | None
     loss: torch.Tensor | None = None  # the final frame: mean loss over ranks
     result: Params | None = None  # the final frame: gradient shards, identical to value_and_grad's
 
     def __repr__(self) -> str:
-        head = f"StepFrame({self.phase}" + ("" if self.op is None else f" {self.op}, op {self.index}") + ")"
+        head = (f"StepFrame({self.phase}"
+                + ("" if self.op is None else f" {self.op}, op {self.index}") + ")")
         rows = [head]
         if self.phase == "done":
             rows.append(f"  loss    {_brief(self.loss)}")
@@ -51,7 +55,8 @@ class StepFrame(NamedTuple):
     __str__ = __repr__
 
 
-def step_through(model: ShardedModel, params: Params, batch: Any, schedule: Schedule | Policy | None = None, *,
+def step_through(model: ShardedModel, params: Params, batch: Any,
+                 schedule: Schedule | Policy | None = None, *,
                  recorder=None) -> Generator[StepFrame, None, None]:
     """Run one real step (the same executor as ``value_and_grad``), yielding a frame after
     every compute op and a final ``phase == "done"`` frame with the loss and gradients.
@@ -72,7 +77,8 @@ def step_through(model: ShardedModel, params: Params, batch: Any, schedule: Sche
                 frame = next(gen)
             except StopIteration as stop:
                 result: Result = stop.value
-                yield StepFrame("done", None, "", None, -1, {}, None, None, None, result.loss, result.grads)
+                yield StepFrame("done", None, "", None, -1, {}, None, None, None, result.loss,
+                                result.grads)
                 return
             yield describe(model, sched, frame)
     finally:
@@ -90,7 +96,8 @@ def describe(model: ShardedModel, schedule: Schedule, f: Frame) -> StepFrame:
         if f.frozen is not None:
             params.update(part.frozen.named_views(f.frozen))
         for r in unit.reads:  # a shared part a unit reads is shown with it
-            params.update(model.parts[schedule.units[r].part].layout.named_views(_gathered_of(f, r)))
+            params.update(model.parts[schedule.units[r].part].layout.named_views(
+                _gathered_of(f, r)))
         grads = None if f.grad is None else part.layout.named_views(f.grad)
     else:
         params, grads = {}, None if f.grad is None else {}
@@ -127,7 +134,8 @@ def _brief(x: Any) -> str:
     parts = []
     for t in leaves[:4]:
         if isinstance(t, torch.Tensor):
-            norm = f" |{float(t.detach().float().norm()):.4g}|" if t.is_floating_point() and t.numel() else ""
+            norm = (f" |{float(t.detach().float().norm()):.4g}|"
+                    if t.is_floating_point() and t.numel() else "")
             parts.append(f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}{norm}")
         else:
             parts.append("None" if t is None else type(t).__name__)

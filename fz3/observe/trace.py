@@ -26,7 +26,8 @@ from ..step.record import Event, Recorder
 
 log = logging.getLogger(__name__)
 LANES = {"compute": 0, "waits": 1, "issue": 2, "in flight": 3, "device": 4}
-LANE_OF = {Category.COMPUTE: "compute", Category.WAIT: "waits", Category.ISSUE: "issue", Category.LIFETIME: "issue"}
+LANE_OF = {Category.COMPUTE: "compute", Category.WAIT: "waits", Category.ISSUE: "issue",
+           Category.LIFETIME: "issue"}
 
 
 @contextlib.contextmanager
@@ -61,9 +62,11 @@ def chrome_trace(rec: Recorder, rank: int = 0) -> dict:
     for e in events:
         kind, u = e.op
         lane = LANE_OF[OpKind(kind).category]
-        out.append({"name": rec.schedule_of(e.step).describe(e.op), "cat": "op", "ph": "X", "pid": rank, "tid": LANES[lane],
+        out.append({"name": rec.schedule_of(e.step).describe(e.op), "cat": "op", "ph": "X",
+                    "pid": rank, "tid": LANES[lane],
                     "ts": us(e.t_begin_ns), "dur": max((e.t_end_ns - e.t_begin_ns) / 1e3, 0.001),
-                    "args": {"step": e.step, "index": e.index, "live_units": e.live_units, "bytes": e.nbytes,
+                    "args": {"step": e.step, "index": e.index, "live_units": e.live_units,
+                             "bytes": e.nbytes,
                              "gathered_bytes": e.gathered_bytes, "grad_bytes": e.grad_bytes,
                              "saved_bytes": e.saved_bytes}})
         if OpKind(kind).category is Category.ISSUE:
@@ -71,13 +74,16 @@ def chrome_trace(rec: Recorder, rank: int = 0) -> dict:
         elif kind in COMPLETES:
             start = issued.pop((e.step, COMPLETES[kind], u), None)
             if start is not None:
-                out.append({"name": rec.schedule_of(e.step).describe(start.op), "cat": "inflight", "ph": "X", "pid": rank,
+                out.append({"name": rec.schedule_of(e.step).describe(start.op), "cat": "inflight",
+                            "ph": "X", "pid": rank,
                             "tid": LANES["in flight"], "ts": us(start.t_begin_ns),
-                            "dur": (e.t_end_ns - start.t_begin_ns) / 1e3, "args": {"bytes": start.nbytes}})
+                            "dur": (e.t_end_ns - start.t_begin_ns) / 1e3,
+                            "args": {"bytes": start.nbytes}})
     device = rec.device_times()
     if device:
         for e, (b, end) in zip(events, device):
-            out.append({"name": rec.schedule_of(e.step).describe(e.op), "cat": "device", "ph": "X", "pid": rank, "tid": LANES["device"],
+            out.append({"name": rec.schedule_of(e.step).describe(e.op), "cat": "device", "ph": "X",
+                        "pid": rank, "tid": LANES["device"],
                         "ts": b * 1e3, "dur": (end - b) * 1e3})
     return {"traceEvents": out, "displayTimeUnit": "ms"}
 
@@ -121,8 +127,8 @@ def timeline_png(rec: Recorder, path: str) -> bool:
         return False
     trace_ = chrome_trace(rec)["traceEvents"]
     fig, ax = plt.subplots(figsize=(12, 3))
-    colors = {"compute": "tab:blue", "waits": "tab:red", "issue": "tab:gray", "in flight": "tab:green",
-              "device": "tab:purple"}
+    colors = {"compute": "tab:blue", "waits": "tab:red", "issue": "tab:gray",
+              "in flight": "tab:green", "device": "tab:purple"}
     names = {tid: name for name, tid in LANES.items()}
     for ev in trace_:
         if ev["ph"] == "X":

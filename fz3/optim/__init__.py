@@ -5,5 +5,5 @@ from .base import GradientTransformation, apply_updates, chain, step
 from .clip import ClipState, clip_by_global_norm, global_norm
 from .loss_scale import LossScale, unscale
 
-__all__ = ["AdamWState", "ClipState", "GradientTransformation", "LossScale", "adamw", "apply_updates", "chain",
-           "clip_by_global_norm", "global_norm", "step", "unscale"]
+__all__ = ["AdamWState", "ClipState", "GradientTransformation", "LossScale", "adamw",
+           "apply_updates", "chain", "clip_by_global_norm", "global_norm", "step", "unscale"]

@@ -20,7 +20,8 @@ from torch.optim.adam import adam as _torch_adam
 from .base import GradientTransformation, Tree
 
 
-# torch >= 2.6 runs AdamW as Adam with decoupled weight decay; older torch has adamw's own functional.
+# torch >= 2.6 runs AdamW as Adam with decoupled weight decay; older torch has adamw's own
+# functional.
 _ADAM_HAS_DECOUPLED = "decoupled_weight_decay" in inspect.signature(_torch_adam).parameters
 
 
@@ -30,8 +31,9 @@ class AdamWState(NamedTuple):
     nu: Tree  # second moments
 
 
-def adamw(lr: float | Callable[[int], float] = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-          weight_decay: float = 1e-2, mask: Tree | None = None) -> GradientTransformation:
+def adamw(lr: float | Callable[[int], float] = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+          eps: float = 1e-8, weight_decay: float = 1e-2,
+          mask: Tree | None = None) -> GradientTransformation:
     """``lr`` may be a schedule ``step -> lr`` (step counts from 1). ``mask``: a pytree shaped like
     params of bool tensors (broadcasting against params' leaves), True where weight decay
     applies (see ``fz3.decay_mask``); None decays everything, as ``torch.optim.AdamW`` does."""
@@ -46,11 +48,14 @@ def adamw(lr: float | Callable[[int], float] = 1e-3, betas: tuple[float, float] 
 
     def init(params: Tree) -> AdamWState:
         zeros = optree.tree_map(torch.zeros_like, params)
-        return AdamWState(torch.zeros((), dtype=torch.int64), zeros, optree.tree_map(torch.zeros_like, params))
+        return AdamWState(torch.zeros((), dtype=torch.int64), zeros,
+                          optree.tree_map(torch.zeros_like, params))
 
-    def update(grads: Tree, state: AdamWState, params: Tree | None = None) -> tuple[Tree, AdamWState]:
+    def update(grads: Tree, state: AdamWState,
+               params: Tree | None = None) -> tuple[Tree, AdamWState]:
         if params is None and weight_decay:
-            raise ValueError("adamw with weight_decay needs params: opt.update(grads, state, params)")
+            raise ValueError("adamw with weight_decay needs params: "
+                             "opt.update(grads, state, params)")
         count = state.count + 1
         t = int(count)  # a CPU tensor: no device sync
         rate = lr(t) if callable(lr) else lr
@@ -92,7 +97,8 @@ def adamw(lr: float | Callable[[int], float] = 1e-3, betas: tuple[float, float] 
                 p.addcmul_(p, keep, value=-rate * weight_decay)
             decay = 0.0
         steps = [torch.full((), float(t - 1), device=p.device) for p in ps]  # the kernel adds 1
-        fused_adamw(ps, gs, mus, nus, steps, lr=rate, beta1=b1, beta2=b2, weight_decay=decay, eps=eps)
+        fused_adamw(ps, gs, mus, nus, steps, lr=rate, beta1=b1, beta2=b2, weight_decay=decay,
+                    eps=eps)
         return params, AdamWState(count, state.mu, state.nu)
 
     return GradientTransformation(init, update, update_inplace)

@@ -1,4 +1,5 @@
-"""Optimizers as ``GradientTransformation(init, update)``: two pure functions over pytrees (optax)."""
+"""Optimizers as ``GradientTransformation(init, update)``: two pure functions over pytrees
+(optax)."""
 
 from __future__ import annotations
 
@@ -90,9 +91,11 @@ def _give_up(old: Tree, new: Tree) -> Tree:
 def check_not_donated(tree: Tree, what: str) -> None:
     """Raise if ``tree`` was given up to ``fz3.optim.step(..., donate=True)``."""
     for t in optree.tree_leaves(tree):
-        if isinstance(t, torch.Tensor) and t.numel() == 0 and t.dim() == 1 and t.untyped_storage().nbytes() == 0:
-            raise ValueError(f"{what} were donated to fz3.optim.step(..., donate=True), which updated their buffers "
-                             f"in place and returned new ones: use the {what} it returned")
+        if (isinstance(t, torch.Tensor) and t.numel() == 0 and t.dim() == 1
+                and t.untyped_storage().nbytes() == 0):
+            raise ValueError(f"{what} were donated to fz3.optim.step(..., donate=True), which "
+                             f"updated their buffers in place and returned new ones: use the "
+                             f"{what} it returned")
 
 
 def apply_updates(params: Tree, updates: Tree) -> Tree:

@@ -1,4 +1,5 @@
-"""Per-element masks over the flat shards, built once from the parts' layouts (e.g. weight decay)."""
+"""Per-element masks over the flat shards, built once from the parts' layouts (e.g. weight
+decay)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ def decay_matrices(name: str, shape: tuple[int, ...]) -> bool:
     return len(shape) >= 2
 
 
-def decay_mask(model: ShardedModel, decay: Callable[[str, tuple[int, ...]], bool] = decay_matrices) -> Params:
+def decay_mask(model: ShardedModel,
+               decay: Callable[[str, tuple[int, ...]], bool] = decay_matrices) -> Params:
     """Bool shards broadcastable to params, True where ``decay(name, shape)`` holds.
 
     Names are the module's own. Every layer of a stack shares one mask: the stack is asked

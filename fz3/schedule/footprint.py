@@ -50,7 +50,8 @@ def footprint(schedule: Schedule, sizes: Sizes) -> list[OpBytes]:
     totals = [0, 0, 0, 0, 0]
     out = []
     for op in schedule.ops:
-        touched = [(r, True) for r in schedule.units[op.unit].reads] if op.kind in COMPUTE_KINDS else []
+        touched = ([(r, True) for r in schedule.units[op.unit].reads]
+                   if op.kind in COMPUTE_KINDS else [])
         for u, read in touched + [(op.unit, False)]:
             before = states[u]
             after = apply(op.kind, schedule.units[u].name, before, grad=schedule.grad, read=read)

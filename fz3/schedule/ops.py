@@ -16,7 +16,7 @@ A unit has three independent pieces of state:
 A compute op needs its own unit ``GATHERED``, and also the units it *reads* (parts tied
 across units, ``Role.SHARED``): for those, ``READ_TABLE`` says what the op does (a loss or a
 backward adds a contribution to their gradient). Compute ops must also come in the compute
-order (``fz3.schedule.schedule.compute_order``); that rule is global, not per unit, and
+order (``fz3.schedule.validate.compute_order``); that rule is global, not per unit, and
 lives with the schedule.
 """
 
@@ -68,7 +68,8 @@ _CATEGORY = {
     OpKind.FREE: Category.LIFETIME, OpKind.ACCUMULATE: Category.LIFETIME,
 }
 COMPUTE_KINDS = frozenset(k for k in OpKind if k.category is Category.COMPUTE)
-COMPLETES = {OpKind.WAIT: OpKind.GATHER, OpKind.WAIT_REDUCE: OpKind.REDUCE}  # wait -> the issue it ends
+# wait -> the issue it ends
+COMPLETES = {OpKind.WAIT: OpKind.GATHER, OpKind.WAIT_REDUCE: OpKind.REDUCE}
 
 
 class Op(NamedTuple):
@@ -142,7 +143,8 @@ READ_TABLE: dict[OpKind, tuple[Change, ...]] = {
 }
 
 
-def apply(kind: OpKind, name: str, state: UnitState, *, grad: bool = True, read: bool = False) -> UnitState | str:
+def apply(kind: OpKind, name: str, state: UnitState, *, grad: bool = True,
+          read: bool = False) -> UnitState | str:
     """Unit ``name``'s state after an op of ``kind`` (``read``: an op of another unit that
     reads it), or the reason it cannot run (a string)."""
     new = state
@@ -158,10 +160,12 @@ def apply(kind: OpKind, name: str, state: UnitState, *, grad: bool = True, read:
 
 def _why(kind: OpKind, field: str, now: Enum, name: str, read: bool) -> str:
     if read and field == "grad":
-        return f"the gradient of {name} is {now.value} already: a reader's {kind} adds to it after its reduce"
+        return (f"the gradient of {name} is {now.value} already: a reader's {kind} adds to it "
+                f"after its reduce")
     if field == "params":
         if kind == OpKind.GATHER:
-            return f"{name} is already {'being gathered' if now is Params.GATHERING else 'gathered'}"
+            return (f"{name} is already "
+                    f"{'being gathered' if now is Params.GATHERING else 'gathered'}")
         if kind == OpKind.WAIT:
             return f"no gather of {name} is in flight"
         if kind == OpKind.FREE:

@@ -34,7 +34,8 @@ class PartShape(NamedTuple):
 
 def layers_only(num_layers: int) -> tuple[PartShape, ...]:
     """The simplest model: ``pre``, one stack of ``num_layers`` layers, ``post``."""
-    return (PartShape("pre", Role.PRE), PartShape("layers", Role.STACK, num_layers), PartShape("post", Role.POST))
+    return (PartShape("pre", Role.PRE), PartShape("layers", Role.STACK, num_layers),
+            PartShape("post", Role.POST))
 
 
 def check_structure(parts: Sequence[PartShape]) -> str | None:
@@ -48,7 +49,8 @@ def check_structure(parts: Sequence[PartShape]) -> str | None:
     if any(r in FORWARD_ROLES for r in roles[post:]):
         return "parts after POST may only be SHARED"
     for i, p in enumerate(parts):
-        if p.rows < (0 if p.role is Role.STACK else 1) or (p.role is not Role.STACK and p.rows != 1):
+        if (p.rows < (0 if p.role is Role.STACK else 1)
+                or (p.role is not Role.STACK and p.rows != 1)):
             return f"part {p.name!r} has rows={p.rows}"
         bad = [r for r in p.reads if not 0 <= r < len(parts) or parts[r].role is not Role.SHARED]
         if bad:

@@ -23,7 +23,8 @@ from .layout import FlatLayout
 
 
 class BoundFunction(nn.Module):
-    """Calls ``fn(m, *args)``; lets ``functional_call`` substitute ``m``'s parameters (names ``m.*``)."""
+    """Calls ``fn(m, *args)``; lets ``functional_call`` substitute ``m``'s parameters (names
+    ``m.*``)."""
 
     def __init__(self, fn: Callable[..., Any], m: nn.Module):
         super().__init__()
@@ -47,7 +48,8 @@ class Binding:
         self.index = index
         self.slots = sum(len(layout.slots) for layout in layouts)
         self.targets = _targets(m, names)
-        self.placeholders = None if self.targets is None else [o._parameters[a] for o, a in self.targets]
+        self.placeholders = (None if self.targets is None
+                             else [o._parameters[a] for o, a in self.targets])
 
     def __call__(self, tensors: Sequence[torch.Tensor], args: tuple) -> Any:
         if self.targets is None:  # a module this binding cannot see through: functional_call does

@@ -16,16 +16,16 @@ def check_not_wrapped(module: nn.Module) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     if isinstance(module, DistributedDataParallel):
-        raise TypeError("fz3.shard got a DistributedDataParallel wrapper; pass the plain module (ddp.module): "
-                        "fz3 does its own data parallelism")
+        raise TypeError("fz3.shard got a DistributedDataParallel wrapper; pass the plain module "
+                        "(ddp.module): fz3 does its own data parallelism")
     wrapped = type(module).__name__.startswith("FSDP") or any(
         type(m).__name__ == "FullyShardedDataParallel" for m in module.modules())
     dtensors = [n for n, p in module.named_parameters() if type(p).__name__ == "DTensor" or
                 type(getattr(p, "data", p)).__name__ == "DTensor"]
     if wrapped or dtensors:
         raise TypeError(f"fz3.shard got a module already sharded by FSDP ({type(module).__name__}"
-                        f"{', DTensor parameters such as ' + dtensors[0] if dtensors else ''}); pass the module "
-                        f"before fully_shard/FSDP wrapping")
+                        f"{', DTensor parameters such as ' + dtensors[0] if dtensors else ''}); "
+                        f"pass the module before fully_shard/FSDP wrapping")
 
 
 def resolve_layers(module: nn.Module, path: str) -> nn.ModuleList:
@@ -36,7 +36,8 @@ def resolve_layers(module: nn.Module, path: str) -> nn.ModuleList:
         raise ValueError(f"layers={path!r} does not name a submodule of {type(module).__name__}; "
                          f"ModuleLists in it: {children or 'none'}") from None
     if not isinstance(stack, nn.ModuleList):
-        raise TypeError(f"layers={path!r} is a {type(stack).__name__}, not an nn.ModuleList of blocks")
+        raise TypeError(f"layers={path!r} is a {type(stack).__name__}, "
+                        f"not an nn.ModuleList of blocks")
     return stack
 
 
@@ -51,7 +52,8 @@ def check_identical(path: str, blocks: list[list[tuple[tuple[str, ...], nn.Param
             j, a, b = diff
             raise ValueError(f"{path}.{i} differs from {path}.0 at parameter #{j}: "
                              f"{path}.0 has {_fmt(a)}, {path}.{i} has {_fmt(b)}. fz3 stacks "
-                             f"structurally identical blocks; keep different blocks outside {path!r}")
+                             f"structurally identical blocks; keep different blocks outside "
+                             f"{path!r}")
 
 
 def _fmt(entry) -> str:
@@ -68,11 +70,12 @@ def check_parameters(split) -> None:
             for names, p in row:
                 name = part.prefix(j) + names[0]
                 if not p.is_floating_point():
-                    raise TypeError(f"parameter {name} has dtype {p.dtype}; fz3 shards floating-point "
-                                    f"parameters only")
+                    raise TypeError(f"parameter {name} has dtype {p.dtype}; fz3 shards "
+                                    f"floating-point parameters only")
                 if p.is_meta:
-                    raise ValueError(f"parameter {name} is on the meta device; materialize the module "
-                                     f"(e.g. module.to_empty(device=...) and initialize it) before fz3.shard")
+                    raise ValueError(f"parameter {name} is on the meta device; materialize the "
+                                     f"module (e.g. module.to_empty(device=...) and initialize it) "
+                                     f"before fz3.shard")
 
 
 def check_same_on_all_ranks(comm: Comm, parts, device: torch.device) -> None:
@@ -83,8 +86,10 @@ def check_same_on_all_ranks(comm: Comm, parts, device: torch.device) -> None:
     for part in parts:
         mine.append((f"part {part.name}", part.role.value, f"rows {part.rows}"))
         for frozen, layout in ((False, part.layout), (True, part.frozen)):
-            mine += [(part.prefix() + s.name if part.role.value != "stack" else f"{part.path}.*.{s.name}",
-                      s.shape, str(s.dtype), *(("frozen",) if frozen else ())) for s in getattr(layout, "slots", ())]
+            mine += [(part.prefix() + s.name if part.role.value != "stack"
+                      else f"{part.path}.*.{s.name}",
+                      s.shape, str(s.dtype), *(("frozen",) if frozen else ()))
+                     for s in getattr(layout, "slots", ())]
     differ = differing_ranks(comm.group, list(fingerprint(mine)), device)
     if not differ:
         return
@@ -92,5 +97,6 @@ def check_same_on_all_ranks(comm: Comm, parts, device: torch.device) -> None:
     r = differ[0]
     _, a, b = first_difference(everyone[0], everyone[r]) or (0, None, None)
     show = lambda d: "nothing" if d is None else " ".join(str(x) for x in d)  # noqa: E731
-    raise ValueError(f"ranks {differ} built a different model than rank 0: rank 0 has {show(a)}, rank {r} has "
-                     f"{show(b)}. Every rank must call fz3.shard on the same architecture and dtypes")
+    raise ValueError(f"ranks {differ} built a different model than rank 0: rank 0 has {show(a)}, "
+                     f"rank {r} has {show(b)}. Every rank must call fz3.shard on the same "
+                     f"architecture and dtypes")

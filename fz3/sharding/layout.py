@@ -40,7 +40,8 @@ class FlatLayout:
     world_size: int
 
     @staticmethod
-    def build(params: Iterable[tuple[tuple[str, ...], torch.Tensor]], world_size: int) -> "FlatLayout":
+    def build(params: Iterable[tuple[tuple[str, ...], torch.Tensor]],
+              world_size: int) -> "FlatLayout":
         """Lay out ``(names, tensor)`` pairs in order; pad to a multiple of ``world_size``."""
         slots, offset = [], 0
         for names, p in params:
@@ -76,7 +77,8 @@ class FlatLayout:
         """``{prefix + name: view}`` for every name of every slot (tied names share one view)."""
         return {prefix + n: v for v, s in zip(self.views(flat), self.slots) for n in s.names}
 
-    def flatten(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, device) -> torch.Tensor:
+    def flatten(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                device) -> torch.Tensor:
         """The padded flat buffer (padded,) built from ``{name: tensor}`` (first names)."""
         flat = torch.zeros(self.padded, dtype=dtype, device=device)
         for s in self.slots:
@@ -84,5 +86,6 @@ class FlatLayout:
         return flat
 
     def fingerprint(self) -> bytes:
-        """A digest of names, shapes, dtypes and padding: equal on ranks that built the same model."""
+        """A digest of names, shapes, dtypes and padding: equal on ranks that built the same
+        model."""
         return fingerprint([(s.names, s.shape, str(s.dtype)) for s in self.slots] + [self.padded])

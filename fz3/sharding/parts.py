@@ -27,16 +27,19 @@ from ..schedule.structure import PartShape, Role
 from .checks import check_identical, resolve_layers
 from .layout import FlatLayout
 
-Named = list[tuple[tuple[str, ...], nn.Parameter]]  # (every name, parameter), first appearance order
+# (every name, parameter), first appearance order
+Named = list[tuple[tuple[str, ...], nn.Parameter]]
 
 
 class Part(NamedTuple):
     """One part of a sharded model: flat layouts per row (trained and frozen parameters apart),
     and how its rows are named."""
 
-    name: str  # "pre", "blocks", "blocks[0:2]" (a run of a ModuleList), "between.0", "post", "tied:..."
+    # "pre", "blocks", "blocks[0:2]" (a run of a ModuleList), "between.0", "post", "tied:..."
+    name: str
     role: Role
-    layout: FlatLayout  # one row's trained parameters: slot names full, or relative to the layer for stacks
+    # one row's trained parameters: slot names full, or relative to the layer for stacks
+    layout: FlatLayout
     rows: int  # layers of a stack; 1 otherwise
     path: str = ""  # stacks: the ModuleList's path
     first: int = 0  # stacks: index of the first layer of this run in the ModuleList
@@ -71,7 +74,8 @@ def partition(module: nn.Module, paths: Sequence[str], world: int, *, between: S
     for name, p in module.named_parameters(remove_duplicate=False):
         if id(p) not in in_stack:
             by_id.setdefault(id(p), ([], p))[0].append(name)
-    single: dict[str, Named] = {"pre": [], **{f"between.{i}": [] for i, on in enumerate(between) if on},
+    single: dict[str, Named] = {"pre": [],
+                                **{f"between.{i}": [] for i, on in enumerate(between) if on},
                                 "post": []}
     shared: list[tuple[str, Named, set[str]]] = []
     for names, p in by_id.values():
@@ -121,7 +125,8 @@ def _named_params(module: nn.Module) -> Named:
 
 def _runs(path: str, stack: nn.ModuleList) -> list[tuple[int, int]]:
     """``(first, count)`` of each run of structurally identical consecutive layers."""
-    sigs = [[(names, tuple(p.shape), p.dtype, p.requires_grad) for names, p in _named_params(b)] for b in stack]
+    sigs = [[(names, tuple(p.shape), p.dtype, p.requires_grad) for names, p in _named_params(b)]
+            for b in stack]
     runs: list[tuple[int, int]] = []
     for i, sig in enumerate(sigs):
         if runs and sigs[runs[-1][0]] == sig:
@@ -129,7 +134,8 @@ def _runs(path: str, stack: nn.ModuleList) -> list[tuple[int, int]]:
         else:
             runs.append((i, 1))
     for first, k in runs:
-        check_identical(f"{path}[{first}:{first + k}]", [_named_params(b) for b in stack[first:first + k]])
+        check_identical(f"{path}[{first}:{first + k}]",
+                        [_named_params(b) for b in stack[first:first + k]])
     return runs
 
 
@@ -142,14 +148,17 @@ def _stack_parameters(paths: Sequence[str], runs, module: nn.Module) -> set[int]
             for names, p in layer:
                 where = f"{path}.{first + j}.{names[0]}"
                 if id(p) in seen:
-                    raise ValueError(f"{where} is the same Parameter as {seen[id(p)]}; layers of a stack "
-                                     f"must not share parameters")
+                    raise ValueError(f"{where} is the same Parameter as {seen[id(p)]}; layers of "
+                                     f"a stack must not share parameters")
                 seen[id(p)] = where
     for names, p in _named_params(module):
-        if id(p) in seen and any(not any(n.startswith(path + ".") for path in paths) for n in names):
-            inside = next(path for path in paths if any(n.startswith(path + ".") for n in names))
-            raise ValueError(f"parameter {names} is used both inside {inside!r} and outside it; fz3 "
-                             f"shards the layers and the parts around them separately: untie it or move it")
+        if id(p) in seen and any(not any(n.startswith(path + ".") for path in paths)
+                                 for n in names):
+            inside = next(path for path in paths
+                          if any(n.startswith(path + ".") for n in names))
+            raise ValueError(f"parameter {names} is used both inside {inside!r} and outside it; "
+                             f"fz3 shards the layers and the parts around them separately: "
+                             f"untie it or move it")
     return set(seen)
 
 
@@ -169,7 +178,8 @@ def _segments(module: nn.Module, paths: Sequence[str], assign: Mapping[str, str]
         if inside:
             started = max(started, inside[0] + 1)
             continue
-        match = max((k for k in assign if name == k or name.startswith(k + ".")), key=len, default=None)
+        match = max((k for k in assign if name == k or name.startswith(k + ".")), key=len,
+                    default=None)
         if match is not None:
             out[name] = assign[match]
         elif started in (0, n):
@@ -177,9 +187,10 @@ def _segments(module: nn.Module, paths: Sequence[str], assign: Mapping[str, str]
         elif between[started - 1]:
             out[name] = f"between.{started - 1}"
         else:
-            raise ValueError(f"parameter {name} is registered between {paths[started - 1]!r} and "
-                             f"{paths[started]!r}, where no between function runs: pass between=[...] with a "
-                             f"function for that gap, or assign={{{name!r}: 'pre' | 'post'}}")
+            raise ValueError(f"parameter {name} is registered between {paths[started - 1]!r} "
+                             f"and {paths[started]!r}, where no between function runs: pass "
+                             f"between=[...] with a function for that gap, or "
+                             f"assign={{{name!r}: 'pre' | 'post'}}")
     return out
 
 
@@ -190,5 +201,6 @@ def _check_path_order(module: nn.Module, paths: Sequence[str]) -> None:
             if name.startswith(path + ".") and i not in order:
                 order.append(i)
     if order != sorted(order):
-        raise ValueError(f"layers={list(paths)}: the stacks must be listed in the order the module "
-                         f"registers them ({[paths[i] for i in order]}), which fz3 takes as compute order")
+        raise ValueError(f"layers={list(paths)}: the stacks must be listed in the order the "
+                         f"module registers them ({[paths[i] for i in order]}), which fz3 takes "
+                         f"as compute order")

@@ -1,4 +1,5 @@
-"""Mixed precision: which dtype parameters are gathered and computed in, and gradients reduced in."""
+"""Mixed precision: which dtype parameters are gathered and computed in, and gradients reduced
+in."""
 
 from __future__ import annotations
 
