@@ -104,3 +104,32 @@ def test_step_through(world):
 
 def test_nonfinite_named_consistently():
     assert dist.run(2, nonfinite_ranks) == ["ok"] * 2
+
+
+def lone_stop_ranks(rank, world):
+    """Rank 1 stops stepping through after the first layer's forward, rank 0 goes on: rank 1
+    names rank 0 within the timeout instead of draining forever."""
+    module = gpt(CFG)
+    model, params = shard_gpt(module)
+    b = batches(CFG, world)[rank]
+    if rank == 1:
+        frames = fz3.step_through(model, params, b, timeout=3)
+        for f in frames:
+            if f.name == "blocks.0":
+                break
+        # close() raises what the early stop found (a dropped generator's errors are only printed)
+        with pytest.raises(fz3.CollectiveMismatchError, match=r"fz3.step_through stop is collective: ranks \[0\] "
+                                                                r"did not call it"):
+            frames.close()
+        return "named"
+    try:
+        for _ in fz3.step_through(model, params, b):
+            pass
+    except (fz3.RankLostError, RuntimeError):
+        return "lost"  # its next collective found rank 1 gone
+    return "finished?!"
+
+
+def test_a_lone_early_stop_is_named():
+    out = dist.run(2, lone_stop_ranks, timeout=120, env={"FZ3_TEST_PG_TIMEOUT": "10"})
+    assert out[1] == "named", out

@@ -8,6 +8,7 @@ import optree
 import torch
 import torch.distributed as dist
 
+from ..comm.arrival import DEFAULT_TIMEOUT_S, arrive
 from ..schedule.ops import Op, OpKind
 from ..schedule.structure import Role
 from ..schedule.schedule import Policy, Schedule
@@ -56,17 +57,19 @@ class StepFrame(NamedTuple):
 
 
 def step_through(model: ShardedModel, params: Params, batch: Any,
-                 schedule: Schedule | Policy | None = None, *,
-                 recorder=None) -> Generator[StepFrame, None, None]:
+                 schedule: Schedule | Policy | None = None, *, recorder=None,
+                 timeout: float = DEFAULT_TIMEOUT_S) -> Generator[StepFrame, None, None]:
     """Run one real step (the same executor as ``value_and_grad``), yielding a frame after
     every compute op and a final ``phase == "done"`` frame with the loss and gradients.
 
     **Collective**: every rank must call it and iterate it alike. Stopping early (``break``,
     or ``close()`` on the generator) drains every collective this rank has in flight, so
-    nothing is left half-done. **Every rank must stop at the same op**: a rank that stops
-    earlier issues fewer collectives than the others, which then wait for it forever. Decide
-    from values that are equal on every rank (the op index, the loss, a statistic passed
-    through ``fz3.any_rank``), never from a rank-local value alone.
+    nothing is left half-done. **Every rank must stop at the same op**: decide from values
+    that are equal on every rank (the op index, the loss, a statistic passed through
+    ``fz3.any_rank``), never from a rank-local value alone. An early stop is checked like
+    any collective call: a rank that stops while another goes on raises
+    ``fz3.CollectiveMismatchError`` within ``timeout`` seconds, naming the ranks that did not
+    stop, instead of waiting for them forever.
     """
     sched = prepare(model, schedule, grad=True, entry="step_through")
     check_call(model, params, batch)
@@ -80,7 +83,11 @@ def step_through(model: ShardedModel, params: Params, batch: Any,
                 yield StepFrame("done", None, "", None, -1, {}, None, None, None, result.loss,
                                 result.grads)
                 return
-            yield describe(model, sched, frame)
+            try:
+                yield describe(model, sched, frame)
+            except GeneratorExit:  # stopped early: every rank must stop here too, or the drain
+                arrive(model.comm.group, "fz3.step_through stop", timeout)  # would wait forever
+                raise
     finally:
         gen.close()  # the executor drains its in-flight collectives
 
