@@ -23,6 +23,7 @@ from .step.record import Event, Recorder
 from .step.value_and_grad import ValueAndGrad, apply, value_and_grad
 from .storage.checkpoint import load, save
 from .storage.export import ExportReport, export, read_export
+from .storage.pretrained import Pretrained
 from .storage.state_dict import full_state_dict
 
 __all__ = [
@@ -31,4 +32,5 @@ __all__ = [
     "ScheduleError", "ShardedModel", "Slot", "StepFrame", "ValueAndGrad", "accumulate", "any_rank", "apply",
     "chrome_trace", "decay_mask", "deferred", "export", "full_state_dict", "load", "memory_plan", "optim", "plan",
     "read_export", "save", "shard", "step_through", "trace", "trace_summary", "validate", "value_and_grad",
+    "Pretrained",
 ]

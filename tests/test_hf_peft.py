@@ -34,8 +34,13 @@ def lora(family: str, dropout: bool):
 
     module = build(family, dropout)
     torch.manual_seed(1)
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS[family], init_lora_weights=False,
-                     lora_dropout=0.1 if dropout else 0.0)
+    cfg = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=TARGETS[family],
+        init_lora_weights=False,
+        lora_dropout=0.1 if dropout else 0.0,
+    )
     return get_peft_model(module, cfg).train()
 
 
@@ -58,7 +63,9 @@ def check_lora(rank, world, family, dropout):
     ref_loss.backward()
     want = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
     assert want and all(".lora_" in n for n in want)
-    pretrained = {n: p.detach().clone() for n, p in module.named_parameters() if not p.requires_grad}
+    pretrained = {
+        n: p.detach().clone() for n, p in module.named_parameters() if not p.requires_grad
+    }
     model, params = fz3.shard(module)
     opt = fz3.optim.adamw(lr=1e-2)
     state = opt.init(params)
@@ -77,7 +84,9 @@ def check_lora(rank, world, family, dropout):
     if rank == 0:
         for n, p in pretrained.items():
             assert torch.equal(sd[n], p), f"{family}: frozen {n} changed"
-        assert any(not torch.equal(sd[n], p) for n, p in module.named_parameters() if p.requires_grad)
+        assert any(
+            not torch.equal(sd[n], p) for n, p in module.named_parameters() if p.requires_grad
+        )
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

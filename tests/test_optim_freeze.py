@@ -28,11 +28,17 @@ def freeze_ranks(rank, world, steps=3):
         m.pos.weight.requires_grad_(False)  # really frozen, next to the masked ones
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
     model, params = shard_gpt(module)
-    with pytest.raises(ValueError, match=r"\['blocks.9.fc.weight'\] name no parameter of the model"):
+    with pytest.raises(
+        ValueError, match=r"\['blocks.9.fc.weight'\] name no parameter of the model"
+    ):
         fz3.optim.freeze(model, {"blocks.9.fc.weight"})
-    opt = fz3.optim.chain(fz3.optim.adamw(lr=1e-2, weight_decay=0.1), fz3.optim.freeze(model, FROZEN))
+    opt = fz3.optim.chain(
+        fz3.optim.adamw(lr=1e-2, weight_decay=0.1), fz3.optim.freeze(model, FROZEN)
+    )
     state = opt.init(params)
-    torch_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    torch_opt = torch.optim.AdamW(
+        [p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1
+    )
     for s in range(steps):
         bs = batches(CFG, world, step=s)
         _, grads = fz3.value_and_grad(model)(params, bs[rank])
@@ -47,7 +53,9 @@ def freeze_ranks(rank, world, steps=3):
     if rank == 0:
         for n in FROZEN | {"pos.weight"}:
             assert torch.equal(got[n], before[n]), n
-        trained = {n: p.detach() for n, p in ref.named_parameters() if n not in FROZEN | {"pos.weight"}}
+        trained = {
+            n: p.detach() for n, p in ref.named_parameters() if n not in FROZEN | {"pos.weight"}
+        }
         assert_rel_norm({n: got[n] for n in trained}, trained, 1e-5, what=f"freeze world={world}")
         assert all(not torch.equal(got[n], before[n]) for n in trained)
     return "ok"

@@ -31,7 +31,9 @@ class FreezeState(NamedTuple):
     """Nothing: the mask is fixed when the transformation is built."""
 
 
-def freeze(model: ShardedModel, names: Collection[str] | Callable[[str], bool]) -> GradientTransformation:
+def freeze(
+    model: ShardedModel, names: Collection[str] | Callable[[str], bool]
+) -> GradientTransformation:
     """Zero the updates of the parameters ``names`` (their names in the original module, any
     of a tied parameter's names; or a predicate on names). Every name must be a parameter of
     the model; frozen ones (``requires_grad=False``) are accepted and have no updates anyway."""
@@ -40,7 +42,9 @@ def freeze(model: ShardedModel, names: Collection[str] | Callable[[str], bool]) 
     def init(params: Tree) -> FreezeState:
         return FreezeState()
 
-    def update(updates: Tree, state: FreezeState, params: Tree | None = None) -> tuple[Tree, FreezeState]:
+    def update(
+        updates: Tree, state: FreezeState, params: Tree | None = None
+    ) -> tuple[Tree, FreezeState]:
         return optree.tree_map(torch.mul, updates, keep), state
 
     return GradientTransformation(init, update)
@@ -53,13 +57,21 @@ def keep_mask(model: ShardedModel, names: Collection[str] | Callable[[str], bool
         chosen = names
     else:
         wanted = set(names)
-        every = {part.prefix(row) + n for part in model.parts for row in range(part.rows)
-                 for layout in (part.layout, part.frozen) if layout is not None for s in layout.slots
-                 for n in s.names}
+        every = {
+            part.prefix(row) + n
+            for part in model.parts
+            for row in range(part.rows)
+            for layout in (part.layout, part.frozen)
+            if layout is not None
+            for s in layout.slots
+            for n in s.names
+        }
         unknown = sorted(wanted - every)
         if unknown:
-            raise ValueError(f"fz3.optim.freeze: {unknown[:5]} name no parameter of the model; names are "
-                             f"the original module's, e.g. {sorted(every)[:4]}")
+            raise ValueError(
+                f"fz3.optim.freeze: {unknown[:5]} name no parameter of the model; names are "
+                f"the original module's, e.g. {sorted(every)[:4]}"
+            )
         chosen = wanted.__contains__
     return Params(tuple(_part_keep(model, part, chosen) for part in model.parts))
 
@@ -73,5 +85,5 @@ def _part_keep(model: ShardedModel, part, chosen: Callable[[str], bool]) -> torc
         for s in part.layout.slots:
             start, end = max(s.offset, lo), min(s.offset + s.numel, hi)
             if start < end and any(chosen(part.prefix(row) + name) for name in s.names):
-                keep[row, start - lo:end - lo] = 0.0
+                keep[row, start - lo : end - lo] = 0.0
     return keep if part.role is Role.STACK else keep.view(-1)
