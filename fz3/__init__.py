@@ -4,7 +4,7 @@
     loss, grads = fz3.value_and_grad(model)(params, batch)
 """
 
-from . import optim
+from . import hf, optim
 from .comm.failures import RankLostError
 from .observe.memory import MemoryPlan, memory_plan
 from .observe.step_through import StepFrame, any_rank, step_through
@@ -32,5 +32,5 @@ __all__ = [
     "ScheduleError", "ShardedModel", "Slot", "StepFrame", "ValueAndGrad", "accumulate", "any_rank", "apply",
     "chrome_trace", "decay_mask", "deferred", "export", "full_state_dict", "load", "memory_plan", "optim", "plan",
     "read_export", "save", "shard", "step_through", "trace", "trace_summary", "validate", "value_and_grad",
-    "Pretrained",
+    "Pretrained", "hf",
 ]

@@ -22,7 +22,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm.collectives import Comm
-from ..hf.peft_models import checkpoint_names
 from ..storage import pretrained
 from ..storage.pretrained import Pretrained
 from ..schedule.structure import PartShape, Role
@@ -236,6 +235,8 @@ def shard(
     functions = _functions(split.parts, skeleton, pre, post, betweens, call_layer or _call_layer)
     fill = _shards
     if weights is not None:  # read slice by slice (fz3/storage/pretrained.py)
+        from ..hf.peft_models import checkpoint_names
+
         source = weights if isinstance(weights, Pretrained) else Pretrained(weights)
         pretrained.materialize_buffers(skeleton, source, checkpoint_names(module), device)
         fill = functools.partial(pretrained.shards, source, checkpoint_names(module))
