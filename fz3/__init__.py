@@ -16,6 +16,7 @@ from .schedule.structure import PartShape, Role
 from .sharding.layout import FlatLayout, Slot
 from .sharding.model import Params, ShardedModel, shard
 from .sharding.precision import Precision
+from .sharding.refreeze import refreeze
 from .step.accumulate import Accumulate, accumulate
 from .step.state import Frame, Result
 from .step.finite import NonFiniteError
@@ -32,5 +33,5 @@ __all__ = [
     "ScheduleError", "ShardedModel", "Slot", "StepFrame", "ValueAndGrad", "accumulate", "any_rank", "apply",
     "chrome_trace", "decay_mask", "deferred", "export", "full_state_dict", "load", "memory_plan", "optim", "plan",
     "read_export", "save", "shard", "step_through", "trace", "trace_summary", "validate", "value_and_grad",
-    "Pretrained", "hf",
+    "Pretrained", "hf", "refreeze",
 ]
