@@ -35,3 +35,16 @@ def test_compare_quick_fz3_only():
 def test_gpu_check_dry_run_on_cpu():
     out = _run("benchmarks/gpu_check.py", "--device", "cpu", "--quick")
     assert "correctness:" in out and "FAIL" not in out and "| fz3 | recompute |" in out, out
+
+
+def test_finetune_lora_from_disk_saves_the_adapter(tmp_path):
+    base, out = str(tmp_path / "base"), str(tmp_path / "lora")
+    args = ["--steps", "8", "--log-every", "4", "--dim", "64", "--layers", "2"]
+    args += ["--base", base, "--out", out]
+    printed = _run("examples/finetune_lora.py", *args)
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", printed)]
+    # steps 1, 4, 8: the loss falls (by ~0.3 here; without training it moves by ~0.01)
+    assert len(losses) == 3 and losses[-1] < losses[0] - 0.1, printed
+    assert "wrote a random-weight checkpoint" in printed, printed
+    assert "trained (LoRA r=8)" in printed, printed
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(out)), printed
