@@ -48,3 +48,20 @@ def test_finetune_lora_from_disk_saves_the_adapter(tmp_path):
     assert "wrote a random-weight checkpoint" in printed, printed
     assert "trained (LoRA r=8)" in printed, printed
     assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(out)), printed
+
+
+def test_gpu_check_lora_dry_run_on_cpu():
+    import socket
+
+    with socket.socket() as s:  # a free port (gpu_check's default may be taken)
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", MASTER_PORT=port)
+    args = ["benchmarks/gpu_check.py", "--device", "cpu", "--quick", "--part", "lora"]
+    p = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    out = p.stdout
+    rows = re.findall(r"\| (fz3 recompute|fz3 save|FSDP2) \| \d+ \| [\d.]+ \| (\d+\.\d+) \|", out)
+    assert [r[0] for r in rows] == ["fz3 recompute", "fz3 save", "FSDP2"], out
+    assert len({r[1] for r in rows}) == 1, out  # the same loss: the same model, LoRA and batches
