@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 CONFIGS = {
-    # CPU: Llama-shaped, small enough for 2 cores (~22M parameters, 1.2M of them LoRA)
+    # CPU: Llama-shaped, small enough for 2 cores (20.6M parameters, 0.59M of them LoRA)
     "cpu": dict(
         vocab_size=8192,
         hidden_size=512,
@@ -213,8 +213,12 @@ def fz3_save(cfg, device, dtype, folder):
     return fz3_system(cfg, device, dtype, folder, fz3.Policy(activations="save"))
 
 
-BUILDERS = {"fz3": fz3_save, "fz3 recompute": fz3_system, "FSDP2": fsdp2_system,
-            "DeepSpeed ZeRO-3": deepspeed_system}
+BUILDERS = {
+    "fz3": fz3_save,
+    "fz3 recompute": fz3_system,
+    "FSDP2": fsdp2_system,
+    "DeepSpeed ZeRO-3": deepspeed_system,
+}
 
 
 def rank_batch(cfg, seq: int, per_rank: int, step: int, rank: int, device) -> dict:
@@ -369,17 +373,31 @@ def table(results: dict[str, list[dict]], args: argparse.Namespace) -> str:
         f"size {args.world}, fp32, medians of {args.repeats} interleaved repeats of "
         f"{args.steps} steps after {args.warmup}",
         "",
-        "| system | fwd+bwd ms | optimizer ms | step ms | tokens/s | peak RSS MiB/rank | loss |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| system | fwd+bwd ms | optimizer ms | step ms | tokens/s | step / FSDP2's (paired) "
+        "| peak RSS MiB/rank | loss |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, runs in results.items():
         fb, op = med(runs, "fwd_bwd_s"), med(runs, "opt_s")
         tokens = next((r["tokens_per_step"] for r in runs if "error" not in r), float("nan"))
+        paired = _paired(runs, results.get("FSDP2", []))
         lines.append(
             f"| {name} | {fb * 1e3:.1f} | {op * 1e3:.2f} | {(fb + op) * 1e3:.1f} | "
-            f"{tokens / (fb + op):.0f} | {med(runs, 'peak_mib'):.0f} | {med(runs, 'loss'):.4f} |"
+            f"{tokens / (fb + op):.0f} | {paired:.2f} | {med(runs, 'peak_mib'):.0f} | "
+            f"{med(runs, 'loss'):.4f} |"
         )
     return "\n".join(lines)
+
+
+def _paired(runs: list[dict], ref: list[dict]) -> float:
+    """Median over repeats of this system's step time over FSDP2's in the same repeat: the
+    machine drifts (other users), and one repeat's runs are next to each other in time."""
+    ratios = [
+        (a["fwd_bwd_s"] + a["opt_s"]) / (b["fwd_bwd_s"] + b["opt_s"])
+        for a, b in zip(runs, ref)
+        if "error" not in a and "error" not in b
+    ]
+    return statistics.median(ratios) if ratios else float("nan")
 
 
 def main() -> None:
@@ -396,9 +414,15 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", default=None, help="write lora.json and lora.md into this folder")
+    ap.add_argument("--report", metavar="JSON", help="print the table of a saved lora.json again")
     args = ap.parse_args()
     if args.worker:
         return worker(json.loads(args.worker))
+    if args.report:
+        with open(args.report) as f:
+            saved = json.load(f)
+        print(table(saved["results"], ap.parse_args(saved["argv"])))
+        return
     if args.quick:
         args.config, args.repeats, args.steps, args.warmup = "quick", 1, 2, 1
     systems = args.systems.split(",")
