@@ -184,13 +184,12 @@ def lora_part(device: torch.device, quick: bool, steps: int, warmup: int) -> lis
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         lora.save_base(lora.llama_config(config)[0], folder)  # fz3 reads its base from disk
-        for name, system, kw in [("fz3 recompute", "fz3", dict(policy=fz3.Policy())),
-                                 ("fz3 save", "fz3", dict(policy=fz3.Policy(activations="save"))),
-                                 ("FSDP2", "FSDP2", {})]:
+        for name, system in [("fz3 recompute", "fz3 recompute"), ("fz3 save", "fz3"),
+                             ("FSDP2", "FSDP2")]:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            res = lora.measure(system, config, steps, warmup, folder, device, dtype, **kw)
+            res = lora.measure(system, config, steps, warmup, folder, device, dtype)
             step = res["fwd_bwd_s"] + res["opt_s"]
             row = dict(system=name, tokens_per_s=res["tokens_per_step"] / step, step_s=step,
                        peak_gib=res["peak_mib"] / 1024, loss=res["loss"], config=config)
