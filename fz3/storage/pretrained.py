@@ -158,7 +158,9 @@ def _piece(
         raise ValueError(
             f"parameter {names[0]} is on the meta device and checkpoint {source.folder} has no "
             f"{looked}: initialize it before fz3.shard (new LoRA weights of a PEFT model built on "
-            f"the meta device: fz3.hf.init_lora(model))"
+            f"the meta device: fz3.hf.init_lora(model)), or, if it is tied to a weight the "
+            f"checkpoint holds (an LM head), tie it first (model.tie_weights(), as "
+            f"from_pretrained does)"
         )
     return param.detach().reshape(-1)[start:end]
 

@@ -33,7 +33,9 @@ def saved(family: str, folder: str, shard_size: str | None) -> torch.nn.Module:
 
 def on_meta(module: torch.nn.Module) -> torch.nn.Module:
     with torch.device("meta"):
-        return type(module)(module.config)
+        meta = type(module)(module.config)
+    meta.tie_weights()  # as from_pretrained does (transformers 5.0 does not tie on meta by itself)
+    return meta
 
 
 def pretrained_ranks(rank, world, folder, families):
