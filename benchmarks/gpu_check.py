@@ -3,6 +3,7 @@
     python benchmarks/gpu_check.py                      # on the GPU machine (~3-5 minutes on one H200)
     python benchmarks/gpu_check.py --device cpu --quick # dry run here: same code paths, tiny model
     python benchmarks/gpu_check.py --part hf            # only the Hugging Face Llama step (3.)
+    python benchmarks/gpu_check.py --part lora          # only LoRA fine-tuning, fz3 vs FSDP2 (4.)
 
 1. Correctness on the device: fz3's loss and gradients against plain autograd on the
    unsharded model, fp32 for several schedules (rtol 1e-5 / atol 1e-5: one device, one
@@ -16,6 +17,11 @@
 3. A Hugging Face step: a tiny ``LlamaForCausalLM`` built from its config, one fz3 step
    through ``fz3.shard(model)``'s built-in adapter with a padded row, with whatever
    transformers the machine has; prints that release (it runs before the speed part).
+4. ``--part lora`` (not part of ``all``): LoRA r=16 fine-tuning of a 1.1B Llama-shaped model
+   (TinyLlama's shape, bf16 compute, frozen base stored in bf16, fp32 LoRA weights and AdamW),
+   seq 2048, micro-batch 4: peak CUDA memory and tokens/s of fz3 (``recompute`` and ``save``,
+   base read from a checkpoint on disk) and FSDP2 (``fully_shard`` per block), the builders of
+   ``benchmarks/lora.py``. About 3 minutes on one H200.
 """
 
 from __future__ import annotations
@@ -167,6 +173,32 @@ def hf_llama_step(device: torch.device) -> dict:
                 loss_after_step=float(after), hf_loss=ref_loss, loss_rel_err=rel, ok=ok)
 
 
+def lora_part(device: torch.device, quick: bool, steps: int, warmup: int) -> list[dict]:
+    """LoRA fine-tuning, fz3 vs FSDP2 (``benchmarks/lora.py``): tokens/s and peak memory."""
+    import tempfile
+
+    import lora
+
+    config = "quick" if quick else "1b"
+    dtype = torch.bfloat16 if device.type == "cuda" else None
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        lora.save_base(lora.llama_config(config)[0], folder)  # fz3 reads its base from disk
+        for name, system in [("fz3 recompute", "fz3 recompute"), ("fz3 save", "fz3"),
+                             ("FSDP2", "FSDP2")]:
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            res = lora.measure(system, config, steps, warmup, folder, device, dtype)
+            step = res["fwd_bwd_s"] + res["opt_s"]
+            row = dict(system=name, tokens_per_s=res["tokens_per_step"] / step, step_s=step,
+                       peak_gib=res["peak_mib"] / 1024, loss=res["loss"], config=config)
+            rows.append(row)
+            print(f"lora {name:14s} {step * 1e3:8.1f} ms/step  {row['tokens_per_s']:9.0f} tok/s  "
+                  f"peak {row['peak_gib']:6.2f} GiB  loss {res['loss']:.4f}", flush=True)
+    return rows
+
+
 def flops_per_token(cfg: GPTConfig) -> float:
     """Model FLOPs (PaLM appendix B): 6 x matmul parameters + 12 L T d for attention scores."""
     matmul = cfg.layers * (4 + 2 * cfg.mlp_ratio) * cfg.dim ** 2 + cfg.vocab * cfg.dim
@@ -252,9 +284,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=420, help="skip remaining speed runs after this")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.json")
-    ap.add_argument("--part", default="all", choices=["all", "hf", "speed", "memory", "safety"],
-                    help="hf: only the Hugging Face Llama step; speed / memory / safety: the round-2 "
-                         "parts in gpu_parts.py (each at most ~4 minutes on an H200)")
+    ap.add_argument("--part", default="all",
+                    choices=["all", "hf", "speed", "memory", "safety", "lora"],
+                    help="hf: only the Hugging Face Llama step; lora: only LoRA fz3 vs FSDP2; "
+                         "speed / memory / safety: the round-2 parts in gpu_parts.py (each at "
+                         "most ~4 minutes on an H200)")
     args = ap.parse_args()
     t_start = time.monotonic()
     device = init(args.device)
@@ -277,6 +311,15 @@ def main() -> None:
         sys.exit(0 if hf["ok"] else 1)
     if args.part in ("speed", "memory", "safety"):
         sys.exit(run_part(args.part, device, env, args, t_start))
+    if args.part == "lora":
+        rows = lora_part(device, args.quick, args.steps, args.warmup)
+        write(args.out, dict(env=env, lora=rows))
+        print("\n| system | tokens/s | peak GiB | loss |\n|---|---:|---:|---:|")
+        for r in rows:
+            print(f"| {r['system']} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.2f} | "
+                  f"{r['loss']:.4f} |")
+        dist.destroy_process_group()
+        return
     checks = correctness(device)
     extra = features(device, quick=args.quick)
     hf = hf_llama_step(device) if importlib.util.find_spec("transformers") else None

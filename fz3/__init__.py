@@ -4,7 +4,7 @@
     loss, grads = fz3.value_and_grad(model)(params, batch)
 """
 
-from . import optim
+from . import hf, optim
 from .comm.arrival import CollectiveMismatchError
 from .comm.failures import RankLostError
 from .comm.groups import destroy
@@ -18,6 +18,7 @@ from .schedule.structure import PartShape, Role
 from .sharding.layout import FlatLayout, Slot
 from .sharding.model import Params, ShardedModel, shard
 from .sharding.precision import Precision
+from .sharding.refreeze import refreeze
 from .step.accumulate import Accumulate, accumulate
 from .step.compiled import CompileError
 from .step.state import Frame, Result
@@ -26,14 +27,15 @@ from .step.record import Event, Recorder
 from .step.value_and_grad import ValueAndGrad, apply, value_and_grad
 from .storage.checkpoint import load, save
 from .storage.export import ExportReport, export, read_export
+from .storage.pretrained import Pretrained
 from .storage.state_dict import full_state_dict
 
 __all__ = [
     "Accumulate", "Category", "CollectiveMismatchError", "CompileError", "Event", "ExportReport",
     "FlatLayout", "Frame", "MemoryPlan", "NonFiniteError", "Op", "OpKind", "Params", "PartShape",
-    "Policy", "Precision", "RankLostError", "Recorder", "Result", "Role", "Schedule", "ScheduleError",
-    "ShardedModel", "Slot", "StepFrame", "Unit", "ValueAndGrad", "accumulate", "any_rank", "apply",
-    "chrome_trace", "decay_mask", "deferred", "destroy", "export", "full_state_dict", "load",
-    "memory_plan", "optim", "plan", "read_export", "save", "shard", "step_through", "trace",
-    "trace_summary", "validate", "value_and_grad",
+    "Policy", "Precision", "Pretrained", "RankLostError", "Recorder", "Result", "Role", "Schedule",
+    "ScheduleError", "ShardedModel", "Slot", "StepFrame", "Unit", "ValueAndGrad", "accumulate",
+    "any_rank", "apply", "chrome_trace", "decay_mask", "deferred", "destroy", "export",
+    "full_state_dict", "hf", "load", "memory_plan", "optim", "plan", "read_export", "refreeze",
+    "save", "shard", "step_through", "trace", "trace_summary", "validate", "value_and_grad",
 ]

@@ -50,7 +50,7 @@ _CTX = mp.get_context("forkserver")
 # Modules not installed are skipped by the server. The test modules are preloaded too: a
 # rank unpickles its function by importing the function's module.
 _CTX.set_forkserver_preload(
-    ["torch", "torch.distributed", "torch.distributed.checkpoint", "fz3", "transformers",
+    ["torch", "torch.distributed", "torch.distributed.checkpoint", "fz3", "transformers", "peft",
      *(f"transformers.models.{m}.modeling_{m}" for m in ("gpt2", "llama", "roberta")),
      *sorted(f[:-3] for f in os.listdir(_HERE) if f.startswith("test_") and f.endswith(".py"))])
 

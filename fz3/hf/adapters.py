@@ -25,7 +25,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import nn
 
-from . import compat
+from . import compat, peft_models
 from .batch import check_batch
 
 
@@ -113,7 +113,17 @@ ADAPTERS: dict[str, Adapter] = {
 
 def adapter_for(module: nn.Module) -> Adapter:
     """The built-in adapter for ``module``'s class, or a TypeError naming the fix; ImportError
-    when the installed transformers is outside ``compat.RANGE``. Local: no collective."""
+    when the installed transformers is outside ``compat.RANGE``. A PEFT wrapper
+    (``get_peft_model(model, ...)``) gets its inner model's adapter, seen through the wrapper
+    (``peft_models.py``). Local: no collective."""
+    wrapped = peft_models.inner_model(module)
+    if wrapped is not None:
+        inner, path = wrapped
+        if type(inner).__name__ not in ADAPTERS:
+            raise TypeError(peft_models.no_adapter_message(module, inner, path, sorted(ADAPTERS)))
+        found = adapter_for(inner)
+        layers, pre, post = peft_models.through(path, found.layers, found.pre, found.post)
+        return found._replace(layers=layers, pre=pre, post=post)
     name = type(module).__name__
     if name not in ADAPTERS:
         raise TypeError(f"fz3.shard got no layers=/pre=/post= and has no built-in adapter for "

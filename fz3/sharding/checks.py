@@ -63,8 +63,9 @@ def _fmt(entry) -> str:
     return f"{names[0]} {list(shape)} {dtype}"
 
 
-def check_parameters(split) -> None:
-    """Floating point and materialized: what fz3 can shard (``split``: a ``Partition``)."""
+def check_parameters(split, meta: bool = False) -> None:
+    """Floating point and materialized (``meta``: meta ones are allowed, for ``weights=`` to
+    fill): what fz3 can shard (``split``: a ``Partition``)."""
     for part, rows in zip(split.parts, split.params):
         for j, row in enumerate(rows):
             for names, p in row:
@@ -72,10 +73,11 @@ def check_parameters(split) -> None:
                 if not p.is_floating_point():
                     raise TypeError(f"parameter {name} has dtype {p.dtype}; fz3 shards "
                                     f"floating-point parameters only")
-                if p.is_meta:
+                if p.is_meta and not meta:
                     raise ValueError(f"parameter {name} is on the meta device; materialize the "
                                      f"module (e.g. module.to_empty(device=...) and initialize it) "
-                                     f"before fz3.shard")
+                                     f"before fz3.shard, or pass weights='<folder of its "
+                                     f"checkpoint>'")
 
 
 def check_same_on_all_ranks(comm: Comm, parts, device: torch.device) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
@@ -22,6 +24,8 @@ from torch import nn
 from ..comm.collectives import Comm
 from ..comm.groups import comm_groups
 from ..comm.liveness import Heartbeat
+from ..storage import pretrained
+from ..storage.pretrained import Pretrained
 from ..schedule.structure import PartShape, Role
 from .checks import check_not_wrapped, check_parameters, check_same_on_all_ranks, resolve_layers
 from .binding import Binding
@@ -159,6 +163,7 @@ def shard(
     mesh: Any = None,
     device: torch.device | str | None = None,
     precision: Precision = Precision(),
+    weights: str | os.PathLike | Pretrained | None = None,
 ) -> tuple[ShardedModel, Params]:
     """Shard ``module`` over ``group`` or ``mesh`` (default: the default process group).
     **Collective**: every rank must call it (one small all-gather checks the ranks agree).
@@ -190,6 +195,11 @@ def shard(
         registration order does not say which function uses them.
       device: where shards and compute live; default: the module's device (cuda:current for NCCL).
       precision: compute / reduce dtypes (fp32 master shards always).
+      weights: a folder with a Hugging Face checkpoint (``model.safetensors`` or its sharded
+        index), or a ``fz3.Pretrained`` of one (it counts the bytes read): each parameter it
+        holds is read from it, only the slices this rank owns, so ``module`` may be built on
+        the meta device; meta buffers are read or computed too (``fz3/storage/pretrained.py``).
+        A PEFT model's base weights are found under the base model's names.
 
     Returns ``(model, params)``: the static model and this rank's fp32 shards.
     """
@@ -214,12 +224,19 @@ def shard(
     betweens = [fn for fn in between if fn is not None]
     split = partition(module, paths, comm.world_size, between=[fn is not None for fn in between] or
                       [False] * (len(paths) - 1), assign=assign)
-    check_parameters(split)
+    check_parameters(split, meta=weights is not None)
     skeleton = _skeleton(module, device)
     functions = _functions(split.parts, skeleton, pre, post, betweens, call_layer or _call_layer)
-    shards = tuple(_shards(part, part.layout, rows, comm, device, torch.float32)
+    fill = _shards
+    if weights is not None:  # read slice by slice (fz3/storage/pretrained.py)
+        from ..hf.peft_models import checkpoint_names
+
+        source = weights if isinstance(weights, Pretrained) else Pretrained(weights)
+        pretrained.materialize_buffers(skeleton, source, checkpoint_names(module), device)
+        fill = functools.partial(pretrained.shards, source, checkpoint_names(module))
+    shards = tuple(fill(part, part.layout, rows, comm, device, torch.float32)
                    for part, rows in zip(split.parts, split.params))
-    frozen = tuple(None if part.frozen is None else _shards(part, part.frozen, rows, comm, device, precision.frozen)
+    frozen = tuple(None if part.frozen is None else fill(part, part.frozen, rows, comm, device, precision.frozen)
                    for part, rows in zip(split.parts, split.params))
     model = ShardedModel(split.parts, frozen, functions, skeleton, comm, precision, device, mesh, module.training,
                          check_batch)
@@ -277,7 +294,7 @@ def _default_device(module: nn.Module, backend: str) -> torch.device:
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     p = next(module.parameters(), None)
-    return p.device if p is not None else torch.device("cpu")
+    return p.device if p is not None and not p.is_meta else torch.device("cpu")
 
 
 def _skeleton(module: nn.Module, device: torch.device) -> nn.Module:

@@ -1,0 +1,89 @@
+"""Freeze the updates of chosen parameters, by name: ``optax.set_to_zero`` under a mask.
+
+    opt = fz3.optim.chain(fz3.optim.adamw(lr=1e-3, weight_decay=0.1),
+                          fz3.optim.freeze(model, {"lm_head.weight"}))
+
+Put it last: it zeroes the *updates* (AdamW's step and its weight decay), so a named
+parameter keeps its value exactly. Before AdamW it would zero gradients only, and weight
+decay and the moments' momentum would still move the parameter.
+
+The parameters stay trained as far as the step is concerned: their gradients are computed and
+reduced, and AdamW's moments for them are kept (and saved with the optimizer state): a mask
+can change between steps without re-sharding. To save the gradient and optimizer memory
+too, make them really frozen (``requires_grad=False`` before ``fz3.shard``, or
+``fz3.refreeze`` between steps). ``fz3.optim.step(..., donate=True)`` takes the pure path
+for such a chain (the fused kernel cannot skip elements). Elementwise: no communication.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Collection, NamedTuple
+
+import optree
+import torch
+
+from ..schedule.structure import Role
+from ..sharding.model import Params, ShardedModel
+from .base import GradientTransformation, Tree
+
+
+class FreezeState(NamedTuple):
+    """Nothing: the mask is fixed when the transformation is built."""
+
+
+def freeze(
+    model: ShardedModel, names: Collection[str] | Callable[[str], bool]
+) -> GradientTransformation:
+    """Zero the updates of the parameters ``names`` (their names in the original module, any
+    of a tied parameter's names; or a predicate on names). Every name must be a parameter of
+    the model; frozen ones (``requires_grad=False``) are accepted and have no updates anyway."""
+    keep = keep_mask(model, names)
+
+    def init(params: Tree) -> FreezeState:
+        return FreezeState()
+
+    def update(
+        updates: Tree, state: FreezeState, params: Tree | None = None
+    ) -> tuple[Tree, FreezeState]:
+        return optree.tree_map(torch.mul, updates, keep), state
+
+    return GradientTransformation(init, update)
+
+
+def keep_mask(model: ShardedModel, names: Collection[str] | Callable[[str], bool]) -> Params:
+    """Float shards shaped like params: 0 on the elements of the named parameters, 1 elsewhere
+    (padding included: its updates are zero already). Local: no collective."""
+    if callable(names):
+        chosen = names
+    else:
+        wanted = set(names)
+        every = {
+            part.prefix(row) + n
+            for part in model.parts
+            for row in range(part.rows)
+            for layout in (part.layout, part.frozen)
+            if layout is not None
+            for s in layout.slots
+            for n in s.names
+        }
+        unknown = sorted(wanted - every)
+        if unknown:
+            raise ValueError(
+                f"fz3.optim.freeze: {unknown[:5]} name no parameter of the model; names are "
+                f"the original module's, e.g. {sorted(every)[:4]}"
+            )
+        chosen = wanted.__contains__
+    return Params(tuple(_part_keep(model, part, chosen) for part in model.parts))
+
+
+def _part_keep(model: ShardedModel, part, chosen: Callable[[str], bool]) -> torch.Tensor:
+    """This rank's ``(rows, shard)`` (``(shard,)`` outside stacks) of the part's keep mask."""
+    n = part.layout.shard_numel
+    lo, hi = model.rank * n, (model.rank + 1) * n  # this rank's elements of each row
+    keep = torch.ones(part.rows, n, device=model.device)
+    for row in range(part.rows):
+        for s in part.layout.slots:
+            start, end = max(s.offset, lo), min(s.offset + s.numel, hi)
+            if start < end and any(chosen(part.prefix(row) + name) for name in s.names):
+                keep[row, start - lo : end - lo] = 0.0
+    return keep if part.role is Role.STACK else keep.view(-1)

@@ -1,0 +1,220 @@
+"""Pretrained weights straight into this rank's shards, without a full model on any rank.
+
+``fz3.shard(module, ..., weights=folder)`` with ``module`` built on the ``meta`` device and a
+Hugging Face checkpoint in ``folder`` (``model.safetensors``, or ``model.safetensors.index.json``
+and the files it names, as ``save_pretrained`` writes them): every parameter the checkpoint
+has is read from it, the others are taken from the module (which must hold them for real:
+new LoRA weights, say). A rank's shard of a flat buffer is a contiguous range of the
+part's concatenated, flattened parameters, so for each parameter overlapping that range only
+the rows covering it are read (safetensors' ``get_slice`` reads lazily, from a memory map):
+one slice at a time, straight into the shard. Peak host memory: the rank's shards plus one
+slice (at most the rank's range of one parameter and two rows around it); ``Pretrained.
+bytes_read`` counts what was read.
+
+Buffers on the meta device are made real on fz3's skeleton (the module is not changed):
+read from the checkpoint when it has them (persistent ones), else computed by the module's own
+init: a Hugging Face model's ``_init_weights`` on the buffer's module, which is what
+``from_pretrained`` runs for buffers a checkpoint does not hold (rotary ``inv_freq``,
+RoBERTa's ``position_ids``). Other buffers must be real already (build the module under
+``accelerate.init_empty_weights()``, which puts only parameters on the meta device).
+
+Nothing here communicates.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from ..schedule.structure import Role
+from ..sharding.layout import FlatLayout
+
+Rename = (
+    Callable[[str], str] | None
+)  # a module's name -> its name in the checkpoint (None: the same)
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+class Pretrained:
+    """A Hugging Face safetensors checkpoint, read lazily, tensor slice by tensor slice;
+    ``bytes_read`` counts the bytes of the tensor slices read so far. ``fz3.shard(module,
+    weights=Pretrained(folder))`` reads through it (``weights=folder`` makes one)."""
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = os.fspath(folder)
+        self.files = _weight_map(self.folder)  # checkpoint name -> file
+        self._open: dict[str, object] = {}  # file -> safe_open handle
+        self.bytes_read = 0
+
+    def find(self, names: Iterable[str], rename: Rename) -> str | None:
+        """The checkpoint's name for the first of a parameter's ``names`` it holds, or None."""
+        for name in names:
+            key = rename(name) if rename else name
+            if key in self.files:
+                return key
+        return None
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._slice(key).get_shape())
+
+    def read(self, key: str, start: int, end: int) -> torch.Tensor:
+        """Elements ``[start, end)`` of tensor ``key`` flattened, (end - start,): only the rows
+        (first-dimension slices) covering them are read."""
+        shape = self.shape(key)
+        row = math.prod(shape[1:]) if len(shape) > 1 else 1
+        if not shape:  # a scalar
+            t = self._slice(key)[...].reshape(-1)
+            self.bytes_read += t.numel() * t.element_size()
+            return t[start:end]
+        first, last = start // row, -(-end // row)
+        rows = self._slice(key)[first:last].reshape(-1)
+        self.bytes_read += rows.numel() * rows.element_size()
+        return rows[start - first * row : end - first * row]
+
+    def _slice(self, key: str):
+        from safetensors import safe_open
+
+        file = self.files[key]
+        if file not in self._open:
+            self._open[file] = safe_open(os.path.join(self.folder, file), framework="pt")
+        return self._open[file].get_slice(key)
+
+
+def _weight_map(folder: str) -> dict[str, str]:
+    index, single = os.path.join(folder, INDEX), os.path.join(folder, SINGLE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            return dict(json.load(f)["weight_map"])
+    if os.path.isfile(single):
+        from safetensors import safe_open
+
+        with safe_open(single, framework="pt") as f:
+            return {k: SINGLE for k in f.keys()}
+    found = sorted(os.listdir(folder)) if os.path.isdir(folder) else "no such folder"
+    raise FileNotFoundError(
+        f"weights={folder!r} has no {SINGLE} nor {INDEX} (found: {found}); save the "
+        f"checkpoint with save_pretrained(folder) (safetensors: .bin files cannot be "
+        f"read a slice at a time)"
+    )
+
+
+def shards(
+    source: Pretrained,
+    rename: Rename,
+    part,
+    layout: FlatLayout,
+    rows,
+    comm,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """This rank's shard of each row of ``part`` in ``layout`` (``(k, shard)`` for a stack,
+    ``(shard,)`` otherwise), each parameter's overlap with the rank's range read from
+    ``source`` if it holds the parameter (under ``rename(name)``), else copied from the
+    module's (real) parameter."""
+    n = layout.shard_numel
+    lo, hi = comm.rank * n, (comm.rank + 1) * n
+    out = torch.zeros(part.rows, n, dtype=dtype, device=device)  # padding stays zero
+    for j, row in enumerate(rows):
+        params = {names[0]: p for names, p in row}
+        for s in layout.slots:
+            start, end = max(s.offset, lo), min(s.offset + s.numel, hi)
+            if start >= end:
+                continue
+            names = [part.prefix(j) + name for name in s.names]
+            piece = _piece(
+                source, rename, names, s.shape, params[s.name], start - s.offset, end - s.offset
+            )
+            out[j, start - lo : end - lo].copy_(piece)
+    return out if part.role is Role.STACK else out.view(-1)
+
+
+def _piece(
+    source: Pretrained,
+    rename: Rename,
+    names: list[str],
+    shape: tuple[int, ...],
+    param: torch.Tensor,
+    start: int,
+    end: int,
+) -> torch.Tensor:
+    key = source.find(names, rename)
+    if key is not None:
+        if source.shape(key) != tuple(shape):
+            raise ValueError(
+                f"checkpoint {source.folder} has {key} of shape {list(source.shape(key))}; the "
+                f"module's {names[0]} is {list(shape)}: build the module from the checkpoint's "
+                f"config"
+            )
+        return source.read(key, start, end)
+    if param.is_meta:
+        looked = sorted({rename(n) if rename else n for n in names})
+        raise ValueError(
+            f"parameter {names[0]} is on the meta device and checkpoint {source.folder} has no "
+            f"{looked}: initialize it before fz3.shard (new LoRA weights of a PEFT model built on "
+            f"the meta device: fz3.hf.init_lora(model)), or, if it is tied to a weight the "
+            f"checkpoint holds (an LM head), tie it first (model.tie_weights(), as "
+            f"from_pretrained does)"
+        )
+    return param.detach().reshape(-1)[start:end]
+
+
+def materialize_buffers(
+    skeleton: nn.Module, source: Pretrained, rename: Rename, device: torch.device
+) -> None:
+    """Make every meta buffer of ``skeleton`` (fz3's own copy of the module) real on ``device``:
+    from the checkpoint if it holds it, else by the owning Hugging Face model's
+    ``_init_weights``."""
+    owners = {name: m for name, m in skeleton.named_modules() if hasattr(m, "_init_weights")}
+    for module_name, module in skeleton.named_modules():
+        for name, buf in list(module.named_buffers(recurse=False)):
+            if not buf.is_meta:
+                continue
+            full = f"{module_name}.{name}" if module_name else name
+            key = source.find([full], rename)
+            if key is not None:
+                setattr(
+                    module,
+                    name,
+                    source.read(key, 0, buf.numel()).view(buf.shape).to(device, buf.dtype),
+                )
+                continue
+            setattr(module, name, _unset(buf, device))
+            owner = max((o for o in owners if _inside(module_name, o)), key=len, default=None)
+            if owner is not None:
+                with torch.no_grad():
+                    owners[owner]._init_weights(module)
+            if owner is None or _still_unset(getattr(module, name)):
+                raise ValueError(
+                    f"buffer {full} is on the meta device, checkpoint {source.folder} does not "
+                    f"hold it and no Hugging Face _init_weights computes it: build the module with "
+                    f"real buffers (e.g. under accelerate.init_empty_weights(), which puts only "
+                    f"parameters on the meta device)"
+                )
+
+
+def _inside(module_name: str, owner: str) -> bool:
+    return owner == "" or module_name == owner or module_name.startswith(owner + ".")
+
+
+def _unset(buf: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A real buffer filled with a value no init leaves everywhere (NaN; the smallest integer)."""
+    if buf.dtype.is_floating_point or buf.dtype.is_complex:
+        return torch.full(buf.shape, float("nan"), dtype=buf.dtype, device=device)
+    if buf.dtype == torch.bool:
+        return torch.zeros(buf.shape, dtype=buf.dtype, device=device)
+    return torch.full(buf.shape, torch.iinfo(buf.dtype).min, dtype=buf.dtype, device=device)
+
+
+def _still_unset(buf: torch.Tensor) -> bool:
+    if buf.dtype.is_floating_point or buf.dtype.is_complex:
+        return bool(torch.isnan(buf).any())
+    if buf.dtype == torch.bool:
+        return False
+    return bool((buf == torch.iinfo(buf.dtype).min).all()) and buf.numel() > 0
