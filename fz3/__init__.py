@@ -31,9 +31,9 @@ from .storage.state_dict import full_state_dict
 __all__ = [
     "Accumulate", "Category", "CollectiveMismatchError", "CompileError", "Event", "ExportReport",
     "FlatLayout", "Frame", "MemoryPlan", "NonFiniteError", "Op", "OpKind", "Params", "PartShape",
-    "Policy", "Precision", "RankLostError", "Recorder", "Result", "Role", "Schedule", "ScheduleError",
-    "ShardedModel", "Slot", "StepFrame", "Unit", "ValueAndGrad", "accumulate", "any_rank", "apply",
-    "chrome_trace", "decay_mask", "deferred", "destroy", "export", "full_state_dict", "load",
-    "memory_plan", "optim", "plan", "read_export", "save", "shard", "step_through", "trace",
-    "trace_summary", "validate", "value_and_grad",
+    "Policy", "Precision", "RankLostError", "Recorder", "Result", "Role", "Schedule",
+    "ScheduleError", "ShardedModel", "Slot", "StepFrame", "Unit", "ValueAndGrad", "accumulate",
+    "any_rank", "apply", "chrome_trace", "decay_mask", "deferred", "destroy", "export",
+    "full_state_dict", "load", "memory_plan", "optim", "plan", "read_export", "save", "shard",
+    "step_through", "trace", "trace_summary", "validate", "value_and_grad",
 ]
