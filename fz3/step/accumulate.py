@@ -35,7 +35,8 @@ class Accumulate:
     def __init__(self, model: ShardedModel, schedule: Schedule, policy: Literal["reduce", "defer"],
                  compiled: CompiledLayers | None = None):
         if policy not in ("reduce", "defer"):
-            raise ValueError(f"policy={policy!r}: use 'reduce' (sum reduced shards) or 'defer' (reduce once)")
+            raise ValueError(f"policy={policy!r}: use 'reduce' (sum reduced shards) or 'defer' "
+                             f"(reduce once)")
         self.model, self.schedule, self.policy, self.compiled = model, schedule, policy, compiled
         self.deferred = deferred(schedule) if policy == "defer" else None
 
@@ -53,15 +54,18 @@ class Accumulate:
             sched = self.schedule if self.policy == "reduce" or last else self.deferred
             # Hybrid sharding: the reduce policy sums shards over micro-batches first and
             # across replicas once, below (FSDP2 keeps a partial reduce output the same way).
-            result = drain(execute(self.model, sched, params, mb, loss_scale=1.0 / k, carry=carry,
-                                   reduce_replicas=self.policy == "defer", compiled=self.compiled))
+            result = drain(execute(self.model, sched, params, mb, loss_scale=1.0 / k,
+                                   carry=carry, reduce_replicas=self.policy == "defer",
+                                   compiled=self.compiled))
             losses.append(result.loss)
             if self.policy == "reduce":  # acc holds buffers this function received and owns
-                acc = result.grads if acc is None else optree.tree_map(torch.Tensor.add_, acc, result.grads)
+                acc = (result.grads if acc is None
+                       else optree.tree_map(torch.Tensor.add_, acc, result.grads))
             else:
                 acc = result.grads
         if self.policy == "reduce" and comm.replicas > 1:
-            pending = [all_reduce(comm, t, group=comm.replicate_group, label="accumulated gradient shards")
+            pending = [all_reduce(comm, t, group=comm.replicate_group,
+                                  label="accumulated gradient shards")
                        for t in optree.tree_leaves(acc)]
             for p in pending:
                 wait(p)
@@ -76,4 +80,5 @@ def accumulate(model: ShardedModel, schedule: Schedule | Policy | None = None, *
     **Collective**: the schedule is compared across ranks here; every rank must call it."""
     check_compile_options(model, compile, strict, False)
     compiled = CompiledLayers(model.parts, strict=strict) if compile else None
-    return Accumulate(model, prepare(model, schedule, grad=True, entry="accumulate"), policy, compiled)
+    return Accumulate(model, prepare(model, schedule, grad=True, entry="accumulate"), policy,
+                      compiled)

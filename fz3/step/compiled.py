@@ -48,10 +48,12 @@ class CompiledLayers:
             if part.role.value == "stack":
                 # fullgraph: a graph break is a layer that cannot be compiled whole, reported (or
                 # raised with ``strict``) instead of left to run as several small graphs.
-                self.functions[i] = torch.compile(_layer_function(part), dynamic=False, fullgraph=True, **options)
+                self.functions[i] = torch.compile(_layer_function(part), dynamic=False,
+                                                  fullgraph=True, **options)
 
     def __call__(self, part_index: int, part: Part, binding: Binding, row: torch.Tensor,
-                 frozen_row: torch.Tensor | None, h: torch.Tensor, extras: tuple, name: str) -> torch.Tensor:
+                 frozen_row: torch.Tensor | None, h: torch.Tensor, extras: tuple,
+                 name: str) -> torch.Tensor:
         fn = self.functions.get(part_index)
         if fn is None or part_index in self.failed:
             return _eager(part, binding, row, frozen_row, h, extras)
@@ -60,11 +62,11 @@ class CompiledLayers:
             out = fn(binding.module, row, frozen_row, h, *extras)
         except Exception as e:  # noqa: BLE001 - compilation can fail in many ways; each is reported
             if self.strict:
-                raise CompileError(f"layer {name} ({part.name}) cannot be compiled: {e}. Pass compile=False, "
-                                   f"or strict=False to run it eager") from e
+                raise CompileError(f"layer {name} ({part.name}) cannot be compiled: {e}. "
+                                   f"Pass compile=False, or strict=False to run it eager") from e
             self.failed[part_index] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            warnings.warn(f"fz3: the layer function of {part.name} cannot be compiled; it runs eager. "
-                          f"Reason: {self.failed[part_index]}", stacklevel=4)
+            warnings.warn(f"fz3: the layer function of {part.name} cannot be compiled; it runs "
+                          f"eager. Reason: {self.failed[part_index]}", stacklevel=4)
             return _eager(part, binding, row, frozen_row, h, extras)
         self._note_compiles(part_index, part, torch.is_grad_enabled(), _graphs() - before, name)
         return out
@@ -76,21 +78,21 @@ class CompiledLayers:
         self.graphs[key] = self.graphs.get(key, 0) + new
         if self.graphs[key] > 1 and i not in self.warned:
             self.warned.add(i)
-            warnings.warn(f"fz3: the compiled layer function of {part.name} compiled again at layer {name}: "
-                          f"something its code reads differs per layer (an attribute such as a layer "
-                          f"index?), so every layer compiles on its own and runs slowly. Make the "
-                          f"layers identical, or pass compile=False", stacklevel=4)
+            warnings.warn(f"fz3: the compiled layer function of {part.name} compiled again at "
+                          f"layer {name}: something its code reads differs per layer (an attribute "
+                          f"such as a layer index?), so every layer compiles on its own and runs "
+                          f"slowly. Make the layers identical, or pass compile=False", stacklevel=4)
 
 
 def check_compile_options(model: Any, compile: bool, strict: bool, cuda_graphs: bool) -> None:
     """Local, before any collective: what ``compile``/``cuda_graphs`` can run here."""
     if strict and not compile:
-        raise ValueError("strict=True asks compile=True to raise instead of falling back to eager; pass "
-                         "compile=True with it")
+        raise ValueError("strict=True asks compile=True to raise instead of falling back to "
+                         "eager; pass compile=True with it")
     if cuda_graphs and model.device.type != "cuda":
-        raise ValueError(f"cuda_graphs=True replays CUDA graphs, and the model is on {model.device}: graph "
-                         f"capture needs a CUDA device (shard onto one, or drop cuda_graphs; compile=True "
-                         f"runs on the CPU too)")
+        raise ValueError(f"cuda_graphs=True replays CUDA graphs, and the model is on "
+                         f"{model.device}: graph capture needs a CUDA device (shard onto one, or "
+                         f"drop cuda_graphs; compile=True runs on the CPU too)")
 
 
 def _layer_function(part: Part) -> Callable[..., torch.Tensor]:
@@ -110,7 +112,8 @@ def _layer_function(part: Part) -> Callable[..., torch.Tensor]:
 
 def _eager(part: Part, binding: Binding, row: torch.Tensor, frozen_row: torch.Tensor | None,
            h: torch.Tensor, extras: tuple) -> torch.Tensor:
-    tensors = part.layout.views(row) + ([] if frozen_row is None else part.frozen.views(frozen_row))
+    tensors = part.layout.views(row) + ([] if frozen_row is None
+                                        else part.frozen.views(frozen_row))
     return binding(tensors, (h, *extras))
 
 

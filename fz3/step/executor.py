@@ -4,7 +4,8 @@
 ``StepState``; it yields a ``Frame`` after every compute op and returns the ``Result``.
 ``fz3.value_and_grad`` drains it, ``fz3.step_through`` hands the frames to the user. Closing
 it early drains every collective still in flight, so no rank is left inside one. The
-handlers follow, in the order a step meets them; the buffer lifetimes are noted below.
+handlers follow, in the order a step meets them; what they call a unit's function with, and
+where its results go, is ``unit_io.py``'s. The buffer lifetimes are noted below.
 
 [Note: buffer lifetimes, per unit]
 - gather: a ``(world*k*n,)`` buffer in the compute dtype, alive until ``free``; a unit of k>1
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Generator, NamedTuple
 
-import optree
 import torch
 
 from .. import rng
@@ -38,11 +38,13 @@ from ..schedule.structure import Role
 from ..schedule.schedule import Schedule
 from ..sharding import compute
 from ..sharding.model import Params, ShardedModel
-from .state import Frame, Loss, Reducing, Result, Saved, StepState, nbytes, pending_bytes, regrow, release
+from .state import Frame, Loss, Reducing, Result, Saved, StepState, regrow, release
+from .unit_io import (add_gradients, call_tensors, detached, frame_of, gather_pieces, grad_leaves,
+                      or_zeros, result_shard, run_layers)
 
 
-def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any, recorder=None, *,
-            loss: Loss | None = None, loss_scale: float | torch.Tensor = 1.0,
+def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any, recorder=None,
+            *, loss: Loss | None = None, loss_scale: float | torch.Tensor = 1.0,
             carry: dict[int, torch.Tensor] | None = None, reduce_replicas: bool = True,
             compiled=None, graphs=None) -> Generator[Frame, None, Result]:
     """Run ``schedule`` on ``batch``. ``loss``: the function the ``loss`` op runs (default:
@@ -53,8 +55,8 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
     once for several micro-batches). ``recorder``: a ``fz3.Recorder``, or None (no cost).
     ``compiled``: a ``fz3.step.compiled.CompiledLayers`` to run layers with, or None (eager);
     ``graphs``: a ``fz3.step.graphs.GraphedLayers`` to replay them with (CUDA)."""
-    state = StepState(model, schedule, params, batch, loss or Loss(model.post), loss_scale, carry,
-                      reduce_replicas, compiled, graphs)
+    state = StepState(model, schedule, params, batch, loss or Loss(model.post), loss_scale,
+                      carry, reduce_replicas, compiled, graphs)
     if recorder is not None:
         recorder.begin_step(schedule, model.device)
     # With a profiler running (torch.profiler), each op is a named range in its trace; without
@@ -70,10 +72,12 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
                 else:
                     frame = HANDLERS[op.kind](state, op, index)
                 if recorder is not None:
-                    recorder.record(index, start, state.live_units(), _moved(state, op), state.owned_bytes())
+                    recorder.record(index, start, state.live_units(), state.moved_bytes(op),
+                                    state.owned_bytes())
                 if frame is not None:
                     yield frame
-                    frame = None  # the frame holds the unit's buffer: not past the next op (a free)
+                    # the frame holds the unit's buffer: not past the next op (a free)
+                    frame = None
             return _finish(state)
     finally:
         state.drain(wait)
@@ -85,11 +89,13 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
 def _gather(s: StepState, op: Op, index: int) -> None:
     u, m = op.unit, s.model
     unit = s.schedule.units[u]
-    for frozen, shard in _pieces(s, unit):
+    for frozen, shard in gather_pieces(s, unit):
         key = (u, frozen)
-        if len(unit.rows) == 1 and key in s.released:  # back into the storage a live graph saved views of
+        if len(unit.rows) == 1 and key in s.released:
+            # back into the storage a live graph saved views of
             out = regrow(s.released[key].buffer).view(-1)
-        elif s.graphs is not None and unit.role is Role.STACK and not frozen:  # a fixed address: the ring
+        elif s.graphs is not None and unit.role is Role.STACK and not frozen:
+            # a fixed address: the ring
             out = s.graphs.slot(unit.part, u)
         else:
             out = torch.empty(m.world_size * shard.numel(), dtype=shard.dtype, device=m.device)
@@ -109,7 +115,8 @@ def _wait(s: StepState, op: Op, index: int) -> None:
             buf = out
         elif k == 1:
             buf = out.view(1, -1)
-        elif key in s.released:  # rank-major (world, k, n) -> layer-major (k, world*n), in place
+        elif key in s.released:
+            # rank-major (world, k, n) -> layer-major (k, world*n), in place
             buf = regrow(s.released[key].buffer)
             buf.copy_(out.view(world, k, -1).transpose(0, 1).reshape(buf.shape))
         else:
@@ -133,18 +140,20 @@ def _forward_stage(s: StepState, op: Op, index: int) -> Frame:
     which extras (rotary tables, masks, ...) carry gradient, and costs one activation."""
     u, grad = op.unit, s.schedule.grad
     unit = s.schedule.units[u]
-    leaves = _leaves(s, u) if grad else None
+    leaves = grad_leaves(s, u) if grad else None
     x = s.batch if unit.role is Role.PRE else s.h.detach().requires_grad_(grad)
     args = (s.batch,) if unit.role is Role.PRE else (x, s.batch)
     with torch.set_grad_enabled(grad):
-        h, extras = compute.run_stage(s.model.functions[unit.part], _tensors(s, u, leaves), args, unit.name)
+        h, extras = compute.run_stage(s.model.functions[unit.part], call_tensors(s, u, leaves),
+                                      args, unit.name)
     positions = compute.differentiable(extras)
     if grad:
         s.saved[u] = Saved(True, x, (h, extras), leaves, (), None)
     s.producer, s.grad_positions[u] = u, positions
     s.h = h.detach()
     s.extras[u] = compute.detach_extras(extras, positions, grad=False)
-    return _frame(s, op, index, s.batch if unit.role is Role.PRE else x, (s.h, *s.extras[u]), None)
+    return frame_of(s, op, index, s.batch if unit.role is Role.PRE else x, (s.h, *s.extras[u]),
+                    None)
 
 
 def _forward_layers(s: StepState, op: Op, index: int) -> Frame:
@@ -154,16 +163,16 @@ def _forward_layers(s: StepState, op: Op, index: int) -> Frame:
         leaf, x_leaf = compute.leaf(s.gathered[u, False]), x.detach().requires_grad_()
         leaf_extras = compute.detach_extras(extras, positions, grad=True)
         with torch.enable_grad():
-            out = _run_layers(s, u, leaf, x_leaf, leaf_extras)
+            out = run_layers(s, u, leaf, x_leaf, leaf_extras)
         s.saved[u] = Saved(True, x_leaf, out, [leaf], leaf_extras, None, s.producer)
         s.h = out.detach()
     else:
         before = rng.capture(s.model.device) if s.schedule.grad else None
         with torch.no_grad():
-            s.h = _run_layers(s, u, s.gathered[u, False], x, extras)
+            s.h = run_layers(s, u, s.gathered[u, False], x, extras)
         if s.schedule.grad:
             s.saved[u] = Saved(False, x, None, [], (), before, s.producer)
-    return _frame(s, op, index, x, s.h, None)
+    return frame_of(s, op, index, x, s.h, None)
 
 
 def _loss(s: StepState, op: Op, index: int) -> Frame:
@@ -172,22 +181,22 @@ def _loss(s: StepState, op: Op, index: int) -> Frame:
     name = "post" if fn is s.model.post else "the loss function"
     grad = None
     if s.schedule.grad:
-        leaves, h = _leaves(s, u), s.h.detach().requires_grad_()
+        leaves, h = grad_leaves(s, u), s.h.detach().requires_grad_()
         with torch.enable_grad():
-            loss, aux = compute.run_loss(fn, has_aux, _tensors(s, u, leaves), h, s.batch, name)
+            loss, aux = compute.run_loss(fn, has_aux, call_tensors(s, u, leaves), h, s.batch, name)
         # Seed 1/ranks: the reduces are sums over ranks, the loss a mean.
         seed = torch.full_like(loss, 1.0 / _ranks(s)) * s.loss_scale
         g = torch.autograd.grad(loss, [h, *leaves], seed, allow_unused=True)
-        s.grad_h = _or_zeros(g[0], h)
-        grad = _add_gradients(s, u, g[1:], leaves)
+        s.grad_h = or_zeros(g[0], h)
+        grad = add_gradients(s, u, g[1:], leaves)
         s.rng_after = rng.capture(s.model.device)
     else:
         with torch.no_grad():
-            loss, aux = compute.run_loss(fn, has_aux, _tensors(s, u, None), s.h, s.batch, name)
-    s.loss, s.aux = loss.detach(), _detached(aux)
+            loss, aux = compute.run_loss(fn, has_aux, call_tensors(s, u, None), s.h, s.batch, name)
+    s.loss, s.aux = loss.detach(), detached(aux)
     s.loss_mean = all_reduce(s.model.comm, s.loss.float() / _ranks(s), group=s.model.comm.group,
                              label="the loss's mean")
-    return _frame(s, op, index, s.h, loss, grad)
+    return frame_of(s, op, index, s.h, loss, grad)
 
 
 def _backward(s: StepState, op: Op, index: int) -> Frame:
@@ -206,19 +215,22 @@ def _backward_layers(s: StepState, op: Op, index: int) -> Frame:
         extras = compute.detach_extras(s.extras.get(saved.producer, ()), positions, grad=True)
         now = rng.swap(saved.rng, model.device)
         with torch.enable_grad():
-            out = _run_layers(s, u, leaf, x_leaf, extras)
+            out = run_layers(s, u, leaf, x_leaf, extras)
         rng.restore(now, model.device)
-    g = torch.autograd.grad(out, [leaf, x_leaf, *(extras[j] for j in positions)], s.grad_h, allow_unused=True)
-    if s.graphs is not None:  # a replayed graph's gradients are its static buffers: the next replay overwrites
+    g = torch.autograd.grad(out, [leaf, x_leaf, *(extras[j] for j in positions)], s.grad_h,
+                            allow_unused=True)
+    if s.graphs is not None:
+        # a replayed graph's gradients are its static buffers: the next replay overwrites
         g = tuple(None if t is None else t.clone() for t in g)
-    grad_out, s.grad_h = s.grad_h, _or_zeros(g[1], x_leaf)
+    grad_out, s.grad_h = s.grad_h, or_zeros(g[1], x_leaf)
     summed = s.grad_extras.setdefault(saved.producer, {})
     for j, ge in zip(positions, g[2:]):
         if ge is not None:
             summed[j] = ge if j not in summed else summed[j] + ge
-    flat = compute.layer_grad(_or_zeros(g[0], leaf), model.world_size, by_layer=s.schedule.reduce == "all_reduce")
+    flat = compute.layer_grad(or_zeros(g[0], leaf), model.world_size,
+                              by_layer=s.schedule.reduce == "all_reduce")
     s.unreduced[u] = flat.to(model.precision.reduce)
-    return _frame(s, op, index, grad_out, s.grad_h, s.unreduced[u])
+    return frame_of(s, op, index, grad_out, s.grad_h, s.unreduced[u])
 
 
 def _backward_stage(s: StepState, op: Op, index: int) -> Frame:
@@ -234,9 +246,9 @@ def _backward_stage(s: StepState, op: Op, index: int) -> Frame:
                                 allow_unused=True) if outputs else [None] * len(wrt)
     grad_out = s.grad_h
     if between:
-        s.grad_h, grads = _or_zeros(grads[-1], saved.x), grads[:-1]
-    flat = _add_gradients(s, u, grads, leaves)
-    return _frame(s, op, index, grad_out, s.grad_h if between else None, flat)
+        s.grad_h, grads = or_zeros(grads[-1], saved.x), grads[:-1]
+    flat = add_gradients(s, u, grads, leaves)
+    return frame_of(s, op, index, grad_out, s.grad_h if between else None, flat)
 
 
 def _free(s: StepState, op: Op, index: int) -> None:
@@ -246,7 +258,8 @@ def _free(s: StepState, op: Op, index: int) -> None:
     saved = s.saved.get(u)
     for key in ((u, False), (u, True)):
         buf = s.gathered.pop(key, None)
-        if buf is not None and saved is not None and saved.graph:  # a live graph holds views: free the storage only
+        # a live graph holds views: free the storage only
+        if buf is not None and saved is not None and saved.graph:
             s.released[key] = release(buf)
 
 
@@ -256,14 +269,17 @@ def _reduce(s: StepState, op: Op, index: int) -> None:
     if s.carry and u in s.carry:  # gradients deferred from earlier micro-batches
         g = s.carry.pop(u).add_(g)
     unit = s.schedule.units[u]
-    shard = _result_shard(s, unit)  # fully written by the reduce
+    shard = result_shard(s, unit)  # fully written by the reduce
     if s.schedule.reduce == "all_reduce":  # in place, on the layer-major memory of g
-        g = g if unit.role is not Role.STACK else g.transpose(0, 1).contiguous()  # (k, world, n): no copy
+        # (k, world, n): no copy
+        g = g if unit.role is not Role.STACK else g.transpose(0, 1).contiguous()
         s.reducing[u] = Reducing(all_reduce(m.comm, g, label=Label(s.schedule, op)), shard)
     else:
         rdt = m.precision.reduce
-        out = shard if rdt == torch.float32 else torch.empty(shard.numel(), dtype=rdt, device=m.device)
-        s.reducing[u] = Reducing(reduce_scatter(m.comm, out, g.contiguous().view(-1), Label(s.schedule, op)), shard)
+        out = (shard if rdt == torch.float32
+               else torch.empty(shard.numel(), dtype=rdt, device=m.device))
+        s.reducing[u] = Reducing(
+            reduce_scatter(m.comm, out, g.contiguous().view(-1), Label(s.schedule, op)), shard)
 
 
 def _wait_reduce(s: StepState, op: Op, index: int) -> None:
@@ -276,8 +292,10 @@ def _wait_reduce(s: StepState, op: Op, index: int) -> None:
         shard.view(mine.shape).copy_(mine)
     elif out.data_ptr() != shard.data_ptr():
         shard.copy_(out)
-    if comm.replicas > 1 and s.reduces_replicas:  # hybrid: sum the shard across replicas, waited at the end
-        s.replicating.append(all_reduce(comm, shard, group=comm.replicate_group, label=Label(s.schedule, op)))
+    # hybrid: sum the shard across replicas, waited at the end
+    if comm.replicas > 1 and s.reduces_replicas:
+        s.replicating.append(all_reduce(comm, shard, group=comm.replicate_group,
+                                        label=Label(s.schedule, op)))
 
 
 def _accumulate(s: StepState, op: Op, index: int) -> None:
@@ -286,7 +304,8 @@ def _accumulate(s: StepState, op: Op, index: int) -> None:
 
 
 HANDLERS: dict[OpKind, Callable[[StepState, Op, int], Frame | None]] = {
-    OpKind.GATHER: _gather, OpKind.WAIT: _wait, OpKind.FORWARD: _forward, OpKind.FORWARD_SAVE: _forward,
+    OpKind.GATHER: _gather, OpKind.WAIT: _wait, OpKind.FORWARD: _forward,
+    OpKind.FORWARD_SAVE: _forward,
     OpKind.LOSS: _loss, OpKind.BACKWARD: _backward, OpKind.FREE: _free, OpKind.REDUCE: _reduce,
     OpKind.WAIT_REDUCE: _wait_reduce, OpKind.ACCUMULATE: _accumulate,
 }
@@ -301,75 +320,14 @@ def _finish(s: StepState) -> Result:
     while s.replicating:
         wait(s.replicating.pop())
     if s.schedule.grad:
-        rng.restore(s.rng_after, s.model.device)  # as after plain autograd: forward drew, backward none
+        # as after plain autograd: forward drew, backward none
+        rng.restore(s.rng_after, s.model.device)
     if not s.grads:  # forward-only, or a deferred micro-batch
         return Result(loss, None, s.aux)
     return Result(loss, Params(tuple(s.grads[p] for p in range(len(s.model.parts)))), s.aux)
 
 
-# Helpers of the handlers.
-
-
-def _leaves(s: StepState, u: int) -> list[torch.Tensor]:
-    """Autograd leaves aliasing the trained buffers of a single unit and of the shared units it
-    reads: their gradients are the flat gradients."""
-    return [compute.leaf(s.gathered[v, False]) for v in (u, *s.schedule.units[u].reads)]
-
-
-def _tensors(s: StepState, u: int, leaves: list[torch.Tensor] | None) -> list[torch.Tensor]:
-    """What a single unit's function is called with (``fz3.sharding.model.layouts``' order):
-    views of the trained buffers (of ``leaves`` when given) and of the frozen ones."""
-    out = []
-    for i, v in enumerate((u, *s.schedule.units[u].reads)):
-        part = s.model.parts[s.schedule.units[v].part]
-        out += part.layout.views(s.gathered[v, False] if leaves is None else leaves[i])
-        if part.frozen is not None:
-            out += part.frozen.views(s.gathered[v, True])
-    return out
-
-
-def _add_gradients(s: StepState, u: int, grads, leaves: list[torch.Tensor]) -> torch.Tensor:
-    """Flat gradients of a single unit and of the shared units it reads (``_leaves``' order) ->
-    the unit's unreduced gradient, and contributions added into the shared units'."""
-    own = None
-    for v, g, leaf in zip((u, *s.schedule.units[u].reads), grads, leaves):
-        flat = _or_zeros(g, leaf).to(s.model.precision.reduce)
-        if v == u:
-            own = s.unreduced[u] = flat
-        elif v in s.unreduced:
-            s.unreduced[v].add_(flat)
-        else:
-            s.unreduced[v] = flat
-    return own
-
-
-def _run_layers(s: StepState, u: int, buffer: torch.Tensor, x, extras) -> torch.Tensor:
-    """A unit of k layers on ``x``, their parameters views of ``buffer`` (k, padded)."""
-    unit = s.schedule.units[u]
-    part = s.model.parts[unit.part]
-    frozen = s.gathered.get((u, True))
-    fns = s.model.functions[unit.part][unit.rows.start:unit.rows.stop]
-    names = [f"{part.path}.{part.first + r}" for r in unit.rows]
-    if s.graphs is not None and frozen is None:
-        return s.graphs(unit.part, u, fns[0], buffer[0], x, extras)
-    if s.compiled is not None:
-        for j, row in enumerate(buffer.unbind(0)):
-            x = s.compiled(unit.part, part, fns[j], row, None if frozen is None else frozen[j], x, extras, names[j])
-        return x
-    rows = [part.layout.views(row) + ([] if frozen is None else part.frozen.views(frozen[j]))
-            for j, row in enumerate(buffer.unbind(0))]
-    return compute.run_layers(fns, rows, x, extras, names)
-
-
-def _result_shard(s: StepState, unit) -> torch.Tensor:
-    """Where this rank's reduced gradient of ``unit`` lands: its rows of the part's gradient
-    shard in the step's result, allocated at the part's first reduce."""
-    part = s.model.parts[unit.part]
-    if unit.part not in s.grads:
-        shape = (part.rows, part.layout.shard_numel) if part.role is Role.STACK else (part.layout.shard_numel,)
-        s.grads[unit.part] = torch.empty(shape, dtype=torch.float32, device=s.model.device)
-    grads = s.grads[unit.part]
-    return grads[unit.rows.start:unit.rows.stop].view(-1) if part.role is Role.STACK else grads
+# The executor's own helpers: naming collectives, averaging the loss.
 
 
 class Label(NamedTuple):
@@ -382,42 +340,6 @@ class Label(NamedTuple):
         return self.schedule.describe(self.op)
 
 
-def _frame(s: StepState, op: Op, index: int, inputs: Any, outputs: Any, grad: torch.Tensor | None) -> Frame:
-    reads = s.schedule.units[op.unit].reads
-    return Frame(index, op, s.gathered[op.unit, False], inputs, outputs, grad,
-                 {r: s.gathered[r, False] for r in reads} if reads else None, s.gathered.get((op.unit, True)))
-
-
-def _pieces(s: StepState, unit) -> list[tuple[bool, torch.Tensor]]:
-    """What a unit gathers: its trained shard, cast to the compute dtype before the gather (bf16
-    moves half the bytes), and its frozen shard (stored in that dtype already), if any."""
-    trained = s.params.parts[unit.part]
-    frozen = s.model.frozen[unit.part]
-    if unit.role is Role.STACK:
-        trained = trained[unit.rows.start:unit.rows.stop]
-        frozen = None if frozen is None else frozen[unit.rows.start:unit.rows.stop]
-    pieces = [(False, trained.to(s.model.precision.compute))]
-    return pieces if frozen is None else [*pieces, (True, frozen)]
-
-
 def _ranks(s: StepState) -> int:
     """Ranks the loss is averaged over (every replica's too, with hybrid sharding)."""
     return s.model.world_size * s.model.comm.replicas
-
-
-def _moved(s: StepState, op: Op) -> int:
-    """Bytes a collective op moves (the full, unsharded buffer); 0 for other ops."""
-    if op.kind == OpKind.GATHER:
-        return sum(nbytes(s.gathering[op.unit, frozen].out) for frozen in (False, True)
-                   if (op.unit, frozen) in s.gathering)
-    if op.kind == OpKind.REDUCE:
-        return pending_bytes(s.reducing[op.unit].pending)
-    return 0
-
-
-def _detached(aux: Any) -> Any:
-    return optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, aux, none_is_leaf=True)
-
-
-def _or_zeros(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(like) if g is None else g

@@ -18,7 +18,8 @@ class NonFiniteError(FloatingPointError):
     """NaN or Inf appeared; names the first op (over all ranks) where it did."""
 
 
-def drain_checking_finite(model: ShardedModel, schedule: Schedule, gen: Generator[Frame, None, Result]) -> Result:
+def drain_checking_finite(model: ShardedModel, schedule: Schedule,
+                          gen: Generator[Frame, None, Result]) -> Result:
     """Run the executor to the end, noting after every compute op whether its outputs (and in
     backward its gradients) are all finite; then one all-gather of those flags, so every rank
     raises the same ``NonFiniteError`` naming the first op and the ranks where it happened.
@@ -39,19 +40,21 @@ def drain_checking_finite(model: ShardedModel, schedule: Schedule, gen: Generato
                    if isinstance(t, torch.Tensor) and t.is_floating_point()]
         if f.grad is not None:
             tensors.append(f.grad)
-        ok = torch.stack([torch.isfinite(t).all() for t in tensors]).all() if tensors else torch.tensor(True)
+        ok = (torch.stack([torch.isfinite(t).all() for t in tensors]).all() if tensors
+              else torch.tensor(True))
         frames.append(f)
         flags.append(ok)
     if not flags:
         return result
     mine = (~torch.stack(flags)).to(torch.int32).to(model.device)  # 1 where non-finite
     out = torch.empty(model.world_size * mine.numel(), dtype=torch.int32, device=model.device)
-    bad = wait(all_gather(model.comm, out, mine, label="the non-finite check")).view(model.world_size, -1).cpu()
+    bad = wait(all_gather(model.comm, out, mine,
+                          label="the non-finite check")).view(model.world_size, -1).cpu()
     if bool(bad.any()):
         first = int(bad.any(dim=0).nonzero()[0])
         ranks = bad[:, first].nonzero().flatten().tolist()
         f = frames[first]
         kind, name = schedule.describe(f.op).split(" ", 1)
-        raise NonFiniteError(f"non-finite values first appeared in the {kind} of {name}, op {f.index} of the "
-                             f"schedule, on ranks {ranks}")
+        raise NonFiniteError(f"non-finite values first appeared in the {kind} of {name}, "
+                             f"op {f.index} of the schedule, on ranks {ranks}")
     return result

@@ -23,16 +23,17 @@ from .state import Result
 from .state import Loss
 
 
-def prepare(model: ShardedModel, schedule: Schedule | Policy | None, *, grad: bool, entry: str) -> Schedule:
+def prepare(model: ShardedModel, schedule: Schedule | Policy | None, *, grad: bool,
+            entry: str) -> Schedule:
     """The schedule ``entry`` runs: planned from a ``Policy`` (None: the default policy) or a
     hand-made ``Schedule`` validated, refused if it holds ``accumulate`` ops, then compared
     across ranks. **Collective**: one small all-gather over the sharding group."""
     sched = check_schedule(model, schedule, grad=grad, entry=entry)
     differ = differing_ranks(model.comm.group, list(sched.fingerprint()), model.device)
     if differ:
-        raise ValueError(f"ranks {differ} planned a different schedule than rank 0 for {entry} (policy, layers "
-                         f"per unit or a hand-made schedule differ); every rank must run the same schedule "
-                         f"or the step hangs")
+        raise ValueError(f"ranks {differ} planned a different schedule than rank 0 for {entry} "
+                         f"(policy, layers per unit or a hand-made schedule differ); every rank "
+                         f"must run the same schedule or the step hangs")
     return sched
 
 
@@ -42,19 +43,22 @@ def check_schedule(model: Any, schedule: Schedule | Policy | None, *, grad: bool
     if schedule is None or isinstance(schedule, Policy):
         return plan(model, schedule or Policy(), grad=grad)
     if not isinstance(schedule, Schedule):
-        raise TypeError(f"schedule must be an fz3.Schedule or fz3.Policy, got {type(schedule).__name__}")
+        raise TypeError(f"schedule must be an fz3.Schedule or fz3.Policy, "
+                        f"got {type(schedule).__name__}")
     if not _covers(schedule, model):
-        raise ValueError(f"the schedule's units {[u.name for u in schedule.units]} are not this model's parts "
-                         f"{[p.name for p in model.parts]}; build it with fz3.plan(model, policy) and take "
-                         f"its units for a hand-made one")
+        raise ValueError(f"the schedule's units {[u.name for u in schedule.units]} are not this "
+                         f"model's parts {[p.name for p in model.parts]}; build it with "
+                         f"fz3.plan(model, policy) and take its units for a hand-made one")
     if schedule.grad != grad:
         raise ValueError(f"schedule.grad={schedule.grad}: {entry} needs a "
-                         f"{'training' if grad else 'forward-only'} schedule (fz3.plan(..., grad={grad}))")
+                         f"{'training' if grad else 'forward-only'} schedule "
+                         f"(fz3.plan(..., grad={grad}))")
     held = [i for i, op in enumerate(schedule.ops) if op[0] == OpKind.ACCUMULATE]
     if held:
-        raise ValueError(f"schedule op {held[0]} is accumulate: a schedule from fz3.deferred is run only inside "
-                         f"fz3.accumulate(policy='defer') for the micro-batches before the last; {entry} needs "
-                         f"a schedule that reduces (pass the one you gave fz3.deferred)")
+        raise ValueError(f"schedule op {held[0]} is accumulate: a schedule from fz3.deferred is "
+                         f"run only inside fz3.accumulate(policy='defer') for the micro-batches "
+                         f"before the last; {entry} needs a schedule that reduces (pass the one "
+                         f"you gave fz3.deferred)")
     return validate(schedule)
 
 
@@ -88,9 +92,9 @@ def check_batch(model: ShardedModel, batch: Any) -> None:
     leaves, _, paths = _leaves_with_paths(batch)
     for path, t in zip(paths, leaves):
         if isinstance(t, torch.Tensor) and t.device != model.device:
-            raise TypeError(f"batch{path} is on {t.device}, the model on {model.device}: move the batch to "
-                            f"{model.device} (e.g. batch = optree.tree_map(lambda t: t.to('{model.device}'), "
-                            f"batch))")
+            raise TypeError(f"batch{path} is on {t.device}, the model on {model.device}: move the "
+                            f"batch to {model.device} (e.g. batch = optree.tree_map(lambda t: "
+                            f"t.to('{model.device}'), batch))")
     if model.check_batch is not None:
         model.check_batch(batch)
 
@@ -108,13 +112,14 @@ def check_in_sync(model: ShardedModel, step: int, batch: Any) -> None:
     r = differ[0]
     (s0, sig0), (sr, sigr) = everyone[0], everyone[r]
     if s0 != sr:
-        raise RuntimeError(f"ranks {differ} are at another step than rank 0 (rank 0 at call {s0}, rank {r} at "
-                           f"call {sr}): some rank skipped or repeated a step; every rank must call the step "
-                           f"equally often")
+        raise RuntimeError(f"ranks {differ} are at another step than rank 0 (rank 0 at call "
+                           f"{s0}, rank {r} at call {sr}): some rank skipped or repeated a step; "
+                           f"every rank must call the step equally often")
     _, mine, theirs = first_difference(sig0, sigr)
-    raise ValueError(f"ranks {differ} have batches shaped unlike rank 0's: rank 0 has {mine}, rank {r} has "
-                     f"{theirs}. fz3's loss is the mean of per-rank mean losses, the global mean only when "
-                     f"every rank's batch has the same shape: pad or drop the last batch")
+    raise ValueError(f"ranks {differ} have batches shaped unlike rank 0's: rank 0 has {mine}, "
+                     f"rank {r} has {theirs}. fz3's loss is the mean of per-rank mean losses, the "
+                     f"global mean only when every rank's batch has the same shape: pad or drop "
+                     f"the last batch")
 
 
 def loss_of(model: ShardedModel, loss: Callable[..., Any] | None, has_aux: bool) -> Loss:

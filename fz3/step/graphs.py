@@ -33,16 +33,18 @@ from ..sharding.parts import Part
 class GraphedLayers:
     """Per stack part: a ring of gather slots and one captured layer function per slot."""
 
-    def __init__(self, parts: Sequence[Part], schedule: Schedule, device: torch.device, dtype: torch.dtype,
-                 world: int):
+    def __init__(self, parts: Sequence[Part], schedule: Schedule, device: torch.device,
+                 dtype: torch.dtype, world: int):
         for u in schedule.units:
             if u.role is Role.STACK and len(u.rows) != 1:
-                raise ValueError("cuda_graphs=True captures one layer per unit: use layers_per_unit=1")
+                raise ValueError("cuda_graphs=True captures one layer per unit: "
+                                 "use layers_per_unit=1")
         if any(op.kind.value == "forward_save" for op in schedule.ops):
-            raise ValueError("cuda_graphs=True needs activations='recompute': a kept graph (save) holds views "
-                             "of a gather slot that the ring reuses")
+            raise ValueError("cuda_graphs=True needs activations='recompute': a kept graph (save) "
+                             "holds views of a gather slot that the ring reuses")
         self.parts, self.device, self.dtype, self.world = parts, device, dtype, world
-        self.slots = {p: _slots_needed(schedule, p) for p in {u.part for u in schedule.units if u.role is Role.STACK}}
+        self.slots = {p: _slots_needed(schedule, p)
+                      for p in {u.part for u in schedule.units if u.role is Role.STACK}}
         self.ring: dict[int, list[torch.Tensor]] = {}
         self.held: dict[int, dict[int, int]] = {}  # part -> {slot: unit}
         self.graphed: dict[tuple[int, int], Any] = {}
@@ -52,7 +54,8 @@ class GraphedLayers:
         """A free slot of ``part``'s ring for ``unit`` to be gathered into: ``(world * shard,)``."""
         if part not in self.ring:
             n = self.world * self.parts[part].layout.shard_numel
-            self.ring[part] = [torch.empty(n, dtype=self.dtype, device=self.device) for _ in range(self.slots[part])]
+            self.ring[part] = [torch.empty(n, dtype=self.dtype, device=self.device)
+                               for _ in range(self.slots[part])]
             self.held[part] = {}
         held = self.held[part]
         free = next(i for i in range(len(self.ring[part])) if i not in held)
@@ -78,27 +81,29 @@ class GraphedLayers:
     def _capture(self, part: int, slot: int, binding: Binding, h: torch.Tensor, extras: tuple):
         layout = self.parts[part].layout
         if any(not isinstance(e, torch.Tensor) for e in extras):
-            raise ValueError("cuda_graphs=True passes the extras to a captured graph: they must all be tensors")
+            raise ValueError("cuda_graphs=True passes the extras to a captured graph: they must "
+                             "all be tensors")
 
         def layer(row: torch.Tensor, x: torch.Tensor, *ex: torch.Tensor) -> torch.Tensor:
             return binding.traced(layout.views(row), (x, *ex))
 
         row = self.ring[part][slot].detach().requires_grad_()
-        sample = (row, h.detach().clone().requires_grad_(), *(e.detach().clone().requires_grad_(e.requires_grad)
-                                                                for e in extras))
+        sample = (row, h.detach().clone().requires_grad_(),
+                  *(e.detach().clone().requires_grad_(e.requires_grad) for e in extras))
         return torch.cuda.make_graphed_callables(layer, sample)
 
     def check_shapes(self, batch: Any) -> None:
         """The first call's batch shapes are the captured ones; another shape is refused."""
         import optree
 
-        shapes = tuple((tuple(t.shape), t.dtype) for t in optree.tree_leaves(batch) if isinstance(t, torch.Tensor))
+        shapes = tuple((tuple(t.shape), t.dtype) for t in optree.tree_leaves(batch)
+                       if isinstance(t, torch.Tensor))
         if self.shapes is None:
             self.shapes = shapes
         elif shapes != self.shapes:
-            raise ValueError(f"cuda_graphs=True replays graphs captured for batches shaped {self.shapes}; this "
-                             f"batch is {shapes}. Pad batches to one shape, or build another step function "
-                             f"for this shape (or drop cuda_graphs)")
+            raise ValueError(f"cuda_graphs=True replays graphs captured for batches shaped "
+                             f"{self.shapes}; this batch is {shapes}. Pad batches to one shape, or "
+                             f"build another step function for this shape (or drop cuda_graphs)")
 
 
 def _slots_needed(schedule: Schedule, part: int) -> int:

@@ -56,7 +56,8 @@ class Recorder:
         t0, ev0 = start
         t1 = time.perf_counter_ns()
         step = len(self._schedules) - 1
-        self.events.append(Event(step, index, self._schedules[step].ops[index], t0, t1, live, nbytes, *owned))
+        self.events.append(Event(step, index, self._schedules[step].ops[index], t0, t1, live,
+                                 nbytes, *owned))
         if ev0 is not None:
             ev1 = torch.cuda.Event(enable_timing=True)
             ev1.record()

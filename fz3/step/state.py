@@ -1,8 +1,9 @@
 """``StepState``: everything one step's ops share, by unit, for one call of the executor.
 
-The handlers in ``fz3/step/executor.py`` read and write it; nothing else does. It answers
-the two questions others ask about a running step: which bytes it owns (for ``Recorder``)
-and which collectives are still in flight (to drain them when a step ends early).
+The handlers in ``fz3/step/executor.py`` (and the ``unit_io`` functions they call) read and
+write it; nothing else does. It answers the two questions others ask about a running step:
+which bytes it owns and moves (for ``Recorder``) and which collectives are still in flight
+(to drain them when a step ends early).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from ..comm.collectives import Pending
 from ..rng import RngState
-from ..schedule.ops import Op
+from ..schedule.ops import Op, OpKind
 from ..schedule.schedule import Schedule
 from ..sharding.binding import Binding
 from ..sharding.model import Params, ShardedModel
@@ -27,8 +28,9 @@ class Frame(NamedTuple):
     op: Op
     params: torch.Tensor  # the unit's gathered parameters: (padded,), or (k, padded) for k layers
     inputs: Any  # forward: the unit's input (the batch for pre); backward: grad w.r.t. its output
-    outputs: Any  # forward: its output (h, or (h, *extra) for pre and between; the loss for `loss`);
+    # forward: its output (h, or (h, *extra) for pre and between; the loss for `loss`);
     # backward: grad w.r.t. its input
+    outputs: Any
     grad: torch.Tensor | None  # backward and loss: the unit's full flat gradient before reduction
     reads: dict[int, torch.Tensor] | None = None  # gathered buffers of the shared units it reads
     frozen: torch.Tensor | None = None  # the unit's gathered frozen parameters, if any
@@ -53,8 +55,10 @@ class Saved(NamedTuple):
     graph: bool  # True: out/leaves hold the forward graph; False: recompute from x with rng
     x: Any  # the unit's input: h (its autograd leaf for a graph), or the batch for pre
     out: Any  # graph only: the unit's output
-    leaves: list  # graph only: the leaves aliasing its trained buffer (then those of parts it reads)
-    extras: tuple  # layers, graph only: the extras they were called with (leaves where differentiable)
+    # graph only: the leaves aliasing its trained buffer (then those of parts it reads)
+    leaves: list
+    # layers, graph only: the extras they were called with (leaves where differentiable)
+    extras: tuple
     rng: RngState | None  # recompute only: the RNG state before the forward (dropout repeats)
     producer: int = -1  # layers: the unit (pre or between) whose extras they were called with
 
@@ -69,7 +73,8 @@ class Released(NamedTuple):
 
 class Reducing(NamedTuple):
     pending: Pending
-    shard: torch.Tensor  # (k * shard,) fp32: where this rank's reduced gradient lands (in the result)
+    # (k * shard,) fp32: where this rank's reduced gradient lands (in the result)
+    shard: torch.Tensor
 
 
 @dataclass(eq=False)
@@ -94,14 +99,17 @@ class StepState:
     unreduced: dict[int, torch.Tensor] = field(default_factory=dict)
     reducing: dict[int, Reducing] = field(default_factory=dict)
     replicating: list[Pending] = field(default_factory=list)
-    grads: dict[int, torch.Tensor] = field(default_factory=dict)  # by part: the step's gradient shards
+    # by part: the step's gradient shards
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)
     # the activation flowing forward, and its gradient flowing back
     h: torch.Tensor | None = None
     producer: int = -1  # the last pre or between unit run: its extras go to the layers after it
     extras: dict[int, tuple] = field(default_factory=dict)  # by producer: its extra outputs
-    grad_positions: dict[int, list[int]] = field(default_factory=dict)  # by producer: extras with grad
+    # by producer: extras with grad
+    grad_positions: dict[int, list[int]] = field(default_factory=dict)
     grad_h: torch.Tensor | None = None
-    grad_extras: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # by producer, summed
+    # by producer, summed
+    grad_extras: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
     # the loss
     loss: torch.Tensor | None = None  # this rank's
     aux: Any = None
@@ -122,6 +130,15 @@ class StepState:
         inputs = sum(nbytes(s.x) for s in self.saved.values()
                      if not s.graph and isinstance(s.x, torch.Tensor))
         return params, grads, inputs
+
+    def moved_bytes(self, op: Op) -> int:
+        """Bytes a collective op moves (the full, unsharded buffer); 0 for other ops."""
+        if op.kind == OpKind.GATHER:
+            return sum(nbytes(self.gathering[op.unit, frozen].out) for frozen in (False, True)
+                       if (op.unit, frozen) in self.gathering)
+        if op.kind == OpKind.REDUCE:
+            return pending_bytes(self.reducing[op.unit].pending)
+        return 0
 
     def in_flight(self) -> list[Pending]:
         """Collectives issued and not waited for, in issue order per kind."""

@@ -1,4 +1,5 @@
-"""``value_and_grad`` and ``apply``: the step functions, prepared once, run through the executor."""
+"""``value_and_grad`` and ``apply``: the step functions, prepared once, run through the
+executor."""
 
 from __future__ import annotations
 
@@ -19,10 +20,12 @@ class ValueAndGrad:
     """``f(params, batch) -> (loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``);
     ``f.schedule`` is the schedule it runs."""
 
-    def __init__(self, model: ShardedModel, schedule: Schedule, *, loss: Callable[..., Any] | None = None,
-                 has_aux: bool = False, recorder=None, check_finite: bool = False, check_sync: bool = False,
+    def __init__(self, model: ShardedModel, schedule: Schedule, *,
+                 loss: Callable[..., Any] | None = None, has_aux: bool = False, recorder=None,
+                 check_finite: bool = False, check_sync: bool = False,
                  compiled: CompiledLayers | None = None, graphs: GraphedLayers | None = None):
-        self.model, self.schedule, self.recorder, self.compiled = model, schedule, recorder, compiled
+        self.model, self.schedule, self.recorder = model, schedule, recorder
+        self.compiled = compiled
         self.graphs = graphs
         self.loss = loss_of(model, loss, has_aux)
         self.check_finite, self.check_sync = check_finite, check_sync
@@ -38,7 +41,8 @@ class ValueAndGrad:
         self.steps += 1
         gen = execute(self.model, self.schedule, params, batch, self.recorder, loss=self.loss,
                       loss_scale=loss_scale, compiled=self.compiled, graphs=self.graphs)
-        result = drain_checking_finite(self.model, self.schedule, gen) if self.check_finite else drain(gen)
+        result = (drain_checking_finite(self.model, self.schedule, gen) if self.check_finite
+                  else drain(gen))
         value = (result.loss, result.aux) if self.loss.has_aux else result.loss
         return value, result.grads
 
@@ -69,16 +73,17 @@ def value_and_grad(model: ShardedModel, schedule: Schedule | Policy | None = Non
     """
     check_compile_options(model, compile, strict, cuda_graphs)
     sched = prepare(model, schedule, grad=True, entry="value_and_grad")
-    graphs = GraphedLayers(model.parts, sched, model.device, model.precision.compute, model.world_size) \
-        if cuda_graphs else None
-    return ValueAndGrad(model, sched, loss=loss, has_aux=has_aux, recorder=recorder, check_finite=check_finite,
-                        check_sync=check_sync, compiled=CompiledLayers(model.parts, strict=strict) if compile else None,
+    graphs = (GraphedLayers(model.parts, sched, model.device, model.precision.compute,
+                            model.world_size) if cuda_graphs else None)
+    return ValueAndGrad(model, sched, loss=loss, has_aux=has_aux, recorder=recorder,
+                        check_finite=check_finite, check_sync=check_sync,
+                        compiled=CompiledLayers(model.parts, strict=strict) if compile else None,
                         graphs=graphs)
 
 
-def apply(model: ShardedModel, params: Params, batch: Any, *, schedule: Schedule | Policy | None = None,
-          loss: Callable[..., Any] | None = None, has_aux: bool = False, recorder=None,
-          compile: CompiledLayers | bool = False):
+def apply(model: ShardedModel, params: Params, batch: Any, *,
+          schedule: Schedule | Policy | None = None, loss: Callable[..., Any] | None = None,
+          has_aux: bool = False, recorder=None, compile: CompiledLayers | bool = False):
     """The mean loss over ranks, forward only: no graph, no gradients, units freed after use.
     ``loss``/``has_aux`` as in ``value_and_grad`` (returns ``(loss, aux)`` with ``has_aux``).
     ``compile``: True, or the ``compiled`` of a ``value_and_grad`` step to share its compiled
@@ -87,6 +92,6 @@ def apply(model: ShardedModel, params: Params, batch: Any, *, schedule: Schedule
     sched = prepare(model, schedule, grad=False, entry="apply")
     check_call(model, params, batch)
     compiled = CompiledLayers(model.parts, strict=False) if compile is True else compile or None
-    result = drain(execute(model, sched, params, batch, recorder, loss=loss_of(model, loss, has_aux),
-                           compiled=compiled))
+    result = drain(execute(model, sched, params, batch, recorder,
+                           loss=loss_of(model, loss, has_aux), compiled=compiled))
     return (result.loss, result.aux) if has_aux else result.loss

@@ -98,7 +98,8 @@ def load(path: str, model: ShardedModel, template: Any, *, restore_rng: bool = T
 
 def _flatten(model: ShardedModel, x: Any, key: str, for_load: bool = False) -> dict[str, Any]:
     if isinstance(x, Params):
-        return {f"{key}{part.name}": _dtensor(model, part.layout, t.reshape(part.rows, -1), for_load)
+        return {f"{key}{part.name}": _dtensor(model, part.layout, t.reshape(part.rows, -1),
+                                              for_load)
                 for part, t in zip(model.parts, x.parts)}
     if isinstance(x, tuple) and hasattr(x, "_fields"):
         return _merge(model, zip(x._fields, x), key, for_load)

@@ -72,7 +72,8 @@ def export(path: str, model: ShardedModel, params: Params, *,
         if rank0:
             # comprehensions: no loop variable outlives the unit and holds one of its copies
             tensors = {prefix + s.name: t for s, t in gathered}
-            aliases.update({prefix + alias: prefix + s.name for s, _ in gathered for alias in s.names[1:]})
+            aliases.update({prefix + alias: prefix + s.name for s, _ in gathered
+                            for alias in s.names[1:]})
             if k == 0:
                 tensors.update({b: t.detach().cpu().clone() for b, t in buffers.items()})
             held += sum(t.numel() * t.element_size() for t in tensors.values())

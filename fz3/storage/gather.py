@@ -16,8 +16,10 @@ def gather_unit(model: ShardedModel, layout: FlatLayout, shard: torch.Tensor,
     None elsewhere. **Collective**: one all-gather of ``shard`` (the unit's local shard) over
     the sharding group; every rank must call it. The gathered buffer (``out`` if given,
     ``(padded,)``, reused by the caller) is dropped on return."""
-    full = torch.empty(layout.padded, dtype=shard.dtype, device=shard.device) if out is None else out
+    full = (torch.empty(layout.padded, dtype=shard.dtype, device=shard.device) if out is None
+            else out)
     wait(all_gather(model.comm, full, shard.contiguous(), label="a unit for a state dict"))
     if not model.is_root:
         return None
-    return [(s, v.to(device="cpu", dtype=s.dtype, copy=True)) for s, v in zip(layout.slots, layout.views(full))]
+    return [(s, v.to(device="cpu", dtype=s.dtype, copy=True))
+            for s, v in zip(layout.slots, layout.views(full))]

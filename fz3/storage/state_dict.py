@@ -13,7 +13,8 @@ def full_state_dict(model: ShardedModel, tree: Params, *, buffers: bool = True,
                     timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, torch.Tensor] | None:
     """Gather ``tree`` (params, grads, an optimizer moment: anything shaped like params) into
     ``{original name: full tensor}`` on (global) rank 0, in ``module.state_dict()`` order, cast
-    to each parameter's original dtype; ``None`` on other ranks. **Collective**: every rank must call it.
+    to each parameter's original dtype; ``None`` on other ranks. **Collective**: every rank
+    must call it.
 
     One unit is gathered at a time, so the extra memory on ranks other than 0 is one unit.
     ``buffers=True`` adds what the model holds itself: the module's persistent buffers and its

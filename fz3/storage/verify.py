@@ -27,7 +27,8 @@ def describe(model: ShardedModel, keys: list[str]) -> dict:
     """What ``path/fz3.json`` says about the model a checkpoint was saved from: its parts and
     their trained parameters (what a checkpoint holds; frozen ones are the model's)."""
     parts = [{"name": p.name, "role": p.role.value, "rows": p.rows,
-              "slots": [[list(s.names), list(s.shape)] for s in p.layout.slots]} for p in model.parts]
+              "slots": [[list(s.names), list(s.shape)] for s in p.layout.slots]}
+             for p in model.parts]
     return {"world_size": model.world_size, "ranks": dist.get_world_size(), "parts": parts,
             "keys": keys}
 

@@ -1,0 +1,113 @@
+"""What a unit's function is called with, and where its results go.
+
+The executor's handlers (``fz3/step/executor.py``) decide when a unit runs; these functions
+say how: which shards it gathers, which tensors (views of its gathered buffers) its function
+gets, which autograd leaves stand for them, and where its gradients and outputs land (its
+unreduced gradient, the shared units it reads, the step's result, the ``Frame``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+
+from ..schedule.ops import Op
+from ..schedule.structure import Role
+from ..sharding import compute
+from .state import Frame, StepState
+
+
+def gather_pieces(s: StepState, unit) -> list[tuple[bool, torch.Tensor]]:
+    """What a unit gathers: its trained shard, cast to the compute dtype before the gather (bf16
+    moves half the bytes), and its frozen shard (stored in that dtype already), if any."""
+    trained = s.params.parts[unit.part]
+    frozen = s.model.frozen[unit.part]
+    if unit.role is Role.STACK:
+        trained = trained[unit.rows.start:unit.rows.stop]
+        frozen = None if frozen is None else frozen[unit.rows.start:unit.rows.stop]
+    pieces = [(False, trained.to(s.model.precision.compute))]
+    return pieces if frozen is None else [*pieces, (True, frozen)]
+
+
+def grad_leaves(s: StepState, u: int) -> list[torch.Tensor]:
+    """Autograd leaves aliasing the trained buffers of a single unit and of the shared units it
+    reads: their gradients are the flat gradients."""
+    return [compute.leaf(s.gathered[v, False]) for v in (u, *s.schedule.units[u].reads)]
+
+
+def call_tensors(s: StepState, u: int, leaves: list[torch.Tensor] | None) -> list[torch.Tensor]:
+    """What a single unit's function is called with (``fz3.sharding.model.layouts``' order):
+    views of the trained buffers (of ``leaves`` when given) and of the frozen ones."""
+    out = []
+    for i, v in enumerate((u, *s.schedule.units[u].reads)):
+        part = s.model.parts[s.schedule.units[v].part]
+        out += part.layout.views(s.gathered[v, False] if leaves is None else leaves[i])
+        if part.frozen is not None:
+            out += part.frozen.views(s.gathered[v, True])
+    return out
+
+
+def run_layers(s: StepState, u: int, buffer: torch.Tensor, x, extras) -> torch.Tensor:
+    """A unit of k layers on ``x``, their parameters views of ``buffer`` (k, padded)."""
+    unit = s.schedule.units[u]
+    part = s.model.parts[unit.part]
+    frozen = s.gathered.get((u, True))
+    fns = s.model.functions[unit.part][unit.rows.start:unit.rows.stop]
+    names = [f"{part.path}.{part.first + r}" for r in unit.rows]
+    if s.graphs is not None and frozen is None:
+        return s.graphs(unit.part, u, fns[0], buffer[0], x, extras)
+    if s.compiled is not None:
+        for j, row in enumerate(buffer.unbind(0)):
+            x = s.compiled(unit.part, part, fns[j], row, None if frozen is None else frozen[j], x,
+                           extras, names[j])
+        return x
+    rows = [part.layout.views(row) + ([] if frozen is None else part.frozen.views(frozen[j]))
+            for j, row in enumerate(buffer.unbind(0))]
+    return compute.run_layers(fns, rows, x, extras, names)
+
+
+def add_gradients(s: StepState, u: int, grads, leaves: list[torch.Tensor]) -> torch.Tensor:
+    """Flat gradients of a single unit and of the shared units it reads (``grad_leaves``' order)
+    -> the unit's unreduced gradient, and contributions added into the shared units'."""
+    own = None
+    for v, g, leaf in zip((u, *s.schedule.units[u].reads), grads, leaves):
+        flat = or_zeros(g, leaf).to(s.model.precision.reduce)
+        if v == u:
+            own = s.unreduced[u] = flat
+        elif v in s.unreduced:
+            s.unreduced[v].add_(flat)
+        else:
+            s.unreduced[v] = flat
+    return own
+
+
+def result_shard(s: StepState, unit) -> torch.Tensor:
+    """Where this rank's reduced gradient of ``unit`` lands: its rows of the part's gradient
+    shard in the step's result, allocated at the part's first reduce."""
+    part = s.model.parts[unit.part]
+    if unit.part not in s.grads:
+        shape = ((part.rows, part.layout.shard_numel) if part.role is Role.STACK
+                 else (part.layout.shard_numel,))
+        s.grads[unit.part] = torch.empty(shape, dtype=torch.float32, device=s.model.device)
+    grads = s.grads[unit.part]
+    return grads[unit.rows.start:unit.rows.stop].view(-1) if part.role is Role.STACK else grads
+
+
+def frame_of(s: StepState, op: Op, index: int, inputs: Any, outputs: Any,
+             grad: torch.Tensor | None) -> Frame:
+    """What a compute op yields: references to the unit's buffers, inputs and outputs."""
+    reads = s.schedule.units[op.unit].reads
+    return Frame(index, op, s.gathered[op.unit, False], inputs, outputs, grad,
+                 {r: s.gathered[r, False] for r in reads} if reads else None,
+                 s.gathered.get((op.unit, True)))
+
+
+def detached(aux: Any) -> Any:
+    return optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, aux,
+                           none_is_leaf=True)
+
+
+def or_zeros(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like) if g is None else g
