@@ -207,8 +207,10 @@ def plan_vs_live_ranks(rank, world):
                 left = live.mark()
             predicted = plan.peak - plan.params - plan.optimizer
             out.append((cfg.vocab, str(policy), predicted, live.peak))
-            # the plan within 15% of what was measured
-            assert abs(predicted / live.peak - 1) <= 0.15, (cfg, policy, predicted, live.peak)
+            # The plan within 5% of what was measured: 0.3-3.3% under it here, every run
+            # alike (LiveBytes tells storages apart by identity, not address). It failed at
+            # 12% before a tied embedding's buffer was released while pre's graph held it.
+            assert abs(predicted / live.peak - 1) <= 0.05, (cfg, policy, predicted, live.peak)
             # at the end: the gradient shards, written in place, and the loss (a few bytes)
             assert live.now - plan.grads < 64, (policy, live.now, plan.grads, left)
     return out

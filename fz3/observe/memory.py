@@ -61,6 +61,16 @@ class ModelSizes:
         self.csize = torch.empty((), dtype=model.precision.compute).element_size()
         self.rsize = torch.empty((), dtype=model.precision.reduce).element_size()
         self.fsize = torch.empty((), dtype=model.precision.frozen).element_size()
+        # The shared units whose flat gradient a backward (or the loss op) creates, as their
+        # first reader in the step: the totals after the op hold that gradient, and so does
+        # the working set measured on the reading part.
+        self.creates: dict[Op, tuple[int, ...]] = {}
+        seen: set[int] = set()
+        for op in schedule.ops:
+            if op.kind in (OpKind.BACKWARD, OpKind.LOSS):
+                new = tuple(r for r in schedule.units[op.unit].reads if r not in seen)
+                seen.update(new)
+                self.creates[op] = self.creates.get(op, ()) + new
 
     def _elements(self, u: int, shard: bool = False) -> int:
         unit = self.schedule.units[u]
@@ -102,7 +112,8 @@ class ModelSizes:
         # Peak inside: the graphs (k of them) and the backward's working set, before the join;
         # or, at the join, every row's per-parameter gradients beside the flat gradient, which
         # the totals after the op already hold.
-        before_join = act.train + (k - 1) * act.graph - self.unreduced(op.unit)
+        before_join = (act.train + (k - 1) * act.graph - self.unreduced(op.unit)
+                       - sum(self.unreduced(r) for r in self.creates.get(op, ())))
         return max(before_join, k * self.model.parts[unit.part].layout.padded * self.csize)
 
 

@@ -53,9 +53,13 @@ def call(binding: Binding, tensors: Sequence[torch.Tensor], args: tuple, name: s
     except (RuntimeError, NotImplementedError) as e:
         if "meta" not in str(e):
             raise
-        raise ValueError(f"{name} used a parameter outside its part: it is on the meta device ({e}). A "
-                         f"function may use only the parameters registered in its part (see fz3.shard's "
-                         f"assign= to move some)") from e
+        raise _outside_part(name, f"it is on the meta device ({e})") from e
+
+
+def _outside_part(name: str, symptom: str) -> ValueError:
+    return ValueError(f"{name} used a parameter outside its part: {symptom}. A function may use "
+                      f"only the parameters registered in its part (see fz3.shard's assign= to "
+                      f"move some)")
 
 
 def run_stage(binding: Binding, tensors: Sequence[torch.Tensor], args: tuple,
@@ -64,16 +68,15 @@ def run_stage(binding: Binding, tensors: Sequence[torch.Tensor], args: tuple,
     out = call(binding, tensors, args, name)
     h, extras = (out[0], tuple(out[1:])) if isinstance(out, tuple) and out else (out, ())
     if not isinstance(h, torch.Tensor):
-        raise TypeError(f"{name} returned {type(out).__name__}; return h or (h, *extra) with h a tensor")
+        raise TypeError(f"{name} returned {type(out).__name__}; return h or (h, *extra) with h a "
+                        f"tensor")
     if h.is_meta:
-        raise ValueError(f"{name} used a parameter outside its part: its output is on the meta device. A "
-                         f"function may use only the parameters registered in its part (see fz3.shard's "
-                         f"assign= to move some)")
+        raise _outside_part(name, "its output is on the meta device")
     return h, extras
 
 
-def run_loss(binding: Binding, has_aux: bool, tensors: Sequence[torch.Tensor], h: torch.Tensor, batch: Any,
-             name: str) -> tuple[torch.Tensor, Any]:
+def run_loss(binding: Binding, has_aux: bool, tensors: Sequence[torch.Tensor], h: torch.Tensor,
+             batch: Any, name: str) -> tuple[torch.Tensor, Any]:
     """``(loss, aux)``: ``fn(m, h, batch)`` returns the scalar loss, or ``(loss, aux)`` when
     ``has_aux``; ``aux`` is None without it."""
     out = call(binding, tensors, (h, batch), name)
@@ -87,16 +90,15 @@ def run_loss(binding: Binding, has_aux: bool, tensors: Sequence[torch.Tensor], h
     if not isinstance(out, torch.Tensor) or out.numel() != 1:
         shape = f" of shape {list(out.shape)}" if isinstance(out, torch.Tensor) else ""
         hint = "" if has_aux else " (returning (loss, aux)? pass has_aux=True)"
-        raise TypeError(f"{name} must return a scalar loss tensor, got {type(out).__name__}{shape}{hint}")
+        raise TypeError(f"{name} must return a scalar loss tensor, got "
+                        f"{type(out).__name__}{shape}{hint}")
     if out.is_meta:
-        raise ValueError(f"{name} used a parameter outside its part: its loss is on the meta device. A "
-                         f"function may use only the parameters registered in its part (see fz3.shard's "
-                         f"assign= to move some)")
+        raise _outside_part(name, "its loss is on the meta device")
     return out.reshape(()), aux
 
 
-def run_layers(bindings: Sequence[Binding], rows: Sequence[Sequence[torch.Tensor]], h: torch.Tensor,
-               extras: Extras, names: Sequence[str]) -> torch.Tensor:
+def run_layers(bindings: Sequence[Binding], rows: Sequence[Sequence[torch.Tensor]],
+               h: torch.Tensor, extras: Extras, names: Sequence[str]) -> torch.Tensor:
     """Run consecutive layers (one binding, one tensor list, one name each) on ``h``."""
     for binding, tensors, name in zip(bindings, rows, names):
         h = call(binding, tensors, (h, *extras), f"layer {name}")

@@ -1,4 +1,4 @@
-"""``fz3.shard``: an unchanged ``nn.Module`` -> (static ``ShardedModel``, ``Params`` of local shards).
+"""``fz3.shard``: an unchanged ``nn.Module`` -> (static ``ShardedModel``, local ``Params``).
 
 The module is split into parts (``fz3/sharding/parts.py``): ``pre``, one stack per run of
 structurally identical layers, ``between`` parts, ``post`` and parts of tied parameters.
@@ -78,7 +78,8 @@ class ShardedModel:
     @property
     def numel(self) -> int:
         """Parameters in the model (tied ones once), frozen ones included."""
-        return sum(p.rows * (p.layout.numel + (p.frozen.numel if p.frozen else 0)) for p in self.parts)
+        return sum(p.rows * (p.layout.numel + (p.frozen.numel if p.frozen else 0))
+                   for p in self.parts)
 
     @property
     def trained_numel(self) -> int:
@@ -108,7 +109,8 @@ class ShardedModel:
 
     @property
     def is_root(self) -> bool:
-        """Global rank 0: the one rank that keeps gathered state dicts (one per job, not per replica)."""
+        """Global rank 0: the one rank that keeps gathered state dicts (one per job, not per
+        replica)."""
         return dist.get_rank() == 0
 
     def train(self, mode: bool = True) -> "ShardedModel":
@@ -127,27 +129,34 @@ class ShardedModel:
         return Binding(fn, self.skeleton, layouts(self.parts, self.part_index("post")))
 
 
-def check_tree(model: ShardedModel, tree: Any, what: str = "params", dtype: torch.dtype | None = None) -> None:
+def check_tree(model: ShardedModel, tree: Any, what: str = "params",
+               dtype: torch.dtype | None = None) -> None:
     """``tree`` is shaped like this model's shards (one tensor per part, on the model's device;
     of ``dtype`` when given): cheap, local, before any collective."""
     if not isinstance(tree, Params) or len(tree.parts) != len(model.parts):
-        got = f"Params of {len(tree.parts)} parts" if isinstance(tree, Params) else type(tree).__name__
-        raise TypeError(f"{what} is {got}; pass the Params that fz3.shard returned for this model (or a tree "
-                        f"shaped like it: {len(model.parts)} parts, {[p.name for p in model.parts]})")
+        got = (f"Params of {len(tree.parts)} parts" if isinstance(tree, Params)
+               else type(tree).__name__)
+        raise TypeError(f"{what} is {got}; pass the Params that fz3.shard returned for this model "
+                        f"(or a tree shaped like it: {len(model.parts)} parts, "
+                        f"{[p.name for p in model.parts]})")
     for part, t in zip(model.parts, tree.parts):
         n = part.layout.shard_numel
         shape = (part.rows, n) if part.role is Role.STACK else (n,)
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{what} of part {part.name} is {type(t).__name__}; pass the Params that fz3.shard "
-                            f"returned")
-        if t.numel() == 0 and t.untyped_storage().nbytes() == 0:  # emptied by fz3.optim.step (donated)
-            raise ValueError(f"{what} were donated to fz3.optim.step(..., donate=True), which updated their "
-                             f"buffers in place and returned new ones: use the {what} it returned")
-        if tuple(t.shape) != shape or (dtype is not None and t.dtype != dtype) or t.device != model.device:
+            raise TypeError(f"{what} of part {part.name} is {type(t).__name__}; pass the Params "
+                            f"that fz3.shard returned")
+        # emptied by fz3.optim.step (donated)
+        if t.numel() == 0 and t.untyped_storage().nbytes() == 0:
+            raise ValueError(f"{what} were donated to fz3.optim.step(..., donate=True), which "
+                             f"updated their buffers in place and returned new ones: use the "
+                             f"{what} it returned")
+        wrong_dtype = dtype is not None and t.dtype != dtype
+        if tuple(t.shape) != shape or wrong_dtype or t.device != model.device:
             want = f"{list(shape)} {dtype or t.dtype} on {model.device}"
-            raise ValueError(f"{what} of part {part.name} is {list(t.shape)} {t.dtype} on {t.device}; this "
-                             f"model's shards are {want} (world size {model.world_size}). Use the params "
-                             f"from this model's fz3.shard, or fz3.load to reshard")
+            raise ValueError(f"{what} of part {part.name} is {list(t.shape)} {t.dtype} on "
+                             f"{t.device}; this model's shards are {want} (world size "
+                             f"{model.world_size}). Use the params from this model's fz3.shard, "
+                             f"or fz3.load to reshard")
 
 
 def shard(
@@ -213,17 +222,17 @@ def shard(
         call_layer = call_layer or adapter.layer
         check_batch = getattr(adapter, "check_batch", None)
     if layers is None or pre is None or post is None:
-        raise TypeError("fz3.shard needs layers=, pre= and post= (or none of them, for a model with a built-in "
-                        "adapter): layers='<path of the nn.ModuleList>', pre(m, batch) -> h, post(m, h, batch) "
-                        "-> loss")
+        raise TypeError("fz3.shard needs layers=, pre= and post= (or none of them, for a model "
+                        "with a built-in adapter): layers='<path of the nn.ModuleList>', "
+                        "pre(m, batch) -> h, post(m, h, batch) -> loss")
     paths = [layers] if isinstance(layers, str) else list(layers)
     if len(between) not in (0, len(paths) - 1):
-        raise ValueError(f"between has {len(between)} functions for {len(paths)} stacks; pass one per gap "
-                         f"({len(paths) - 1}), None where h passes through")
+        raise ValueError(f"between has {len(between)} functions for {len(paths)} stacks; pass "
+                         f"one per gap ({len(paths) - 1}), None where h passes through")
     comm, device = _comm(module, group, mesh, device)
     betweens = [fn for fn in between if fn is not None]
-    split = partition(module, paths, comm.world_size, between=[fn is not None for fn in between] or
-                      [False] * (len(paths) - 1), assign=assign)
+    gap_has_fn = [fn is not None for fn in between] or [False] * (len(paths) - 1)
+    split = partition(module, paths, comm.world_size, between=gap_has_fn, assign=assign)
     check_parameters(split, meta=weights is not None)
     skeleton = _skeleton(module, device)
     functions = _functions(split.parts, skeleton, pre, post, betweens, call_layer or _call_layer)
@@ -236,10 +245,11 @@ def shard(
         fill = functools.partial(pretrained.shards, source, checkpoint_names(module))
     shards = tuple(fill(part, part.layout, rows, comm, device, torch.float32)
                    for part, rows in zip(split.parts, split.params))
-    frozen = tuple(None if part.frozen is None else fill(part, part.frozen, rows, comm, device, precision.frozen)
+    frozen = tuple(None if part.frozen is None
+                   else fill(part, part.frozen, rows, comm, device, precision.frozen)
                    for part, rows in zip(split.parts, split.params))
-    model = ShardedModel(split.parts, frozen, functions, skeleton, comm, precision, device, mesh, module.training,
-                         check_batch)
+    model = ShardedModel(split.parts, frozen, functions, skeleton, comm, precision, device, mesh,
+                         module.training, check_batch)
     check_same_on_all_ranks(comm, split.parts, device)
     return model, Params(shards)
 
@@ -263,13 +273,15 @@ def layouts(parts: Sequence[Part], i: int) -> list[FlatLayout]:
     return out
 
 
-def _functions(parts: Sequence[Part], skeleton: nn.Module, pre, post, betweens, call_layer) -> tuple[Any, ...]:
+def _functions(parts: Sequence[Part], skeleton: nn.Module, pre, post, betweens,
+               call_layer) -> tuple[Any, ...]:
     gaps = iter(betweens)
     out: list[Any] = []
     for i, part in enumerate(parts):
         if part.role is Role.STACK:
             stack = resolve_layers(skeleton, part.path)
-            out.append(tuple(Binding(call_layer, stack[part.first + j], layouts(parts, i)) for j in range(part.rows)))
+            out.append(tuple(Binding(call_layer, stack[part.first + j], layouts(parts, i))
+                             for j in range(part.rows)))
         elif part.role is Role.SHARED:
             out.append(None)
         else:
@@ -285,7 +297,8 @@ def _shards(part: Part, layout: FlatLayout, rows, comm: Comm, device: torch.devi
     n = layout.shard_numel
     out = torch.empty(part.rows, n, dtype=dtype, device=device)
     for j, row in enumerate(rows):
-        flat = layout.flatten({names[0]: p for names, p in row if names[0] in layout.names}, dtype, device)
+        named = {names[0]: p for names, p in row if names[0] in layout.names}
+        flat = layout.flatten(named, dtype, device)
         out[j].copy_(flat[comm.rank * n:(comm.rank + 1) * n])
     return out if part.role is Role.STACK else out.view(-1)
 

@@ -256,11 +256,20 @@ def _free(s: StepState, op: Op, index: int) -> None:
     if s.graphs is not None:
         s.graphs.release(s.schedule.units[u].part, u)
     saved = s.saved.get(u)
+    held = (saved is not None and saved.graph) or _held_by_a_reader(s, u)
     for key in ((u, False), (u, True)):
         buf = s.gathered.pop(key, None)
         # a live graph holds views: free the storage only
-        if buf is not None and saved is not None and saved.graph:
+        if buf is not None and held:
             s.released[key] = release(buf)
+
+
+def _held_by_a_reader(s: StepState, u: int) -> bool:
+    """A shared unit's buffer is an input of every graph that read it: one kept until its
+    backward (pre's, a between's, a saved layer's) would keep the whole buffer alive."""
+    units = s.schedule.units
+    return units[u].role is Role.SHARED and any(
+        saved.graph and u in units[v].reads for v, saved in s.saved.items())
 
 
 def _reduce(s: StepState, op: Op, index: int) -> None:
