@@ -59,13 +59,19 @@ def run_layers(s: StepState, u: int, buffer: torch.Tensor, x, extras) -> torch.T
     if s.graphs is not None and frozen is None:
         return s.graphs(unit.part, u, fns[0], buffer[0], x, extras)
     if s.compiled is not None:
-        for j, row in enumerate(buffer.unbind(0)):
+        for j, row in enumerate(_rows(buffer)):
             x = s.compiled(unit.part, part, fns[j], row, None if frozen is None else frozen[j], x,
                            extras, names[j])
         return x
     rows = [part.layout.views(row) + ([] if frozen is None else part.frozen.views(frozen[j]))
-            for j, row in enumerate(buffer.unbind(0))]
+            for j, row in enumerate(_rows(buffer))]
     return compute.run_layers(fns, rows, x, extras, names)
+
+
+def _rows(buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The rows of a (k, padded) buffer; one row as a view, whose backward is free (unbind's
+    stacks the rows' gradients into a new buffer)."""
+    return (buffer.view(-1),) if buffer.shape[0] == 1 else buffer.unbind(0)
 
 
 def add_gradients(s: StepState, u: int, grads, leaves: list[torch.Tensor]) -> torch.Tensor:

@@ -89,8 +89,8 @@ def apply(model: ShardedModel, params: Params, batch: Any, *,
     ``compile``: True, or the ``compiled`` of a ``value_and_grad`` step to share its compiled
     layers (a new ``CompiledLayers`` each call would compile again).
     **Collective**: every rank must call it (the schedule is compared across ranks first)."""
+    check_call(model, params, batch)  # local: a bad batch fails here, before any collective
     sched = prepare(model, schedule, grad=False, entry="apply")
-    check_call(model, params, batch)
     compiled = CompiledLayers(model.parts, strict=False) if compile is True else compile or None
     result = drain(execute(model, sched, params, batch, recorder,
                            loss=loss_of(model, loss, has_aux), compiled=compiled))

@@ -1,0 +1,95 @@
+"""The floor under a per-layer executor's host time, without fz3: what PyTorch itself charges
+for running a stack one layer at a time.
+
+    python benchmarks/host_floor.py        # ~20 s on one core
+
+The host-overhead proxy's GPT block (hidden 16, seq 8, batch 1: compute negligible), 48
+layers, one thread, forward+backward, microseconds per layer (median of 30 steps):
+
+- plain: one forward over the stack, one ``backward()``.
+- per-layer grad: each layer's input a fresh leaf, one ``torch.autograd.grad`` per layer in
+  reverse (what any executor that acts between layers' backwards must do without hooks).
+- + flat leaf: as fz3 runs a layer: its parameters are views of one flat leaf buffer,
+  substituted by ``torch.func.functional_call``, and the gradient comes out flat.
+
+fz3's own cost is what ``benchmarks/host_overhead.py`` measures beyond the last row.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+import torch
+from torch.func import functional_call
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from fz3.models.gpt import Block, GPTConfig  # noqa: E402
+
+LAYERS = 48
+
+
+def per_layer_us(fn, steps: int = 30) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / LAYERS * 1e6
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=32, seq=8, dim=16, heads=2)
+    blocks = [Block(cfg) for _ in range(LAYERS)]
+    x0 = torch.randn(1, cfg.seq, cfg.dim)
+    named = list(blocks[0].named_parameters())
+    names, shapes = [n for n, _ in named], [p.shape for _, p in named]
+    sizes = [p.numel() for _, p in named]
+    flats = [torch.cat([p.detach().reshape(-1) for p in b.parameters()]) for b in blocks]
+
+    def plain():
+        h = x0
+        for b in blocks:
+            h = b(h)
+        h.sum().backward()
+
+    def reverse(saved):
+        g = torch.ones_like(saved[-1][1])
+        for x, out, wrt in reversed(saved):
+            g = torch.autograd.grad(out, [x, *wrt], g)[0]
+
+    def per_layer_grad():
+        saved, h = [], x0
+        for b in blocks:
+            x = h.detach().requires_grad_()
+            h = b(x)
+            saved.append((x, h, list(b.parameters())))
+        reverse(saved)
+
+    def flat_leaf():
+        saved, h = [], x0
+        for b, flat in zip(blocks, flats):
+            leaf = flat.detach().requires_grad_()
+            views = [v.view(s) for v, s in zip(torch.split(leaf, sizes), shapes)]
+            x = h.detach().requires_grad_()
+            h = functional_call(b, dict(zip(names, views)), (x,))
+            saved.append((x, h, [leaf]))
+        reverse(saved)
+
+    rows = [("plain", per_layer_us(plain)), ("per-layer grad", per_layer_us(per_layer_grad)),
+            ("+ flat leaf", per_layer_us(flat_leaf))]
+    print(f"torch {torch.__version__}, {LAYERS} layers, hidden {cfg.dim}, seq {cfg.seq}, 1 thread")
+    print("| run | us per layer | x plain |\n|---|---:|---:|")
+    for name, us in rows:
+        print(f"| {name} | {us:.0f} | {us / rows[0][1]:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
