@@ -11,6 +11,8 @@ import socket
 import subprocess
 import sys
 
+from torch.distributed import TCPStore
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["examples/train_gpt.py", "--steps", "6", "--log-every", "1", "--layers", "2", "--dim", "64"]
 
@@ -38,10 +40,18 @@ def test_two_nodes_match_one_node():
     assert len(_losses(ref)) == 6, ref[-3000:]
     for extra in ((),):
         port = _free_port()
+        # The rendezvous store lives here, not in one of the agents: an agent that hosts it
+        # exits when its own workers are done, and the other agent, still polling the store,
+        # then fails with RendezvousConnectionError although every worker succeeded (a torch
+        # elastic teardown race, e.g. pytorch/torchtune#2676; it failed this test once).
+        store = TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True,
+                         wait_for_workers=False)
         launch = ("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"fz3-test-{port}", "--max-restarts", "0")
+                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "is_host=false",
+                  "--rdzv-id", f"fz3-test-{port}", "--max-restarts", "0")
         nodes = [_torchrun(*launch, extra=extra) for _ in range(2)]
         outs = [p.communicate(timeout=240)[0] for p in nodes]
+        del store
         assert all(p.returncode == 0 for p in nodes), "\n".join(o[-2000:] for o in outs)
         printed = [o for o in outs if _losses(o)]
         assert len(printed) == 1, outs  # only global rank 0 prints

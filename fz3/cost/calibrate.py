@@ -10,6 +10,7 @@ only ever adds time.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -164,17 +165,24 @@ def _gather_rates(group: Any, world: int, repeats: int) -> tuple[float, float]:
     # scheduling delay; the median, not the minimum, is what a step pays on average.
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     src, out, k = torch.randn(64), torch.empty(world * 64), 10
-    compute = _time(lambda: [a @ b for _ in range(k)], repeats) / k
-    lats = []
-    for _ in range(repeats):
+    # The compute alone is timed the same way, beside each sample and under the same sharing
+    # of cores (a minimum would catch it running alone, and charge the sharing to latency,
+    # which the model already counts as slower compute).
+    alone, together = [], []
+    for _ in range(max(repeats, 9)):  # medians of scheduling delays need samples
+        dist.barrier(group)
+        t0 = time.perf_counter()
+        for _ in range(k):
+            a @ b
+        alone.append((time.perf_counter() - t0) / k)
         dist.barrier(group)
         t0 = time.perf_counter()
         for _ in range(k):
             w = gather(out, src, group=group, async_op=True)
             a @ b
             w.wait()
-        lats.append((time.perf_counter() - t0) / k - compute)
-    lat = max(sorted(lats)[len(lats) // 2] / (world - 1), 1e-7)
+        together.append((time.perf_counter() - t0) / k)
+    lat = max((statistics.median(together) - statistics.median(alone)) / (world - 1), 1e-7)
     agreed = torch.tensor([bw, lat], dtype=torch.float64)
     dist.all_reduce(agreed, group=group)
     return tuple((agreed / world).tolist())  # type: ignore[return-value]
