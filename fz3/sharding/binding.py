@@ -63,6 +63,10 @@ class Binding:
             for (owner, attr), placeholder in zip(self.targets, self.placeholders):
                 owner._parameters[attr] = placeholder
 
+    def rebound(self, layouts: Sequence[FlatLayout]) -> "Binding":
+        """The same function and module, called with the parameters of ``layouts``."""
+        return Binding(self.module.fn, self.module.m, layouts)
+
     def traced(self, tensors: Sequence[torch.Tensor], args: tuple) -> Any:
         """The same call through ``functional_call`` (for ``torch.compile`` to trace)."""
         bound = {n: tensors[i] for n, i in zip(self.names, self.index)}

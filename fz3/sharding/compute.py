@@ -15,7 +15,6 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from .binding import Binding
-from .layout import FlatLayout
 from .model import ShardedModel
 
 Extras = tuple[Any, ...]
@@ -38,11 +37,6 @@ def mode(model: ShardedModel) -> Iterator[None]:
 def leaf(buffer: torch.Tensor) -> torch.Tensor:
     """An autograd leaf aliasing a gathered buffer (no copy): its gradient is the flat gradient."""
     return buffer.detach().requires_grad_()
-
-
-def views(layouts: Sequence[FlatLayout], buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """One view per slot of each layout, in its buffer (a ``Binding``'s tensors, in order)."""
-    return [v for layout, buf in zip(layouts, buffers) for v in layout.views(buf)]
 
 
 def call(binding: Binding, tensors: Sequence[torch.Tensor], args: tuple, name: str) -> Any:

@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,17 +30,9 @@ from ..schedule.structure import PartShape, Role
 from .checks import check_not_wrapped, check_parameters, check_same_on_all_ranks, resolve_layers
 from .binding import Binding
 from .layout import FlatLayout
+from .params import Params, check_tree
 from .parts import Part, partition
 from .precision import Precision
-
-
-class Params(NamedTuple):
-    """This rank's shards, one tensor per part of the model (``model.parts``, in order):
-    ``(shard,)`` for a part that is not a stack, ``(k, shard)`` for a stack of k layers (like
-    JAX's scan-over-layers). An optree pytree; gradients and optimizer state have exactly
-    this structure."""
-
-    parts: tuple[torch.Tensor, ...]  # fp32
 
 
 PreFn = Callable[..., Any]  # (m, batch) -> h | (h, *extra)
@@ -129,36 +121,6 @@ class ShardedModel:
         return Binding(fn, self.skeleton, layouts(self.parts, self.part_index("post")))
 
 
-def check_tree(model: ShardedModel, tree: Any, what: str = "params",
-               dtype: torch.dtype | None = None) -> None:
-    """``tree`` is shaped like this model's shards (one tensor per part, on the model's device;
-    of ``dtype`` when given): cheap, local, before any collective."""
-    if not isinstance(tree, Params) or len(tree.parts) != len(model.parts):
-        got = (f"Params of {len(tree.parts)} parts" if isinstance(tree, Params)
-               else type(tree).__name__)
-        raise TypeError(f"{what} is {got}; pass the Params that fz3.shard returned for this model "
-                        f"(or a tree shaped like it: {len(model.parts)} parts, "
-                        f"{[p.name for p in model.parts]})")
-    for part, t in zip(model.parts, tree.parts):
-        n = part.layout.shard_numel
-        shape = (part.rows, n) if part.role is Role.STACK else (n,)
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{what} of part {part.name} is {type(t).__name__}; pass the Params "
-                            f"that fz3.shard returned")
-        # emptied by fz3.optim.step (donated)
-        if t.numel() == 0 and t.untyped_storage().nbytes() == 0:
-            raise ValueError(f"{what} were donated to fz3.optim.step(..., donate=True), which "
-                             f"updated their buffers in place and returned new ones: use the "
-                             f"{what} it returned")
-        wrong_dtype = dtype is not None and t.dtype != dtype
-        if tuple(t.shape) != shape or wrong_dtype or t.device != model.device:
-            want = f"{list(shape)} {dtype or t.dtype} on {model.device}"
-            raise ValueError(f"{what} of part {part.name} is {list(t.shape)} {t.dtype} on "
-                             f"{t.device}; this model's shards are {want} (world size "
-                             f"{model.world_size}). Use the params from this model's fz3.shard, "
-                             f"or fz3.load to reshard")
-
-
 def shard(
     module: nn.Module,
     layers: str | Sequence[str] | None = None,
@@ -213,6 +175,33 @@ def shard(
     Returns ``(model, params)``: the static model and this rank's fp32 shards.
     """
     check_not_wrapped(module)
+    paths, pre, post, call_layer, check_batch = _functions_given(module, layers, pre, post,
+                                                                 call_layer)
+    if len(between) not in (0, len(paths) - 1):
+        raise ValueError(f"between has {len(between)} functions for {len(paths)} stacks; pass "
+                         f"one per gap ({len(paths) - 1}), None where h passes through")
+    comm, device = _comm(module, group, mesh, device)
+    betweens = [fn for fn in between if fn is not None]
+    gap_has_fn = [fn is not None for fn in between] or [False] * (len(paths) - 1)
+    split = partition(module, paths, comm.world_size, between=gap_has_fn, assign=assign)
+    check_parameters(split, meta=weights is not None)
+    skeleton = _skeleton(module, device)
+    functions = _functions(split.parts, skeleton, pre, post, betweens, call_layer)
+    fill = _shards if weights is None else _from_checkpoint(weights, module, skeleton, device)
+    shards = tuple(fill(part, part.layout, rows, comm, device, torch.float32)
+                   for part, rows in zip(split.parts, split.params))
+    frozen = tuple(None if part.frozen is None
+                   else fill(part, part.frozen, rows, comm, device, precision.frozen)
+                   for part, rows in zip(split.parts, split.params))
+    model = ShardedModel(split.parts, frozen, functions, skeleton, comm, precision, device, mesh,
+                         module.training, check_batch)
+    check_same_on_all_ranks(comm, split.parts, device)
+    return model, Params(shards)
+
+
+def _functions_given(module: nn.Module, layers, pre, post, call_layer):
+    """``(paths, pre, post, call_layer, check_batch)``: the user's, or the built-in adapter's
+    when none of layers/pre/post is given."""
     check_batch = None
     if layers is None and pre is None and post is None:
         from ..hf.adapters import adapter_for
@@ -226,32 +215,18 @@ def shard(
                         "with a built-in adapter): layers='<path of the nn.ModuleList>', "
                         "pre(m, batch) -> h, post(m, h, batch) -> loss")
     paths = [layers] if isinstance(layers, str) else list(layers)
-    if len(between) not in (0, len(paths) - 1):
-        raise ValueError(f"between has {len(between)} functions for {len(paths)} stacks; pass "
-                         f"one per gap ({len(paths) - 1}), None where h passes through")
-    comm, device = _comm(module, group, mesh, device)
-    betweens = [fn for fn in between if fn is not None]
-    gap_has_fn = [fn is not None for fn in between] or [False] * (len(paths) - 1)
-    split = partition(module, paths, comm.world_size, between=gap_has_fn, assign=assign)
-    check_parameters(split, meta=weights is not None)
-    skeleton = _skeleton(module, device)
-    functions = _functions(split.parts, skeleton, pre, post, betweens, call_layer or _call_layer)
-    fill = _shards
-    if weights is not None:  # read slice by slice (fz3/storage/pretrained.py)
-        from ..hf.peft_models import checkpoint_names
+    return paths, pre, post, call_layer or _call_layer, check_batch
 
-        source = weights if isinstance(weights, Pretrained) else Pretrained(weights)
-        pretrained.materialize_buffers(skeleton, source, checkpoint_names(module), device)
-        fill = functools.partial(pretrained.shards, source, checkpoint_names(module))
-    shards = tuple(fill(part, part.layout, rows, comm, device, torch.float32)
-                   for part, rows in zip(split.parts, split.params))
-    frozen = tuple(None if part.frozen is None
-                   else fill(part, part.frozen, rows, comm, device, precision.frozen)
-                   for part, rows in zip(split.parts, split.params))
-    model = ShardedModel(split.parts, frozen, functions, skeleton, comm, precision, device, mesh,
-                         module.training, check_batch)
-    check_same_on_all_ranks(comm, split.parts, device)
-    return model, Params(shards)
+
+def _from_checkpoint(weights, module: nn.Module, skeleton: nn.Module, device: torch.device):
+    """A ``_shards`` that reads each rank's slices from a checkpoint folder
+    (``fz3/storage/pretrained.py``); the skeleton's meta buffers are made real first."""
+    from ..hf.peft_models import checkpoint_names
+
+    source = weights if isinstance(weights, Pretrained) else Pretrained(weights)
+    names = checkpoint_names(module)
+    pretrained.materialize_buffers(skeleton, source, names, device)
+    return functools.partial(pretrained.shards, source, names)
 
 
 def _comm(module: nn.Module, group, mesh, device) -> tuple[Comm, torch.device]:
@@ -271,6 +246,17 @@ def layouts(parts: Sequence[Part], i: int) -> list[FlatLayout]:
     for v in (i, *parts[i].reads):
         out += [parts[v].layout] + ([parts[v].frozen] if parts[v].frozen is not None else [])
     return out
+
+
+def rebind(functions: tuple[Any, ...], parts: Sequence[Part]) -> tuple[Any, ...]:
+    """``functions`` (one entry per part, as ``ShardedModel.functions``) called with the
+    parameters of ``parts``' layouts: a binding knows which slot each name is in, so new
+    trained/frozen layouts need new bindings."""
+    return tuple(
+        None if fn is None
+        else tuple(b.rebound(layouts(parts, i)) for b in fn) if isinstance(fn, tuple)
+        else fn.rebound(layouts(parts, i))
+        for i, fn in enumerate(functions))
 
 
 def _functions(parts: Sequence[Part], skeleton: nn.Module, pre, post, betweens,

@@ -31,7 +31,7 @@ from ..comm.collectives import all_gather, wait
 from ..schedule.structure import Role
 from .checks import check_same_on_all_ranks
 from .layout import FlatLayout
-from .model import Params, ShardedModel, check_tree
+from .model import Params, ShardedModel, check_tree, rebind
 from .parts import Part
 
 
@@ -65,9 +65,9 @@ def refreeze(
                 _fill(model, new.frozen, frozen[row], values)
         new_params.append(trained if new.role is Role.STACK else trained.view(-1))
         new_frozen.append(frozen if frozen is None or new.role is Role.STACK else frozen.view(-1))
-    return dataclasses.replace(model, parts=parts, frozen=tuple(new_frozen)), Params(
-        tuple(new_params)
-    )
+    new = dataclasses.replace(model, parts=parts, frozen=tuple(new_frozen),
+                              functions=rebind(model.functions, parts))
+    return new, Params(tuple(new_params))
 
 
 def _split(model: ShardedModel, part: Part, order: dict[str, int], trainable) -> tuple:

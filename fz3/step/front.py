@@ -19,8 +19,7 @@ from ..comm.failures import differing_ranks, gather_objects
 from ..schedule.ops import OpKind
 from ..schedule.schedule import Policy, Schedule, plan, validate
 from ..sharding.model import Params, ShardedModel, check_tree
-from .state import Result
-from .state import Loss
+from .state import Loss, Result
 
 
 def prepare(model: ShardedModel, schedule: Schedule | Policy | None, *, grad: bool,
@@ -89,9 +88,10 @@ def check_params(model: ShardedModel, params: Params) -> None:
 def check_batch(model: ShardedModel, batch: Any) -> None:
     """Every tensor in the batch lives on the model's device, and the model's adapter (if
     any) accepts it."""
-    leaves, _, paths = _leaves_with_paths(batch)
-    for path, t in zip(paths, leaves):
+    leaves = optree.tree_leaves(batch, none_is_leaf=True)
+    for i, t in enumerate(leaves):
         if isinstance(t, torch.Tensor) and t.device != model.device:
+            path = _leaves_with_paths(batch)[2][i]  # named on the error path only
             raise TypeError(f"batch{path} is on {t.device}, the model on {model.device}: move the "
                             f"batch to {model.device} (e.g. batch = optree.tree_map(lambda t: "
                             f"t.to('{model.device}'), batch))")
