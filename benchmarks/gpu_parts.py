@@ -12,8 +12,7 @@
   ``torch.cuda.max_memory_allocated`` (within 10%).
 - ``safety``: the GPU tier of issue 15: one step under ``torch.cuda.set_sync_debug_mode("error")``
   (no hidden host syncs), CUDA events showing the next layer's gather overlapping the current
-  layer's compute, and the core equality at world size >= 2 on NCCL when there are 2 GPUs
-  (skipped with a message otherwise).
+  layer's compute. (The core equality at world size >= 2 on NCCL needs 2 GPUs: not here.)
 
 Every part prints its rows as it goes and returns them for ``gpu_check.json``.
 """
@@ -31,7 +30,6 @@ import systems
 from fz3.models import shard_gpt
 from fz3.models.gpt import GPTConfig
 
-PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, datasheet
 MODELS = {
     "48 layers h512": (GPTConfig(vocab=32000, seq=512, dim=512, heads=8, layers=48), 8),
     "1.3B": (GPTConfig(vocab=32000, seq=2048, dim=2048, heads=16, layers=24), 4),
@@ -100,21 +98,21 @@ def _run(model_name: str, name: str, make, cfg: GPTConfig, micro: int, device: t
     times, host = [], []
     for s in range(warmup + steps):
         b = systems.rank_batch(cfg, micro, s, 0, device)
-        _sync(device)
+        systems.sync(device)
         t0 = time.perf_counter()
         loss = step(b)
         issued = time.perf_counter() - t0
-        _sync(device)
+        systems.sync(device)
         if s >= warmup:
             times.append(time.perf_counter() - t0)
             host.append(issued)
     busy = _busy_ms(step, [systems.rank_batch(cfg, micro, s, 0, device) for s in range(3)], device)
     med = statistics.median(times)
     tps = micro * cfg.seq / med
-    flops = 6 * (cfg.layers * 12 * cfg.dim ** 2 + cfg.vocab * cfg.dim) + 12 * cfg.layers * cfg.seq * cfg.dim
+    flops = systems.flops_per_token(cfg)
     row = dict(model=model_name, system=name, step_ms=med * 1e3, host_ms=statistics.median(host) * 1e3,
                busy_ms=busy, x_busy=med * 1e3 / busy if busy == busy else float("nan"), tokens_per_s=tps,
-               mfu=tps * flops / PEAK_BF16 if device.type == "cuda" else float("nan"),
+               mfu=tps * flops / systems.PEAK_BF16 if device.type == "cuda" else float("nan"),
                peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan"),
                loss=float(loss), build_s=build)
     print(f"speed {model_name:15s} {name:26s} {row['step_ms']:8.1f} ms  host {row['host_ms']:7.1f}  busy "
@@ -193,7 +191,8 @@ def safety(device: torch.device) -> dict:
         step(params, batch)
         out["no_host_sync"] = True
     except RuntimeError as e:
-        out["no_host_sync"] = f"a step synchronized: {str(e).splitlines()[0]}"
+        out["no_host_sync"] = False
+        out["sync_error"] = str(e).splitlines()[0]
     finally:
         torch.cuda.set_sync_debug_mode("default")
     # Through NCCL even on one GPU (fz3 otherwise copies locally): the gathers run on NCCL's
@@ -212,14 +211,8 @@ def safety(device: torch.device) -> dict:
     total = times[-1][1] - times[0][0]
     out["wait_share_of_step"] = waits / total
     out["gather_overlaps_compute"] = waits / total < 0.05
-    out["nccl_world_2"] = "skipped: one GPU" if torch.cuda.device_count() < 2 else "run tests/ with 2 GPUs"
     print("safety " + str(out), flush=True)
     return out
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def table(rows: list[dict]) -> str:

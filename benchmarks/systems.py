@@ -15,7 +15,6 @@ import contextlib
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -108,7 +107,7 @@ def ddp(cfg: GPTConfig, device: torch.device, *, ac: bool = False, dtype: torch.
 
 
 def fsdp2(cfg: GPTConfig, device: torch.device, *, ac: bool = False, dtype: torch.dtype | None = None,
-          prefetch: bool = False, root_only: bool = False, compile_blocks: bool = False) -> System:
+          root_only: bool = False, compile_blocks: bool = False) -> System:
     """FSDP2. Default: ``fully_shard`` on every block and the root, reshard after forward.
     ``root_only``: one ``fully_shard`` on the root with ``reshard_after_forward=False`` (the
     whole model gathered once per step: fz3's whole-stack unit, like for like)."""
@@ -121,13 +120,6 @@ def fsdp2(cfg: GPTConfig, device: torch.device, *, ac: bool = False, dtype: torc
         for block in model.blocks:
             fully_shard(block, mp_policy=mp, reshard_after_forward=True)
     fully_shard(model, mp_policy=mp, reshard_after_forward=not root_only)
-    if prefetch and not root_only:  # explicit prefetch: the next block in forward, the previous in backward
-        blocks = list(model.blocks)
-        for i, b in enumerate(blocks):
-            if i + 1 < len(blocks):
-                b.set_modules_to_forward_prefetch([blocks[i + 1]])
-            if i > 0:
-                b.set_modules_to_backward_prefetch([blocks[i - 1]])
     return _torch_system(model, _torch_adamw(model), device, None)  # MixedPrecisionPolicy casts, no autocast
 
 
@@ -186,5 +178,16 @@ def rank_batch(cfg: GPTConfig, per_rank: int, step: int, rank: int, device: torc
     return x[:, :-1].contiguous().to(device), x[:, 1:].contiguous().to(device)
 
 
-def world() -> tuple[int, int]:
-    return dist.get_rank(), dist.get_world_size()
+PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, datasheet
+
+
+def flops_per_token(cfg: GPTConfig) -> float:
+    """Model FLOPs (PaLM appendix B): 6 x matmul parameters + 12 L T d for attention scores."""
+    matmul = cfg.layers * (4 + 2 * cfg.mlp_ratio) * cfg.dim ** 2 + cfg.vocab * cfg.dim
+    return 6 * matmul + 12 * cfg.layers * cfg.seq * cfg.dim
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device (timing a step on a GPU); nothing on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()

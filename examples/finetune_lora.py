@@ -140,6 +140,7 @@ def main() -> None:
     files = fz3.hf.export_peft(args.out, model, params)
     if rank == 0:
         print(f"adapter written to {args.out}: {', '.join(files)}", flush=True)
+    fz3.destroy(model)
     dist.destroy_process_group()
 
 

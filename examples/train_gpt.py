@@ -108,6 +108,7 @@ def main() -> None:
             print(f"step {step:5d}  loss {float(loss):.4f}  {tokens / dt:9.0f} tokens/s", flush=True)
         if args.save_every and step % args.save_every == 0:
             fz3.save(args.ckpt, model, {"params": params, "opt": state, "step": step})
+    fz3.destroy(model)  # collective: the model's process groups and heartbeat thread
     dist.destroy_process_group()
 
 

@@ -82,6 +82,7 @@ def main() -> None:
             seqs = step * args.batch * world
             print(f"step {step:4d}  mlm loss {float(loss):.4f}  grad norm {float(state[0].norm):.3f}  "
                   f"{seqs / (time.perf_counter() - t0):.1f} seq/s", flush=True)
+    fz3.destroy(model)
     dist.destroy_process_group()
 
 

@@ -28,13 +28,6 @@ def restore(state: RngState, device: torch.device) -> None:
         torch.cuda.set_rng_state(state.device, device)
 
 
-def swap(state: RngState, device: torch.device) -> RngState:
-    """Set ``state``; return the state it replaces."""
-    now = capture(device)
-    restore(state, device)
-    return now
-
-
 def pack(state: RngState) -> torch.Tensor:
     """One uint8 tensor (for checkpoints): the CPU state, then the device's if any."""
     return state.cpu if state.device is None else torch.cat([state.cpu, state.device])

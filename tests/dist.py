@@ -26,17 +26,25 @@ import traceback
 from typing import Any, Callable
 
 
-def _child(fn: Callable, rank: int, world: int, store: str, q: Any, args: tuple, env: dict) -> None:
+def _init_rank(rank: int, world: int, store: str, env: dict) -> None:
+    """This process as rank ``rank``: its environment, one thread, a gloo process group."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
     os.environ.update(env)
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=float(env.get("FZ3_TEST_PG_TIMEOUT", 300)))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timeout)
+
+
+def _child(fn: Callable, rank: int, world: int, store: str, q: Any, args: tuple, env: dict) -> None:
+    import torch.distributed as dist
+
     try:
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        import datetime
-
-        timeout = datetime.timedelta(seconds=float(env.get("FZ3_TEST_PG_TIMEOUT", 300)))
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timeout)
+        _init_rank(rank, world, store, env)
         out = fn(rank, world, *args)
         q.put((rank, True, out))
     except BaseException:  # noqa: BLE001 - report everything to the parent, before any teardown
@@ -102,16 +110,9 @@ def run(world: int, fn: Callable, *args: Any, timeout: float = 180.0, env: dict 
 
 def _pool_child(rank: int, world: int, store: str, inbox: Any, q: Any, env: dict) -> None:
     """A rank that keeps its process group and runs one task after another from ``inbox``."""
-    os.environ.update(env)
-    import datetime
-
-    import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    timeout = datetime.timedelta(seconds=float(env.get("FZ3_TEST_PG_TIMEOUT", 300)))
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timeout)
+    _init_rank(rank, world, store, env)
     while (task := inbox.get()) is not None:
         fn, args = task
         try:

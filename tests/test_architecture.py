@@ -93,15 +93,12 @@ def test_lines_fit_100_columns():
     assert not wide, f"{len(wide)} lines over 100 columns: {wide[:20]}"
 
 
-def test_the_guard_sees_cycles_and_private_imports():
+def test_the_guard_sees_cycles_and_private_imports(tmp_path):
     """The checks above on a made-up module graph: they can fail."""
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
     assert find_cycles({"a": {"b"}, "b": set()}) == []
     tree = {"fz3.x": ROOT / "x.py", "fz3.y": ROOT / "y.py"}
-    src = ROOT.parent / "tests" / "_fake_module_for_guard.py"
-    try:
-        src.write_text("from .y import _hidden\n\ndef f():\n    from . import y\n")
-        found = imports("fz3.x", src, {**tree, "fz3.x": src})
-    finally:
-        src.unlink()
+    src = tmp_path / "x.py"
+    src.write_text("from .y import _hidden\n\ndef f():\n    from . import y\n")
+    found = imports("fz3.x", src, {**tree, "fz3.x": src})
     assert ("fz3.y", "_hidden", 1) in found and ("fz3.y", "", 4) in found

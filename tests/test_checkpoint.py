@@ -254,7 +254,7 @@ def test_load_errors_on_every_rank(tmp_path):
 
 
 def skipped_ranks(rank, world, folder):
-    from fz3.comm.liveness import store
+    from fz3.comm.compat import default_store as store
 
     model, params = shard_gpt(gpt(CFG))
     good = os.path.join(folder, "good")
@@ -267,19 +267,21 @@ def skipped_ranks(rank, world, folder):
         for what, call in calls.items():
             t0 = time.monotonic()
             with pytest.raises(fz3.CollectiveMismatchError, match=rf"{what} is collective: ranks \[1\] did not "
-                                                                  rf"call it within 2 s \(ranks \[1\] are alive"):
+                                                                  rf"call it within 2 s \(ranks \[1\] are alive") as e:
                 call()
+            assert e.value.missing == [1], e.value.missing
             assert 2 <= time.monotonic() - t0 < 5, (what, time.monotonic() - t0)
         assert sorted(os.listdir(folder)) == ["good"]  # nothing created, not even an empty folder
         store().set("test/skipped/done", "1")
     else:
         store().wait(["test/skipped/done"], datetime.timedelta(seconds=60))
     # Ranks calling different collectives both raise, naming what each called.
-    with pytest.raises(fz3.CollectiveMismatchError, match="rank 0 called fz3.save, rank 1 called fz3.export"):
+    with pytest.raises(fz3.CollectiveMismatchError, match="rank 0 called fz3.save, rank 1 called fz3.export") as e:
         if rank == 0:
             fz3.save(os.path.join(folder, "s"), model, {"params": params})
         else:
             fz3.export(os.path.join(folder, "e"), model, params)
+    assert e.value.calls == {0: "fz3.save", 1: "fz3.export"}, e.value.calls
     assert sorted(os.listdir(folder)) == ["good"]
     # Every rank calling again works: the skipped calls left the arrival keys in step.
     fz3.save(os.path.join(folder, "again"), model, {"params": params})

@@ -15,13 +15,17 @@ import torch
 
 import dist
 import fz3
-from fz3.models.gpt import GPT, GPTConfig, post, pre
+from fz3.models.gpt import GPTConfig
 from fz3.models import shard_gpt
 from reference import (assert_close, assert_rel_norm, batches, clone, concat, gpt, padding_is_zero,
                        reference_grads, sharded_grads)
 
 # Sizes chosen so no unit divides evenly by 2, 3 or 4 ranks (padding is exercised).
 UNEVEN = GPTConfig(vocab=37, seq=8, dim=36, heads=4, layers=3)
+# Rows wide enough that the fused AdamW steps a layer's decayed and undecayed elements as
+# separate slices (fz3.optim.adamw.SLICE_MIN_ELEMENTS), while the head still takes the
+# masked pass: both paths against torch.
+WIDE = GPTConfig(vocab=64, seq=8, dim=128, heads=4, layers=2)
 POLICIES = [
     fz3.Policy(),
     fz3.Policy(prefetch=0),
@@ -57,10 +61,9 @@ def check_equal_to_reference(rank, world, delay, cfg, policies):
     assert abs(float(fwd) - ref_loss) <= 1e-5 * abs(ref_loss)
 
 
-def check_adamw(rank, world, delay, steps=10):
+def check_adamw(rank, world, delay, steps=10, cfg=UNEVEN):
     """10 fz3 AdamW steps vs torch.optim.AdamW (decay on matrices only) on the plain model,
     through the pure path (update + apply_updates) and the donating fused path side by side."""
-    cfg = UNEVEN
     module = gpt(cfg)
     model, params = shard_gpt(module)
     model = with_delay(model, delay)
@@ -139,6 +142,8 @@ def core_ranks(rank, world, delay):
     check_equal_to_reference(rank, world, delay, dataclasses.replace(UNEVEN, layers=1), POLICIES[:4])
     check_equal_to_reference(rank, world, delay, dataclasses.replace(UNEVEN, tie=True), POLICIES[:2])
     check_adamw(rank, world, delay)
+    if world == 1:
+        check_adamw(rank, world, delay, steps=3, cfg=WIDE)
     check_state_dict_roundtrip(rank, world)
     if world == 1:
         check_dropout_world1(rank, world)

@@ -26,15 +26,15 @@ Cost: about 6 store round trips per rank per call (one more per poll while waiti
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import time
 
 import torch.distributed as dist
 
+from ..compare import fingerprint
+from .compat import default_store
 from .failures import RankLostError
-from .liveness import WINDOW_S, observe, store
+from .liveness import WINDOW_S, observe, restart_key
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -58,9 +58,8 @@ def arrive(group: dist.ProcessGroup | None, what: str, timeout: float = DEFAULT_
     if not timeout > 0:
         raise ValueError(f"timeout={timeout!r} must be > 0 seconds")
     ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-    me, st = dist.get_rank(), store()
-    digest = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:16]
-    base = f"fz3/arrive/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{digest}"
+    me, st = dist.get_rank(), default_store()
+    base = f"fz3/arrive/{restart_key()}/{fingerprint(ranks).hex()}"
     deadline = time.monotonic() + timeout
     while True:
         epoch = st.add(f"{base}/epoch", 0)

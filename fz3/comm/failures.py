@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from .compat import all_gather_into
-from .liveness import WINDOW_S, Liveness, observe, store
+from .compat import default_store
+from .liveness import WINDOW_S, Liveness, observe
 
 
 class RankLostError(RuntimeError):
@@ -39,7 +40,8 @@ def differing_ranks(group: dist.ProcessGroup, values: list[int], device: torch.d
 
 
 def gather_objects(group: dist.ProcessGroup, obj: object) -> list[object]:
-    """Every rank's ``obj`` (pickled): only on the error path, to say what differs."""
+    """Every rank's ``obj`` (pickled: for setup and for saying what differs on an error path,
+    never per step). **Collective** over ``group``."""
     out: list[object] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
@@ -53,7 +55,7 @@ def lost_error(group: dist.ProcessGroup, what: object, cause: BaseException,
     peers = [r for r in dist.get_process_group_ranks(group) if r != me]
     seen: Liveness | None
     try:
-        seen = observe(store(), peers, window_s)
+        seen = observe(default_store(), peers, window_s)
     except Exception:  # noqa: BLE001 - the store itself is gone (it lived in a dead rank's process)
         seen = None
     first = str(cause).splitlines()[0][:300]

@@ -28,6 +28,8 @@ from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
+from .failures import gather_objects
+
 
 class Groups(NamedTuple):
     """What ``Comm`` needs; the fields are named as in ``Comm``."""
@@ -76,8 +78,7 @@ def _rows(group: dist.ProcessGroup, mesh: Any) -> list[list[int]]:
         return [sorted(mine)]
     # A sub-group the caller made: only the other ranks know theirs. One all-gather over the
     # job (every rank calls shard) gives every row, sorted by first rank.
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, sorted(mine))
+    everyone = gather_objects(dist.group.WORLD, sorted(mine))
     rows = sorted({tuple(r) for r in everyone})
     for r, row in enumerate(everyone):
         clash = [list(o) for o in rows if r in o and list(o) != row]

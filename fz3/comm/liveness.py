@@ -32,18 +32,20 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
+from .compat import default_store
+
 PERIOD_S = 0.5  # between beats
 WINDOW_S = 3.0  # a counter that did not move for this long (6 beats) is a stopped heartbeat
 
 
-def store() -> dist.Store:
-    """The rendezvous store every rank shares; it outlives the process groups built on it.
-    torch has no public accessor for it (``init_process_group`` does not return it)."""
-    return dist.distributed_c10d._get_default_store()
+def restart_key() -> str:
+    """The launcher's restart count: store keys of one incarnation of the job never meet the
+    next one's."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
 
 def heartbeat_key(rank: int) -> str:
-    return f"fz3/heartbeat/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{rank}"
+    return f"fz3/heartbeat/{restart_key()}/{rank}"
 
 
 class Heartbeat:
@@ -52,18 +54,24 @@ class Heartbeat:
     def __init__(self, period_s: float = PERIOD_S) -> None:
         self._stop = threading.Event()
         key = heartbeat_key(dist.get_rank())
-        self._thread = threading.Thread(target=_beat, args=(store(), key, period_s, self._stop),
+        self._thread = threading.Thread(target=_beat,
+                                        args=(default_store(), key, period_s, self._stop),
                                         name=f"fz3-heartbeat-{key}", daemon=True)
-        # The thread holds the event, not self: dropping the owner stops the thread.
-        weakref.finalize(self, self._stop.set)
+        # The thread holds the event, not self: dropping the owner stops the thread. A
+        # finalizer also runs at interpreter exit, before daemon threads are frozen: a thread
+        # left inside a store call while the process tears down aborted a rank (SIGABRT).
+        self._halt = weakref.finalize(self, _halt, self._stop, self._thread)
         self._thread.start()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt()
 
-    @property
-    def running(self) -> bool:
-        return self._thread.is_alive()
+
+def _halt(stop: threading.Event, thread: threading.Thread) -> None:
+    """Stop the beating thread and wait for it (at most one store call and a moment)."""
+    stop.set()
+    if thread.is_alive() and thread is not threading.current_thread():
+        thread.join(timeout=5.0)
 
 
 def _beat(st: dist.Store, key: str, period_s: float, stop: threading.Event) -> None:
@@ -82,12 +90,10 @@ class Liveness(NamedTuple):
     unconfirmed: list[int]  # no counter ever written
 
 
-def observe(st: dist.Store, ranks: list[int], window_s: float = WINDOW_S,
-            first: dict[int, int | None] | None = None) -> Liveness:
+def observe(st: dist.Store, ranks: list[int], window_s: float = WINDOW_S) -> Liveness:
     """Watch ``ranks``' heartbeats for up to ``window_s`` from now (less once every counter
-    moved), comparing with ``first``: counters ``read`` earlier (default: read now). A caller
-    that read ``first`` at least ``WINDOW_S`` ago passes ``window_s=0``."""
-    start = first if first is not None else read(st, ranks)
+    moved)."""
+    start = read(st, ranks)
     alive: set[int] = set()
     deadline = time.monotonic() + window_s
     while True:

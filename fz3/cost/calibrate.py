@@ -49,13 +49,12 @@ def calibrate_cpu(probe: Probe, group: Any = None, repeats: int = 5,
     world = dist.get_world_size(group)
     rates = _local_rates(probe, repeats) if dist.get_rank(group) == 0 else [0.0] * 4
     local = torch.tensor(rates, dtype=torch.float64)
-    dist.barrier(group)
     dist.all_reduce(local, group=group)  # rank 0's numbers, everywhere
     rate, mem_bw, op, call = local.tolist()
-    # collective: all ranks
-    singles = [dist.new_group([r]) for r in dist.get_process_group_ranks(group)]
-    collective = _collective_overhead(group, singles[0], repeats)
-    unit = _unit_overhead(probe, group, singles[0],
+    # collective: all ranks; rank 0 alone on a group of its own (every rank creates it)
+    single = dist.new_group(dist.get_process_group_ranks(group)[:1])
+    collective = _collective_overhead(group, single, repeats)
+    unit = _unit_overhead(probe, group, single,
                           Cluster(1, 1, rate, mem_bw, 0.0, mem_bw, mem_bw, op_overhead=op,
                                   call_overhead=call, collective_overhead=collective,
                                   overlap=False), repeats)

@@ -24,6 +24,7 @@ release takes under no known name, raises an error naming the release and the su
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from typing import Any, Callable
@@ -86,24 +87,30 @@ def call_by_name(fn: Callable[..., Any], values: dict[str, Any], needs: tuple[st
     """Call ``fn`` with ``values`` (keyed by meaning, see ``_ALIASES``) under the names its
     signature uses. Every value in ``needs`` must be taken and every required argument known,
     else the release is one fz3 does not follow: ImportError naming it and the supported range."""
-    kwargs: dict[str, Any] = {}
-    unknown = []
+    return fn(**{name: values[meaning] for name, meaning in _names(fn, needs, tuple(values))})
+
+
+@functools.cache
+def _names(fn: Callable[..., Any], needs: tuple[str, ...],
+           given: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """``(argument name, meaning)`` for each argument of ``fn`` that takes one of the ``given``
+    meanings: read once per function (a signature costs ~10 us, and ``pre`` runs every step)."""
+    known, unknown = [], []
     for name, param in inspect.signature(fn).parameters.items():
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             continue
-        meaning = _ALIASES.get(name)
-        if meaning in values:
-            kwargs[name] = values[meaning]
+        if _ALIASES.get(name) in given:
+            known.append((name, _ALIASES[name]))
         elif param.default is param.empty:
             unknown.append(name)
-    missing = [m for m in needs if m not in {_ALIASES[n] for n in kwargs}]
+    missing = [m for m in needs if m not in {meaning for _, meaning in known}]
     if unknown or missing:
         raise ImportError(f"transformers {_version()}: {fn.__module__}.{fn.__name__}"
                           f"{inspect.signature(fn)} has required arguments fz3 does not know "
                           f"({unknown}) or takes no {missing}; fz3's Hugging Face adapters follow "
                           f"transformers{RANGE} as tested in CI. Install a supported release or "
                           f"pass layers=, pre= and post= to fz3.shard")
-    return fn(**kwargs)
+    return tuple(known)
 
 
 def block_output(out: Any) -> torch.Tensor:

@@ -15,7 +15,6 @@ handed to a new allocation while the old storage object lives on at size zero.
 from __future__ import annotations
 
 import weakref
-from typing import Any
 
 import optree
 import torch

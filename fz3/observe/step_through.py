@@ -6,13 +6,12 @@ from typing import Any, Generator, NamedTuple
 
 import optree
 import torch
-import torch.distributed as dist
 
 from ..comm.arrival import DEFAULT_TIMEOUT_S, arrive
+from ..comm.collectives import all_reduce, wait
 from ..schedule.ops import Op, OpKind
 from ..schedule.structure import Role
 from ..schedule.schedule import Policy, Schedule
-from ..sharding.layout import FlatLayout
 from ..sharding.model import Params, ShardedModel
 from ..step.executor import execute
 from ..step.state import Frame, Result
@@ -98,39 +97,27 @@ def describe(model: ShardedModel, schedule: Schedule, f: Frame) -> StepFrame:
     phase = "forward" if kind in (OpKind.FORWARD, OpKind.FORWARD_SAVE) else str(kind)
     unit = schedule.units[u]
     part = model.parts[unit.part]
-    if part.role is not Role.STACK:
-        params = dict(part.layout.named_views(f.params))
+    stack = part.role is Role.STACK  # then (k, padded) buffers, a (world, k, n) gradient
+    params, grads = {}, None if f.grad is None else {}
+    for j, row in enumerate(unit.rows if stack else [0]):
+        prefix = part.prefix(row)
+        params.update(part.layout.named_views(f.params[j] if stack else f.params, prefix))
         if f.frozen is not None:
-            params.update(part.frozen.named_views(f.frozen))
-        for r in unit.reads:  # a shared part a unit reads is shown with it
-            params.update(model.parts[schedule.units[r].part].layout.named_views(
-                _gathered_of(f, r)))
-        grads = None if f.grad is None else part.layout.named_views(f.grad)
-    else:
-        params, grads = {}, None if f.grad is None else {}
-        for j, row in enumerate(unit.rows):
-            params.update(_prefixed(part.layout, f.params[j], part.prefix(row)))
-            if f.frozen is not None:
-                params.update(_prefixed(part.frozen, f.frozen[j], part.prefix(row)))
-            if f.grad is not None:  # (world, k, n) rank-major -> layer j's (padded,)
-                grads.update(_prefixed(part.layout, f.grad[:, j].reshape(-1), part.prefix(row)))
+            params.update(part.frozen.named_views(f.frozen[j] if stack else f.frozen, prefix))
+        if grads is not None:
+            grad = f.grad[:, j].reshape(-1) if stack else f.grad
+            grads.update(part.layout.named_views(grad, prefix))
+    for r in unit.reads:  # a shared part a unit reads is shown with it
+        params.update(model.parts[schedule.units[r].part].layout.named_views(f.reads[r]))
     return StepFrame(phase, u, unit.name, f.op, f.index, params, f.inputs, f.outputs, grads)
-
-
-def _gathered_of(f: Frame, r: int) -> torch.Tensor:
-    return f.reads[r]
-
-
-def _prefixed(layout: FlatLayout, flat: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
-    return {prefix + n: v for n, v in layout.named_views(flat).items()}
 
 
 def any_rank(model: ShardedModel, flag: bool) -> bool:
     """True on every rank if ``flag`` is True on any rank: a collective decision.
     **Collective**: one all-reduce of one number over the sharding group."""
     t = torch.tensor([int(flag)], device=model.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=model.comm.group)
-    return bool(t.item())
+    return bool(wait(all_reduce(model.comm, t, group=model.comm.group,
+                                label="fz3.any_rank")).item())
 
 
 def _brief(x: Any) -> str:

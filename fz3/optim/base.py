@@ -8,6 +8,8 @@ from typing import Any, Callable, NamedTuple
 import optree
 import torch
 
+from ..sharding.params import refuse_donated
+
 Tree = Any  # a pytree of tensors shaped like fz3.Params
 
 
@@ -91,11 +93,7 @@ def _give_up(old: Tree, new: Tree) -> Tree:
 def check_not_donated(tree: Tree, what: str) -> None:
     """Raise if ``tree`` was given up to ``fz3.optim.step(..., donate=True)``."""
     for t in optree.tree_leaves(tree):
-        if (isinstance(t, torch.Tensor) and t.numel() == 0 and t.dim() == 1
-                and t.untyped_storage().nbytes() == 0):
-            raise ValueError(f"{what} were donated to fz3.optim.step(..., donate=True), which "
-                             f"updated their buffers in place and returned new ones: use the "
-                             f"{what} it returned")
+        refuse_donated(t, what)
 
 
 def apply_updates(params: Tree, updates: Tree) -> Tree:

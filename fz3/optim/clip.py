@@ -33,7 +33,9 @@ def global_norm(grads: Tree, model: ShardedModel) -> torch.Tensor:
     sharding group. Collective: one all-reduce of one fp32 number over ``model.comm.group``
     (a dead peer raises ``fz3.RankLostError``)."""
     comm = model_comm(model, "global_norm")
-    sq = torch.stack([g.float().square().sum() for g in optree.tree_leaves(grads)]).sum()
+    # per leaf, in fp32 without an fp32 copy of the leaf: its norm, then squared
+    norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in optree.tree_leaves(grads)]
+    sq = torch.stack(norms).square().sum()
     return wait(all_reduce(comm, sq, group=comm.group, label="the global gradient norm")).sqrt()
 
 

@@ -45,27 +45,19 @@ def freeze(
     def update(
         updates: Tree, state: FreezeState, params: Tree | None = None
     ) -> tuple[Tree, FreezeState]:
-        return optree.tree_map(torch.mul, updates, keep), state
+        return optree.tree_map(lambda u, k: u * k, updates, keep), state
 
     return GradientTransformation(init, update)
 
 
 def keep_mask(model: ShardedModel, names: Collection[str] | Callable[[str], bool]) -> Params:
-    """Float shards shaped like params: 0 on the elements of the named parameters, 1 elsewhere
-    (padding included: its updates are zero already). Local: no collective."""
+    """Bool shards shaped like params: False on the elements of the named parameters, True
+    elsewhere (padding included: its updates are zero already). Local: no collective."""
     if callable(names):
         chosen = names
     else:
         wanted = set(names)
-        every = {
-            part.prefix(row) + n
-            for part in model.parts
-            for row in range(part.rows)
-            for layout in (part.layout, part.frozen)
-            if layout is not None
-            for s in layout.slots
-            for n in s.names
-        }
+        every = {n for n, _ in model.skeleton.named_parameters(remove_duplicate=False)}
         unknown = sorted(wanted - every)
         if unknown:
             raise ValueError(
@@ -78,12 +70,9 @@ def keep_mask(model: ShardedModel, names: Collection[str] | Callable[[str], bool
 
 def _part_keep(model: ShardedModel, part, chosen: Callable[[str], bool]) -> torch.Tensor:
     """This rank's ``(rows, shard)`` (``(shard,)`` outside stacks) of the part's keep mask."""
-    n = part.layout.shard_numel
-    lo, hi = model.rank * n, (model.rank + 1) * n  # this rank's elements of each row
-    keep = torch.ones(part.rows, n, device=model.device)
+    keep = torch.ones(part.rows, part.layout.shard_numel, dtype=torch.bool, device=model.device)
     for row in range(part.rows):
-        for s in part.layout.slots:
-            start, end = max(s.offset, lo), min(s.offset + s.numel, hi)
-            if start < end and any(chosen(part.prefix(row) + name) for name in s.names):
-                keep[row, start - lo : end - lo] = 0.0
+        for s, _, mine in part.layout.local_pieces(model.rank):
+            if any(chosen(part.prefix(row) + name) for name in s.names):
+                keep[row, mine] = False
     return keep if part.role is Role.STACK else keep.view(-1)

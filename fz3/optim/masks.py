@@ -30,10 +30,7 @@ def decay_mask(model: ShardedModel,
 
 
 def _part_mask(model: ShardedModel, part: Part, decay) -> torch.Tensor:
-    layout = part.layout
-    full = torch.zeros(layout.padded, dtype=torch.bool)
-    for s in layout.slots:
-        full[s.offset:s.offset + s.numel] = bool(decay(part.prefix() + s.name, s.shape))
-    n = layout.shard_numel
-    mine = full[model.rank * n:(model.rank + 1) * n].clone().to(model.device)
+    mine = torch.zeros(part.layout.shard_numel, dtype=torch.bool, device=model.device)
+    for s, _, dst in part.layout.local_pieces(model.rank):
+        mine[dst] = bool(decay(part.prefix() + s.name, s.shape))
     return mine.view(1, -1) if part.role is Role.STACK else mine

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import NamedTuple, Protocol
 
-from .ops import COMPUTE_KINDS, Activation, Grad, Op, OpKind, Params, UnitState, apply
+from .ops import (COMPUTE_KINDS, Activation, Grad, Op, OpKind, Params, UnitState,
+                  transition)
 from .schedule import Schedule
 
 
@@ -54,7 +55,8 @@ def footprint(schedule: Schedule, sizes: Sizes) -> list[OpBytes]:
                    if op.kind in COMPUTE_KINDS else [])
         for u, read in touched + [(op.unit, False)]:
             before = states[u]
-            after = apply(op.kind, schedule.units[u].name, before, grad=schedule.grad, read=read)
+            after = transition(op.kind, schedule.units[u].name, before, grad=schedule.grad,
+                               read=read)
             assert not isinstance(after, str), f"footprint of an invalid schedule: {after}"
             states[u] = after
             _account(totals, sizes, op, u, before, after, kept)

@@ -143,7 +143,7 @@ READ_TABLE: dict[OpKind, tuple[Change, ...]] = {
 }
 
 
-def apply(kind: OpKind, name: str, state: UnitState, *, grad: bool = True,
+def transition(kind: OpKind, name: str, state: UnitState, *, grad: bool = True,
           read: bool = False) -> UnitState | str:
     """Unit ``name``'s state after an op of ``kind`` (``read``: an op of another unit that
     reads it), or the reason it cannot run (a string)."""

@@ -21,7 +21,6 @@ from typing import Any, Literal, Sequence
 from .ops import Op, OpKind
 from .structure import PartShape, Role, check_structure, layers_only
 from .validate import REDUCES, Schedule, Unit, compute_order, validate
-from .validate import ScheduleError, Walk, walk  # re-exported: one place to import schedules from
 
 ACTIVATIONS = ("recompute", "save", "save_unsharded")
 
@@ -103,7 +102,11 @@ def plan(model: Any, policy: Policy = Policy(), *, grad: bool = True) -> Schedul
     resident = {u for u, unit in enumerate(units)
                 if keep or parts[unit.part].name in policy.resident}
     spans = _residencies(steps, units, policy.prefetch, resident)
-    last_contribution = _last_contributions(steps, units) if grad else {}
+    # units by step: gathered from, gathered until, gradient complete after (built once: a
+    # scan per step would make planning quadratic in the layers)
+    waits, frees, complete = _by_step((first, u) for first, _, u in spans), \
+        _by_step((last, u) for _, last, u in spans), \
+        _by_step((at, u) for u, at in (_last_contributions(steps, units) if grad else {}).items())
 
     ops: list[Op] = []
     issued = 0  # spans [0, issued) have had their gather issued
@@ -112,16 +115,24 @@ def plan(model: Any, policy: Policy = Policy(), *, grad: bool = True) -> Schedul
         while issued < len(spans) and spans[issued][0] <= s + policy.prefetch:
             ops.append(Op(OpKind.GATHER, spans[issued][2]))
             issued += 1
-        ops += [Op(OpKind.WAIT, u) for first, _, u in spans if first == s]
+        ops += [Op(OpKind.WAIT, u) for u in waits.get(s, ())]
         ops.append(step)
-        ops += [Op(OpKind.FREE, u) for _, last, u in spans if last == s]
-        done = [u for u, at in last_contribution.items() if at == s]
+        ops += [Op(OpKind.FREE, u) for u in frees.get(s, ())]
+        done = complete.get(s, [])
         if done:
             ops += [Op(OpKind.REDUCE, u) for u in done]
             ops += [Op(OpKind.WAIT_REDUCE, u) for u in waiting]
             waiting = done
     ops += [Op(OpKind.WAIT_REDUCE, u) for u in waiting]
     return validate(Schedule(tuple(ops), units, policy.reduce, grad))
+
+
+def _by_step(pairs) -> dict[int, list[int]]:
+    """``(step, unit)`` pairs -> step: its units, in the pairs' order."""
+    out: dict[int, list[int]] = {}
+    for s, u in pairs:
+        out.setdefault(s, []).append(u)
+    return out
 
 
 def _uses(steps: list[Op], units: Sequence[Unit]) -> dict[int, list[int]]:

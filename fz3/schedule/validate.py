@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, Sequence
 
 from ..compare import fingerprint
-from .ops import COMPUTE_KINDS, Grad, Op, OpKind, Params, UnitState, apply
+from .ops import COMPUTE_KINDS, Grad, Op, OpKind, Params, UnitState, transition
 from .structure import FORWARD_ROLES, Role
 
 REDUCES = ("reduce_scatter", "all_reduce")
@@ -120,7 +120,6 @@ def validate(schedule: Schedule) -> Schedule:
 class Walk(NamedTuple):
     live: list[int]  # units gathered or in flight after each op, up to the first error
     error: ScheduleError | None
-    states: dict[int, UnitState]  # every unit's state after the last op walked
 
 
 def walk(s: Schedule) -> Walk:
@@ -129,18 +128,24 @@ def walk(s: Schedule) -> Walk:
     live: list[int] = []
     error = _field_error(s)
     if error is not None:
-        return Walk(live, error, {})
+        return Walk(live, error)
     states = {u: UnitState() for u in range(len(s.units))}
     order = compute_order(s.units, grad=s.grad)
     done = 0
+    gathered: set[int] = set()  # units not ABSENT; only an op's own unit and reads change
     for i, op in enumerate(s.ops):
         reason, done = _step(s, op, states, order, done)
         if reason is not None:
-            return Walk(live, ScheduleError(i, s.describe(op), reason), states)
-        live.append(sum(st.params is not Params.ABSENT for st in states.values()))
+            return Walk(live, ScheduleError(i, s.describe(op), reason))
+        for u in (op.unit, *s.units[op.unit].reads):
+            if states[u].params is Params.ABSENT:
+                gathered.discard(u)
+            else:
+                gathered.add(u)
+        live.append(len(gathered))
     reason = _end_reason(s, states, order, done)
     return Walk(live, None if reason is None
-                else ScheduleError(len(s.ops), None, reason, end=True), states)
+                else ScheduleError(len(s.ops), None, reason, end=True))
 
 
 def _field_error(s: Schedule) -> ScheduleError | None:
@@ -188,11 +193,11 @@ def _step(s: Schedule, op: Op, states: dict[int, UnitState], order: list[Op], do
             return f"compute out of order: expected {expected}", done
         done += 1
         for r in s.units[u].reads:
-            new = apply(kind, s.units[r].name, states[r], grad=s.grad, read=True)
+            new = transition(kind, s.units[r].name, states[r], grad=s.grad, read=True)
             if isinstance(new, str):
                 return new, done
             states[r] = new
-    new = apply(kind, name, states[u], grad=s.grad)
+    new = transition(kind, name, states[u], grad=s.grad)
     if isinstance(new, str):
         return new, done
     states[u] = new

@@ -1,6 +1,7 @@
 """What ``fz3.shard`` refuses before it shards anything, each with the value and the fix:
 a module already wrapped by DDP/FSDP, a ``layers`` path that is not a ``ModuleList``,
-blocks that are not structurally identical, and ranks that built different models."""
+parameters fz3 cannot shard, and ranks that built different models. (Layers that differ
+are not refused: each run of identical ones is a stack, ``fz3/sharding/parts.py``.)"""
 
 from __future__ import annotations
 
@@ -39,28 +40,6 @@ def resolve_layers(module: nn.Module, path: str) -> nn.ModuleList:
         raise TypeError(f"layers={path!r} is a {type(stack).__name__}, "
                         f"not an nn.ModuleList of blocks")
     return stack
-
-
-def check_identical(path: str, blocks: list[list[tuple[tuple[str, ...], nn.Parameter]]]) -> None:
-    def sig(ps):
-        return [(names, tuple(p.shape), p.dtype) for names, p in ps]
-
-    ref = sig(blocks[0]) if blocks else []
-    for i, ps in enumerate(blocks[1:], start=1):
-        diff = first_difference(ref, sig(ps))
-        if diff is not None:
-            j, a, b = diff
-            raise ValueError(f"{path}.{i} differs from {path}.0 at parameter #{j}: "
-                             f"{path}.0 has {_fmt(a)}, {path}.{i} has {_fmt(b)}. fz3 stacks "
-                             f"structurally identical blocks; keep different blocks outside "
-                             f"{path!r}")
-
-
-def _fmt(entry) -> str:
-    if entry is None:
-        return "nothing"
-    names, shape, dtype = entry
-    return f"{names[0]} {list(shape)} {dtype}"
 
 
 def check_parameters(split, meta: bool = False) -> None:

@@ -15,8 +15,6 @@ from typing import Iterable, Mapping, NamedTuple
 
 import torch
 
-from ..compare import fingerprint
-
 
 class Slot(NamedTuple):
     """One parameter's place in a flat buffer."""
@@ -51,11 +49,6 @@ class FlatLayout:
         return FlatLayout(tuple(slots), offset, padded, world_size)
 
     @property
-    def names(self) -> frozenset[str]:
-        """Every slot's first name."""
-        return frozenset(s.name for s in self.slots)
-
-    @property
     def shard_numel(self) -> int:
         return self.padded // self.world_size
 
@@ -85,7 +78,15 @@ class FlatLayout:
             flat[s.offset : s.offset + s.numel].copy_(tensors[s.name].detach().reshape(-1))
         return flat
 
-    def fingerprint(self) -> bytes:
-        """A digest of names, shapes, dtypes and padding: equal on ranks that built the same
-        model."""
-        return fingerprint([(s.names, s.shape, str(s.dtype)) for s in self.slots] + [self.padded])
+    def local_pieces(self, rank: int) -> list[tuple[Slot, slice, slice]]:
+        """``(slot, elements of the parameter, elements of the shard)`` for each parameter
+        overlapping rank ``rank``'s shard ``[rank*shard, (rank+1)*shard)`` of a row."""
+        n = self.shard_numel
+        lo, hi = rank * n, (rank + 1) * n
+        out = []
+        for s in self.slots:
+            start, end = max(s.offset, lo), min(s.offset + s.numel, hi)
+            if start < end:
+                out.append((s, slice(start - s.offset, end - s.offset),
+                            slice(start - lo, end - lo)))
+        return out

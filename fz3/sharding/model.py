@@ -30,7 +30,7 @@ from ..schedule.structure import PartShape, Role
 from .checks import check_not_wrapped, check_parameters, check_same_on_all_ranks, resolve_layers
 from .binding import Binding
 from .layout import FlatLayout
-from .params import Params, check_tree
+from .params import Params
 from .parts import Part, partition
 from .precision import Precision
 
@@ -209,7 +209,7 @@ def _functions_given(module: nn.Module, layers, pre, post, call_layer):
         adapter = adapter_for(module)
         layers, pre, post = adapter.layers, adapter.pre, adapter.post
         call_layer = call_layer or adapter.layer
-        check_batch = getattr(adapter, "check_batch", None)
+        check_batch = adapter.check_batch
     if layers is None or pre is None or post is None:
         raise TypeError("fz3.shard needs layers=, pre= and post= (or none of them, for a model "
                         "with a built-in adapter): layers='<path of the nn.ModuleList>', "
@@ -279,13 +279,13 @@ def _functions(parts: Sequence[Part], skeleton: nn.Module, pre, post, betweens,
 def _shards(part: Part, layout: FlatLayout, rows, comm: Comm, device: torch.device,
             dtype: torch.dtype) -> torch.Tensor:
     """This rank's shard of each row's parameters in ``layout``: ``(shard,)``, or ``(k, shard)``
-    for a stack. One row is flattened at a time, so the extra memory is one row."""
-    n = layout.shard_numel
-    out = torch.empty(part.rows, n, dtype=dtype, device=device)
+    for a stack; only the elements this rank owns are copied."""
+    out = torch.zeros(part.rows, layout.shard_numel, dtype=dtype, device=device)  # padding: 0
+    pieces = layout.local_pieces(comm.rank)
     for j, row in enumerate(rows):
-        named = {names[0]: p for names, p in row if names[0] in layout.names}
-        flat = layout.flatten(named, dtype, device)
-        out[j].copy_(flat[comm.rank * n:(comm.rank + 1) * n])
+        named = {names[0]: p for names, p in row}
+        for s, src, dst in pieces:
+            out[j, dst].copy_(named[s.name].detach().reshape(-1)[src])
     return out if part.role is Role.STACK else out.view(-1)
 
 

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from ..schedule.structure import Role
-
-if TYPE_CHECKING:
-    from .model import ShardedModel
 
 
 class Params(NamedTuple):
@@ -21,10 +18,10 @@ class Params(NamedTuple):
     parts: tuple[torch.Tensor, ...]  # fp32
 
 
-def check_tree(model: ShardedModel, tree: Any, what: str = "params",
+def check_tree(model: Any, tree: Any, what: str = "params",
                dtype: torch.dtype | None = None) -> None:
-    """``tree`` is shaped like this model's shards (one tensor per part, on the model's device;
-    of ``dtype`` when given): cheap, local, before any collective."""
+    """``tree`` is shaped like ``model``'s (a ``ShardedModel``'s) shards: one tensor per part,
+    on the model's device, of ``dtype`` when given. Cheap, local, before any collective."""
     if not isinstance(tree, Params) or len(tree.parts) != len(model.parts):
         got = (f"Params of {len(tree.parts)} parts" if isinstance(tree, Params)
                else type(tree).__name__)
@@ -37,11 +34,7 @@ def check_tree(model: ShardedModel, tree: Any, what: str = "params",
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{what} of part {part.name} is {type(t).__name__}; pass the Params "
                             f"that fz3.shard returned")
-        # emptied by fz3.optim.step (donated)
-        if t.numel() == 0 and t.untyped_storage().nbytes() == 0:
-            raise ValueError(f"{what} were donated to fz3.optim.step(..., donate=True), which "
-                             f"updated their buffers in place and returned new ones: use the "
-                             f"{what} it returned")
+        refuse_donated(t, what)
         wrong_dtype = dtype is not None and t.dtype != dtype
         if tuple(t.shape) != shape or wrong_dtype or t.device != model.device:
             want = f"{list(shape)} {dtype or t.dtype} on {model.device}"
@@ -49,3 +42,13 @@ def check_tree(model: ShardedModel, tree: Any, what: str = "params",
                              f"{t.device}; this model's shards are {want} (world size "
                              f"{model.world_size}). Use the params from this model's fz3.shard, "
                              f"or fz3.load to reshard")
+
+
+def refuse_donated(t: Any, what: str) -> None:
+    """Raise if ``t`` was emptied by ``fz3.optim.step(..., donate=True)`` (no elements, no
+    storage: see ``fz3/optim/base.py``'s [Note: donated trees])."""
+    if (isinstance(t, torch.Tensor) and t.numel() == 0 and t.dim() == 1
+            and t.untyped_storage().nbytes() == 0):
+        raise ValueError(f"{what} were donated to fz3.optim.step(..., donate=True), which "
+                         f"updated their buffers in place and returned new ones: use the "
+                         f"{what} it returned")

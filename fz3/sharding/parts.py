@@ -24,7 +24,7 @@ from typing import Mapping, NamedTuple, Sequence
 from torch import nn
 
 from ..schedule.structure import PartShape, Role
-from .checks import check_identical, resolve_layers
+from .checks import resolve_layers
 from .layout import FlatLayout
 
 # (every name, parameter), first appearance order
@@ -67,7 +67,7 @@ def partition(module: nn.Module, paths: Sequence[str], world: int, *, between: S
     stacks = [(path, resolve_layers(module, path)) for path in paths]
     _check_path_order(module, paths)
     runs = [(path, first, [_named_params(b) for b in stack[first:first + k]])
-            for path, stack in stacks for first, k in _runs(path, stack)]
+            for path, stack in stacks for first, k in _runs(stack)]
     in_stack = _stack_parameters(paths, runs, module)
     segments = _segments(module, paths, assign or {}, between)
     by_id: dict[int, tuple[list[str], nn.Parameter]] = {}
@@ -123,7 +123,7 @@ def _named_params(module: nn.Module) -> Named:
     return [(tuple(names), p) for names, p in by_id.values()]
 
 
-def _runs(path: str, stack: nn.ModuleList) -> list[tuple[int, int]]:
+def _runs(stack: nn.ModuleList) -> list[tuple[int, int]]:
     """``(first, count)`` of each run of structurally identical consecutive layers."""
     sigs = [[(names, tuple(p.shape), p.dtype, p.requires_grad) for names, p in _named_params(b)]
             for b in stack]
@@ -133,9 +133,6 @@ def _runs(path: str, stack: nn.ModuleList) -> list[tuple[int, int]]:
             runs[-1] = (runs[-1][0], runs[-1][1] + 1)
         else:
             runs.append((i, 1))
-    for first, k in runs:
-        check_identical(f"{path}[{first}:{first + k}]",
-                        [_named_params(b) for b in stack[first:first + k]])
     return runs
 
 

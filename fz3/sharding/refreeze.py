@@ -31,7 +31,8 @@ from ..comm.collectives import all_gather, wait
 from ..schedule.structure import Role
 from .checks import check_same_on_all_ranks
 from .layout import FlatLayout
-from .model import Params, ShardedModel, check_tree, rebind
+from .model import Params, ShardedModel, rebind
+from .params import check_tree
 from .parts import Part
 
 
@@ -113,11 +114,5 @@ def _empty(model: ShardedModel, part: Part, layout: FlatLayout, dtype) -> torch.
 
 def _fill(model: ShardedModel, layout: FlatLayout, out: torch.Tensor, values: dict) -> None:
     """This rank's shard ``out`` (shard,) of one row in ``layout``, from the row's full tensors."""
-    n = layout.shard_numel
-    lo, hi = model.rank * n, (model.rank + 1) * n
-    for s in layout.slots:
-        start, end = max(s.offset, lo), min(s.offset + s.numel, hi)
-        if start < end:
-            out[start - lo : end - lo].copy_(
-                values[s.name].reshape(-1)[start - s.offset : end - s.offset]
-            )
+    for s, src, dst in layout.local_pieces(model.rank):
+        out[dst].copy_(values[s.name].reshape(-1)[src])

@@ -213,10 +213,11 @@ def _backward_layers(s: StepState, op: Op, index: int) -> Frame:
     else:  # recompute from the saved input, replaying the forward's RNG
         leaf, x_leaf = compute.leaf(s.gathered[u, False]), saved.x.detach().requires_grad_()
         extras = compute.detach_extras(s.extras.get(saved.producer, ()), positions, grad=True)
-        now = rng.swap(saved.rng, model.device)
+        # Nothing after the loss draws but recompute, which sets its own state; _finish
+        # leaves the RNG as plain autograd would (rng_after), so none is kept here.
+        rng.restore(saved.rng, model.device)
         with torch.enable_grad():
             out = run_layers(s, u, leaf, x_leaf, extras)
-        rng.restore(now, model.device)
     g = torch.autograd.grad(out, [leaf, x_leaf, *(extras[j] for j in positions)], s.grad_h,
                             allow_unused=True)
     if s.graphs is not None:

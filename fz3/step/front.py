@@ -18,7 +18,8 @@ from ..compare import fingerprint, first_difference
 from ..comm.failures import differing_ranks, gather_objects
 from ..schedule.ops import OpKind
 from ..schedule.schedule import Policy, Schedule, plan, validate
-from ..sharding.model import Params, ShardedModel, check_tree
+from ..sharding.model import Params, ShardedModel
+from ..sharding.params import check_tree
 from .state import Loss, Result
 
 

@@ -45,11 +45,10 @@ def save(path: str, model: ShardedModel, state: Any, *, timeout: float = DEFAULT
     others raise ``fz3.CollectiveMismatchError`` naming it, before anything is written."""
     import torch.distributed.checkpoint as dcp
 
-    arrive(_everyone(model), "fz3.save", timeout)
     partial, old = path + ".partial", path + ".old"
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0:  # a stale partial (an interrupted save); arrive is the barrier
         shutil.rmtree(partial, ignore_errors=True)
-    _barrier(model)
+    arrive(_everyone(model), "fz3.save", timeout)
     flat = _flatten(model, state, "")
     flat[f"rng.rank{dist.get_rank()}"] = rng.pack(rng.capture(model.device))
     dcp.save(flat, checkpoint_id=partial, process_group=_everyone(model))
@@ -165,15 +164,12 @@ def _real(layout: FlatLayout, rank: int) -> int:
     return max(0, min(layout.shard_numel, layout.numel - rank * layout.shard_numel))
 
 
-from .. import rng
-from ..comm.arrival import DEFAULT_TIMEOUT_S, arrive
-
-
 def _everyone(model: ShardedModel) -> dist.ProcessGroup | None:
     """The group that writes a checkpoint: the shard group, or every rank with hybrid sharding."""
     return model.comm.group if model.comm.replicas == 1 else None
 
 
 def _barrier(model: ShardedModel) -> None:
+    """A barrier on the model's device (``dist.barrier`` on NCCL guesses the device)."""
     t = torch.zeros(1, device=model.device)
     dist.all_reduce(t, group=_everyone(model))

@@ -23,9 +23,9 @@ from typing import Literal, NamedTuple
 import torch
 
 from ..comm.arrival import DEFAULT_TIMEOUT_S, arrive
-from ..sharding.layout import FlatLayout
-from ..sharding.model import Params, ShardedModel, check_tree
-from .gather import gather_unit
+from ..sharding.model import Params, ShardedModel
+from ..sharding.params import check_tree
+from .gather import Gathered, own_buffers, unit_shards
 
 
 class ExportReport(NamedTuple):
@@ -46,36 +46,25 @@ def export(path: str, model: ShardedModel, params: Params, *,
     arrive(model.comm.group, "fz3.export", timeout)
     fmt = format or ("safetensors" if _has_safetensors() else "torch")
     rank0 = model.is_root
-    units: list[tuple[FlatLayout, torch.Tensor, str]] = [
-        (layout, shard, part.prefix(row))
-        for part, trained, frozen in zip(model.parts, params.parts, model.frozen)
-        for layout, shards in ((part.layout, trained), (part.frozen, frozen)) if shards is not None
-        for row, shard in enumerate(shards.reshape(part.rows, -1))]
+    units = unit_shards(model, params, frozen=True)
     n = len(units)
     stem, ext = ("model", "safetensors") if fmt == "safetensors" else ("pytorch_model", "bin")
     if rank0:
         os.makedirs(path, exist_ok=True)
     weight_map, aliases, files, peak, total = {}, {}, [], 0, 0
-    skeleton_params = dict(model.skeleton.named_parameters(remove_duplicate=False))
-    buffers = {k: v for k, v in model.skeleton.state_dict(keep_vars=True).items()
-               if k not in skeleton_params}
-    # One gather buffer per dtype, the largest unit's size, reused by every unit: a finished
-    # collective's output may stay referenced by the backend a moment after ``wait`` (gloo's
-    # worker thread), so a fresh buffer per unit briefly made two; reusing it keeps one.
-    biggest = max(layout.padded for layout, _, _ in units)
-    reused: dict[torch.dtype, torch.Tensor] = {}
-    for k, (layout, shard, prefix) in enumerate(units):
-        if shard.dtype not in reused:
-            reused[shard.dtype] = torch.empty(biggest, dtype=shard.dtype, device=shard.device)
-        gathered = gather_unit(model, layout, shard, out=reused[shard.dtype][:layout.padded])
-        held = sum(b.numel() * b.element_size() for b in reused.values())
+    gathered_units = Gathered(model, units)
+    # No enumerate: it keeps its last result tuple (this unit's copies) until the next unit's
+    # gather has run. Comprehensions below: no loop variable outlives the unit either.
+    k = -1
+    for unit, gathered in gathered_units:
+        k += 1
+        held = gathered_units.buffer_bytes
         if rank0:
-            # comprehensions: no loop variable outlives the unit and holds one of its copies
-            tensors = {prefix + s.name: t for s, t in gathered}
-            aliases.update({prefix + alias: prefix + s.name for s, _ in gathered
+            tensors = {unit.prefix + s.name: t for s, t in gathered}
+            aliases.update({unit.prefix + alias: unit.prefix + s.name for s, _ in gathered
                             for alias in s.names[1:]})
             if k == 0:
-                tensors.update({b: t.detach().cpu().clone() for b, t in buffers.items()})
+                tensors.update(own_buffers(model))
             held += sum(t.numel() * t.element_size() for t in tensors.values())
             name = f"{stem}-{k + 1:05d}-of-{n:05d}.{ext}"
             _write(os.path.join(path, name), tensors, fmt)

@@ -118,20 +118,14 @@ def shards(
     ``(shard,)`` otherwise), each parameter's overlap with the rank's range read from
     ``source`` if it holds the parameter (under ``rename(name)``), else copied from the
     module's (real) parameter."""
-    n = layout.shard_numel
-    lo, hi = comm.rank * n, (comm.rank + 1) * n
-    out = torch.zeros(part.rows, n, dtype=dtype, device=device)  # padding stays zero
+    out = torch.zeros(part.rows, layout.shard_numel, dtype=dtype, device=device)  # padding: 0
+    pieces = layout.local_pieces(comm.rank)
     for j, row in enumerate(rows):
         params = {names[0]: p for names, p in row}
-        for s in layout.slots:
-            start, end = max(s.offset, lo), min(s.offset + s.numel, hi)
-            if start >= end:
-                continue
+        for s, src, dst in pieces:
             names = [part.prefix(j) + name for name in s.names]
-            piece = _piece(
-                source, rename, names, s.shape, params[s.name], start - s.offset, end - s.offset
-            )
-            out[j, start - lo : end - lo].copy_(piece)
+            piece = _piece(source, rename, names, s.shape, params[s.name], src.start, src.stop)
+            out[j, dst].copy_(piece)
     return out if part.role is Role.STACK else out.view(-1)
 
 

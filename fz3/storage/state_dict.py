@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from ..comm.arrival import DEFAULT_TIMEOUT_S, arrive
-from ..sharding.model import Params, ShardedModel, check_tree
-from .gather import gather_unit
+from ..sharding.model import Params, ShardedModel
+from ..sharding.params import check_tree
+from .gather import Gathered, own_buffers, unit_shards
 
 
 def full_state_dict(model: ShardedModel, tree: Params, *, buffers: bool = True,
@@ -26,24 +27,13 @@ def full_state_dict(model: ShardedModel, tree: Params, *, buffers: bool = True,
     """
     check_tree(model, tree, "the tree")
     arrive(model.comm.group, "fz3.full_state_dict", timeout)
-    rank0 = model.is_root
     found: dict[str, torch.Tensor] = {}
-    for i, (part, shards) in enumerate(zip(model.parts, tree.parts)):
-        pieces = [(part.layout, shards)]
-        if buffers and part.frozen is not None:  # the model's own state: its frozen parameters
-            pieces.append((part.frozen, model.frozen[i]))
-        for layout, tensor in pieces:
-            for row, shard in enumerate(tensor.reshape(part.rows, -1)):
-                for slot, t in gather_unit(model, layout, shard) or []:
-                    found.update({part.prefix(row) + n: t for n in slot.names})
-    if not rank0:
+    for unit, pieces in Gathered(model, unit_shards(model, tree, frozen=buffers)):
+        for slot, t in pieces or []:
+            found.update({unit.prefix + n: t for n in slot.names})
+    if not model.is_root:
         return None
-    out: dict[str, torch.Tensor] = {}
-    params = dict(model.skeleton.named_parameters(remove_duplicate=False))
-    for name, t in model.skeleton.state_dict(keep_vars=True).items():
-        if name in found:
-            out[name] = found[name]
-        elif buffers and name not in params:
-            out[name] = t.detach().cpu().clone()
-    return out
-
+    own = own_buffers(model) if buffers else {}
+    # module.state_dict() order: parameters from the units, buffers the model's own
+    return {name: found[name] if name in found else own[name]
+            for name in model.skeleton.state_dict() if name in found or name in own}
