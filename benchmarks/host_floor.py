@@ -9,8 +9,10 @@ layers, one thread, forward+backward, microseconds per layer (median of 30 steps
 - plain: one forward over the stack, one ``backward()``.
 - per-layer grad: each layer's input a fresh leaf, one ``torch.autograd.grad`` per layer in
   reverse (what any executor that acts between layers' backwards must do without hooks).
-- + flat leaf: as fz3 runs a layer: its parameters are views of one flat leaf buffer,
-  substituted by ``torch.func.functional_call``, and the gradient comes out flat.
+- + flat leaf: its parameters are views of one flat leaf buffer, substituted by
+  ``torch.func.functional_call``, and the gradient comes out flat.
+- + flat leaf, fz3's binding: the same, the views substituted by ``fz3.sharding.binding``
+  (the name lookup done once per model), as fz3's eager layers run.
 
 fz3's own cost is what ``benchmarks/host_overhead.py`` measures beyond the last row.
 """
@@ -28,6 +30,8 @@ from torch.func import functional_call
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fz3.models.gpt import Block, GPTConfig  # noqa: E402
+from fz3.sharding.binding import Binding  # noqa: E402
+from fz3.sharding.layout import FlatLayout  # noqa: E402
 
 LAYERS = 48
 
@@ -83,8 +87,21 @@ def main() -> None:
             saved.append((x, h, [leaf]))
         reverse(saved)
 
+    layout = FlatLayout.build([((n,), p) for n, p in named], 1)
+    bindings = [Binding(lambda m, h: m(h), b, [layout]) for b in blocks]
+
+    def flat_leaf_bound():
+        saved, h = [], x0
+        for binding, flat in zip(bindings, flats):
+            leaf = flat.detach().requires_grad_()
+            x = h.detach().requires_grad_()
+            h = binding(layout.views(leaf), (x,))
+            saved.append((x, h, [leaf]))
+        reverse(saved)
+
     rows = [("plain", per_layer_us(plain)), ("per-layer grad", per_layer_us(per_layer_grad)),
-            ("+ flat leaf", per_layer_us(flat_leaf))]
+            ("+ flat leaf", per_layer_us(flat_leaf)),
+            ("+ flat leaf, fz3's binding", per_layer_us(flat_leaf_bound))]
     print(f"torch {torch.__version__}, {LAYERS} layers, hidden {cfg.dim}, seq {cfg.seq}, 1 thread")
     print("| run | us per layer | x plain |\n|---|---:|---:|")
     for name, us in rows:
