@@ -99,7 +99,12 @@ def dying_ranks(rank, world):
                 os._exit(3)  # killed in the middle of the backward
         return "finished?!"
     except fz3.RankLostError as e:
-        return (str(e), e.lost, time.monotonic() - t0)
+        first = (str(e), e.lost, time.monotonic() - t0)
+    try:  # the agreement check a new step function starts with names the dead rank too
+        fz3.value_and_grad(model)
+        return "agreed?!"
+    except fz3.RankLostError as e:
+        return (*first, str(e), e.lost)
 
 
 def test_dead_rank_is_named_in_bounded_time():
@@ -107,10 +112,11 @@ def test_dead_rank_is_named_in_bounded_time():
     out = dist.run(3, dying_ranks, may_die=frozenset({1}), timeout=90, env={"FZ3_TEST_PG_TIMEOUT": "30"})
     assert out[1] is None
     for rank in (0, 2):
-        msg, lost, took = out[rank]
+        msg, lost, took, agree_msg, agree_lost = out[rank]
         assert lost == [1], msg
         assert f"rank {rank}: " in msg and "rank(s) [1] stopped responding" in msg
         assert took < 30
+        assert agree_lost == [1] and "the check that every rank agrees failed" in agree_msg, agree_msg
     assert time.monotonic() - t0 < 90
 
 

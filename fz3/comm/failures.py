@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .compat import all_gather_into
-from .compat import default_store
+from .compat import all_gather_into, default_store
 from .liveness import WINDOW_S, Liveness, observe
 
 
@@ -30,11 +29,15 @@ class RankLostError(RuntimeError):
 
 def differing_ranks(group: dist.ProcessGroup, values: list[int], device: torch.device) -> list[int]:
     """One all-gather of ``values`` (equal length on every rank): the ranks whose values
-    differ from rank 0's."""
+    differ from rank 0's. A rank that is gone is named (``RankLostError``), as in any
+    collective of ``fz3.comm``."""
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
     everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
-    all_gather_into(everyone, mine, group=group)
+    try:
+        all_gather_into(everyone, mine, group=group)
+    except RuntimeError as e:
+        raise lost_error(group, "the check that every rank agrees", e) from e
     rows = everyone.view(world, -1).cpu()
     return [r for r in range(world) if not torch.equal(rows[r], rows[0])]
 

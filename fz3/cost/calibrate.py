@@ -9,6 +9,7 @@ only ever adds time.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.compat import all_gather_into
+from ..comm.groups import destroy
 from ..schedule.ops import COMPUTE_KINDS
 from ..schedule.schedule import Policy
 from ..sharding.model import Params, ShardedModel
@@ -47,28 +49,36 @@ def calibrate_cpu(probe: Probe, group: Any = None, repeats: int = 5,
     an earlier calibration (they need a group of 2 or more ranks) and measure only the local
     rates, which drift with the machine's load."""
     world = dist.get_world_size(group)
-    rates = _local_rates(probe, repeats) if dist.get_rank(group) == 0 else [0.0] * 4
-    local = torch.tensor(rates, dtype=torch.float64)
-    dist.all_reduce(local, group=group)  # rank 0's numbers, everywhere
-    rate, mem_bw, op, call = local.tolist()
-    # collective: all ranks; rank 0 alone on a group of its own (every rank creates it)
-    single = dist.new_group(dist.get_process_group_ranks(group)[:1])
-    collective = _collective_overhead(group, single, repeats)
-    unit = _unit_overhead(probe, group, single,
-                          Cluster(1, 1, rate, mem_bw, 0.0, mem_bw, mem_bw, op_overhead=op,
-                                  call_overhead=call, collective_overhead=collective,
-                                  overlap=False), repeats)
+    rate, mem_bw, op, call = _from_rank0(group, 4, lambda: _local_rates(probe, repeats))
     bw, lat, contention = mem_bw, 1e-6, 1.0
     if network is not None:
         bw, lat, contention = network.intra_bw, network.intra_latency, network.contention
     elif world > 1:
         bw, lat = _gather_rates(group, world, repeats)
         contention = _contention(group, repeats)
-    return Cluster(nodes=1, devices_per_node=world, flops=rate, mem_bw=mem_bw, memory=0.0,
-                   intra_bw=bw, inter_bw=bw, intra_latency=lat, inter_latency=lat, op_overhead=op,
-                   call_overhead=max(call, op), unit_overhead=unit,
-                   collective_overhead=collective, overlap=False,
-                   cores_per_node=os.cpu_count() or 1, contention=contention)
+    # rank 0 alone on a group of its own (every rank creates it; rank 0 frees it)
+    single = dist.new_group(dist.get_process_group_ranks(group)[:1])
+    (collective,) = _from_rank0(group, 1, lambda: [_collective_overhead(single, repeats)])
+    cluster = Cluster(nodes=1, devices_per_node=world, flops=rate, mem_bw=mem_bw, memory=0.0,
+                      intra_bw=bw, inter_bw=bw, intra_latency=lat, inter_latency=lat,
+                      op_overhead=op, call_overhead=max(call, op), unit_overhead=0.0,
+                      collective_overhead=collective, overlap=False,
+                      cores_per_node=os.cpu_count() or 1, contention=contention)
+    # the executor's own time: what the step takes beyond what this cluster predicts
+    (unit,) = _from_rank0(group, 1, lambda: [_unit_overhead(probe, single, cluster, repeats)])
+    if dist.get_rank(group) == 0:
+        dist.destroy_process_group(single)
+    return dataclasses.replace(cluster, unit_overhead=unit)
+
+
+def _from_rank0(group: Any, n: int, measure: Callable[[], list[float]]) -> list[float]:
+    """``measure()`` (``n`` numbers) run on rank 0 of ``group`` alone while the others wait,
+    then shared. **Collective**: one all-reduce over ``group``."""
+    value = torch.zeros(n, dtype=torch.float64)
+    if dist.get_rank(group) == 0:
+        value[:] = torch.tensor(measure(), dtype=torch.float64)
+    dist.all_reduce(value, group=group)
+    return value.tolist()
 
 
 def _time(fn: Callable[[], Any], n: int) -> float:
@@ -117,46 +127,35 @@ def _local_rates(probe: Probe, repeats: int) -> list[float]:
     return [rate, mem_bw, op, call]
 
 
-def _collective_overhead(group: Any, single: Any, repeats: int) -> float:
-    """Host time to issue an async all-gather and wait for it, with no network: rank 0 alone
-    on a one-rank group."""
-    gather = all_gather_into
-    value = torch.zeros(1, dtype=torch.float64)
-    if dist.get_rank(group) == 0:
-        src, out = torch.randn(64), torch.empty(64)
-        value[0] = _time(lambda: [gather(out, src, group=single, async_op=True).wait()
-                                  for _ in range(500)],
-                         repeats) / 500
-    dist.all_reduce(value, group=group)
-    return float(value)
+def _collective_overhead(single: Any, repeats: int) -> float:
+    """Host time to issue an async all-gather and wait for it, with no network: this rank
+    alone on a one-rank group."""
+    src, out = torch.randn(64), torch.empty(64)
+    return _time(lambda: [all_gather_into(out, src, group=single, async_op=True).wait()
+                          for _ in range(500)], repeats) / 500
 
 
-def _unit_overhead(probe: Probe, group: Any, single: Any, local: Cluster, repeats: int) -> float:
+def _unit_overhead(probe: Probe, single: Any, cluster: Cluster, repeats: int) -> float:
     """The executor's own host time per compute op: the probe model (its math negligible) on a
-    one-rank group, its step time minus what the model predicts without it, per compute op."""
-    unit = torch.zeros(1, dtype=torch.float64)
-    if dist.get_rank(group) == 0:
-        model, params = probe.shard(single)
-        batch = probe.batch
-        step = value_and_grad(model, Policy())
-        t = _time(lambda: [step(params, batch) for _ in range(10)], repeats) / 10
-        predicted = estimate(Workload.from_model(model, batch), step.schedule, local,
-                             shard=1).step_s
-        computes = sum(op.kind in COMPUTE_KINDS for op in step.schedule.ops)
-        unit[0] = max(t - predicted, 0.0) / computes
-    dist.all_reduce(unit, group=group)
-    return float(unit)
+    one-rank group, its step time minus what ``cluster`` predicts without it, per compute op."""
+    model, params = probe.shard(single)
+    step = value_and_grad(model, Policy())
+    t = _time(lambda: [step(params, probe.batch) for _ in range(10)], repeats) / 10
+    predicted = estimate(Workload.from_model(model, probe.batch), step.schedule, cluster,
+                         shard=1).step_s
+    destroy(model)
+    computes = sum(op.kind in COMPUTE_KINDS for op in step.schedule.ops)
+    return max(t - predicted, 0.0) / computes
 
 
 def _gather_rates(group: Any, world: int, repeats: int) -> tuple[float, float]:
     """(bytes/s, s per ring step) of all-gathers: bandwidth from large ones, latency from
     small async ones issued before a little compute and waited after it, as in a step."""
-    gather = all_gather_into
     sizes, times = [], []
     for n in (1 << 18, 1 << 20):
         src, out = torch.randn(n), torch.empty(world * n)
         dist.barrier(group)
-        times.append(_time(lambda: gather(out, src, group=group), repeats))
+        times.append(_time(lambda: all_gather_into(out, src, group=group), repeats))
         sizes.append((world - 1) * n * 4)
     bw = (sizes[1] - sizes[0]) / max(times[1] - times[0], 1e-9)
     # Latency as a step sees it: a small async all-gather issued before ~1 ms of compute and
@@ -177,7 +176,7 @@ def _gather_rates(group: Any, world: int, repeats: int) -> tuple[float, float]:
         dist.barrier(group)
         t0 = time.perf_counter()
         for _ in range(k):
-            w = gather(out, src, group=group, async_op=True)
+            w = all_gather_into(out, src, group=group, async_op=True)
             a @ b
             w.wait()
         together.append((time.perf_counter() - t0) / k)

@@ -121,7 +121,7 @@ class _Timeline:
         self.t_host = self.t_comp = 0.0
         self.queue = {OpKind.GATHER: 0.0, OpKind.REDUCE: 0.0}  # when each collective stream is free
         self.end: dict[tuple[OpKind, int], float] = {}
-        self.recompute: set[int] = set()
+        self.recompute = sched.recomputed()
         self.comp_total = self.comm_total = self.exposed = self.sent = 0.0
 
     def layers_in(self, u: int) -> int:
@@ -151,8 +151,6 @@ class _Timeline:
             w = part.bwd.scale(k) + (part.fwd.scale(k) if u in self.recompute else Work())
         else:
             w = part.fwd.scale(k)
-            if op.kind == OpKind.FORWARD and stack:
-                self.recompute.add(u)
         dur = self.slow * (w.flops / c.flops + w.bytes / c.mem_bw + w.ops * c.op_overhead)
         dur += self.slow * (c.unit_overhead + (k * c.call_overhead if stack else 0))
         self.t_host += w.ops * c.op_overhead
@@ -207,7 +205,7 @@ class WorkloadSizes:
 
     def __init__(self, work: Workload, sched: Schedule, shard: int):
         self.work, self.sched, self.ranks = work, sched, shard
-        self.recomputes = {op.unit for op in sched.ops if op.kind == OpKind.FORWARD}
+        self.recomputes = sched.recomputed()
 
     def _elements(self, u: int) -> int:
         unit = self.sched.units[u]
@@ -239,7 +237,7 @@ class WorkloadSizes:
             return int(part.graph_bytes) + reads
         if op.kind != OpKind.BACKWARD:
             return 0
-        k = len(unit.rows) if op.unit in self.recomputes and unit.role is Role.STACK else 0
+        k = len(unit.rows) if op.unit in self.recomputes else 0
         return int(part.graph_bytes * k) + reads
 
 

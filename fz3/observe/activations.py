@@ -63,7 +63,7 @@ def walk_parts(model: ShardedModel, batch: Any, measure: Measure) -> list[int]:
                                 leaves, [x])
         elif part.role is Role.STACK and part.rows:
             ex = tuple(e.detach() if isinstance(e, torch.Tensor) else e for e in extras)
-            measure(i, lambda: compute.run_layers(fn[:1], [bound], x, ex, [part.prefix()]),
+            measure(i, lambda: compute.run_layers(fn[:1], [bound], x, ex, part.path, part.first),
                     leaves, [x])
         elif part.role is Role.POST:
             measure(i, lambda: compute.run_loss(fn, False, bound, x, batch, "post"), leaves, [x])

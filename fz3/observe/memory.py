@@ -72,10 +72,9 @@ class ModelSizes:
                 seen.update(new)
                 self.creates[op] = self.creates.get(op, ()) + new
 
-    def _elements(self, u: int, shard: bool = False) -> int:
+    def _elements(self, u: int) -> int:
         unit = self.schedule.units[u]
-        layout = self.model.parts[unit.part].layout
-        return len(unit.rows) * (layout.shard_numel if shard else layout.padded)
+        return len(unit.rows) * self.model.parts[unit.part].layout.padded
 
     def gathered(self, u: int) -> int:
         unit = self.schedule.units[u]

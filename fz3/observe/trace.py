@@ -41,12 +41,13 @@ def trace(path: str, *, png: str | None = None) -> Iterator[Recorder]:
     if "{rank}" not in path and rank != 0:
         return
     out = path.format(rank=rank)
+    chrome = chrome_trace(rec, rank)
     with open(out, "w") as f:
-        json.dump(chrome_trace(rec, rank), f)
+        json.dump(chrome, f)
     with open(out + ".txt", "w") as f:
         f.write(trace_summary(rec) + "\n")
     if png:
-        timeline_png(rec, png.format(rank=rank))
+        timeline_png(chrome, png.format(rank=rank))
     log.info("wrote trace %s", out)
 
 
@@ -116,8 +117,9 @@ def trace_summary(rec: Recorder) -> str:
     return "\n".join(lines)
 
 
-def timeline_png(rec: Recorder, path: str) -> bool:
-    """A picture of the lanes; False when matplotlib is not installed."""
+def timeline_png(chrome: dict, path: str) -> bool:
+    """A picture of the lanes of ``chrome`` (a ``chrome_trace``); False when matplotlib is not
+    installed."""
     try:
         import matplotlib
 
@@ -125,7 +127,7 @@ def timeline_png(rec: Recorder, path: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    trace_ = chrome_trace(rec)["traceEvents"]
+    trace_ = chrome["traceEvents"]
     fig, ax = plt.subplots(figsize=(12, 3))
     colors = {"compute": "tab:blue", "waits": "tab:red", "issue": "tab:gray",
               "in flight": "tab:green", "device": "tab:purple"}

@@ -9,6 +9,7 @@ zero: its gradient, moments and parameters are all zero, so its update is zero.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from typing import Callable, NamedTuple
@@ -43,8 +44,10 @@ def adamw(lr: float | Callable[[int], float] = 1e-3, betas: tuple[float, float] 
     if (not callable(lr) and lr < 0) or eps < 0 or weight_decay < 0:
         raise ValueError(f"lr={lr}, eps={eps}, weight_decay={weight_decay} must be >= 0")
     # Masks as 0/1 floats, once; they broadcast against the leaves (fz3.decay_mask gives the
-    # layers' mask as one (1, shard) row shared by every layer).
+    # layers' mask as one (1, shard) row shared by every layer). The fused path reads their
+    # runs once, here.
     masks = None if mask is None else optree.tree_map(lambda m: m.to(torch.float32), mask)
+    runs = None if masks is None else [_decay_runs(k) for k in optree.tree_leaves(masks)]
 
     def init(params: Tree) -> AdamWState:
         zeros = optree.tree_map(torch.zeros_like, params)
@@ -56,26 +59,9 @@ def adamw(lr: float | Callable[[int], float] = 1e-3, betas: tuple[float, float] 
         if params is None and weight_decay:
             raise ValueError("adamw with weight_decay needs params: "
                              "opt.update(grads, state, params)")
-        count = state.count + 1
-        t = int(count)  # a CPU tensor: no device sync
-        rate = lr(t) if callable(lr) else lr
-        step_size = rate / (1 - b1**t)
-        bc2_sqrt = math.sqrt(1 - b2**t)
-
-        def leaf(m, v, g, p, keep):
-            # In-place only on tensors allocated here; the same operation order as
-            # torch.optim.AdamW's single-tensor path.
-            mu = torch.lerp(m, g, 1 - b1)
-            nu = torch.mul(v, b2).addcmul_(g, g, value=1 - b2)
-            u = nu.sqrt().div_(bc2_sqrt).add_(eps)
-            torch.div(mu, u, out=u).mul_(-step_size)
-            if weight_decay:  # decoupled: -lr * wd * p, where the mask allows it
-                if keep is None:
-                    u.add_(p, alpha=-rate * weight_decay)
-                else:
-                    u.addcmul_(p, keep, value=-rate * weight_decay)
-            return mu, nu, u
-
+        count, t, rate = _tick(state, lr)
+        leaf = functools.partial(_leaf_update, b1=b1, b2=b2, eps=eps, step_size=rate / (1 - b1**t),
+                                 bc2_sqrt=math.sqrt(1 - b2**t), decay=rate * weight_decay)
         mus, treedef = optree.tree_flatten(state.mu)
         nus, gs = treedef.flatten_up_to(state.nu), treedef.flatten_up_to(grads)
         ps = treedef.flatten_up_to(params) if params is not None else [None] * len(mus)
@@ -84,25 +70,18 @@ def adamw(lr: float | Callable[[int], float] = 1e-3, betas: tuple[float, float] 
         mu, nu, updates = (treedef.unflatten([o[i] for o in out]) for i in range(3))
         return updates, AdamWState(count, mu, nu)
 
-    runs: list | None = None  # per leaf: the mask's runs, read once (see _decay_runs)
-
     def update_inplace(grads: Tree, state: AdamWState, params: Tree) -> tuple[Tree, AdamWState]:
         """The same step through torch's fused Adam kernel, in place on params and moments:
         one call for the elements weight decay applies to and one for the others (the kernel
         takes one decay per call), so masked decay costs no pass of its own."""
-        nonlocal runs
-        count = state.count + 1
-        t = int(count)
-        rate = lr(t) if callable(lr) else lr
+        count, t, rate = _tick(state, lr)
         ps, treedef = optree.tree_flatten(params)
         leaves = list(zip(ps, *(treedef.flatten_up_to(x) for x in (grads, state.mu, state.nu))))
         if not weight_decay or masks is None:
             groups = {weight_decay: leaves}
         else:
-            keeps = treedef.flatten_up_to(masks)
-            if runs is None:
-                runs = [_decay_runs(keep) for keep in keeps]
-            groups = _split_by_decay(leaves, runs, keeps, rate, weight_decay)
+            groups = _split_by_decay(leaves, runs, treedef.flatten_up_to(masks), rate,
+                                     weight_decay)
         for decay, group in groups.items():
             if group:
                 p, g, m, v = (list(x) for x in zip(*group))
@@ -113,6 +92,29 @@ def adamw(lr: float | Callable[[int], float] = 1e-3, betas: tuple[float, float] 
         return params, AdamWState(count, state.mu, state.nu)
 
     return GradientTransformation(init, update, update_inplace)
+
+
+def _tick(state: AdamWState, lr: float | Callable[[int], float]) -> tuple[torch.Tensor, int, float]:
+    """``(count, t, lr at t)`` for the step about to be taken; ``count`` is a CPU tensor, so
+    reading it costs no device sync."""
+    count = state.count + 1
+    t = int(count)
+    return count, t, lr(t) if callable(lr) else lr
+
+
+def _leaf_update(m, v, g, p, keep, *, b1, b2, eps, step_size, bc2_sqrt, decay):
+    """One leaf's ``(mu, nu, update)``, out of place. In-place only on tensors allocated here;
+    the same operation order as torch.optim.AdamW's single-tensor path."""
+    mu = torch.lerp(m, g, 1 - b1)
+    nu = torch.mul(v, b2).addcmul_(g, g, value=1 - b2)
+    u = nu.sqrt().div_(bc2_sqrt).add_(eps)
+    torch.div(mu, u, out=u).mul_(-step_size)
+    if decay:  # decoupled: -lr * wd * p, where the mask allows it
+        if keep is None:
+            u.add_(p, alpha=-decay)
+        else:
+            u.addcmul_(p, keep, value=-decay)
+    return mu, nu, u
 
 
 def fused_adamw(params, grads, mus, nus, steps, *, lr, beta1, beta2, weight_decay, eps) -> None:
@@ -127,16 +129,15 @@ def fused_adamw(params, grads, mus, nus, steps, *, lr, beta1, beta2, weight_deca
         _torch_adamw(params, grads, mus, nus, [], steps, **kw)
 
 
-def _decay_runs(keep: torch.Tensor) -> list[tuple[int, int, bool]]:
-    """``(start, stop, decays)`` runs of a mask along its last dimension (a stack's mask is one
-    ``(1, shard)`` row shared by its layers). One host read, at the first step."""
-    flags = keep.reshape(-1).tolist()
-    out: list[tuple[int, int, bool]] = []
-    for i, f in enumerate(flags):
-        if out and out[-1][2] == bool(f):
-            out[-1] = (out[-1][0], i + 1, out[-1][2])
-        else:
-            out.append((i, i + 1, bool(f)))
+def _decay_runs(keep: torch.Tensor) -> list[list[tuple[int, int, bool]]]:
+    """Per row of a mask (its last dimension; one row for ``fz3.decay_mask``'s ``(1, shard)``
+    stack masks), its ``(start, stop, decays)`` runs: one small host read per row."""
+    rows = keep.reshape(-1, keep.shape[-1] if keep.dim() else 1).bool()
+    out = []
+    for row in rows:
+        cuts = [0, *((row[1:] != row[:-1]).nonzero().flatten() + 1).tolist(), row.numel()]
+        flags = row[cuts[:-1]].tolist()
+        out.append([(a, b, f) for a, b, f in zip(cuts, cuts[1:], flags)])
     return out
 
 
@@ -152,18 +153,20 @@ def _split_by_decay(leaves: list[tuple], runs: list, keeps: list, rate: float,
     slices of each row (the fused kernel needs contiguous tensors) where they are large, or
     the masked decay applied in a pass of its own and the leaf stepped without decay."""
     groups: dict[float, list] = {weight_decay: [], 0.0: []}
-    for tensors, leaf_runs, keep in zip(leaves, runs, keeps):
-        if len(leaf_runs) == 1:
-            groups[weight_decay if leaf_runs[0][2] else 0.0].append(tensors)
+    for tensors, mask_rows, keep in zip(leaves, runs, keeps):
+        flags = {f for row in mask_rows for _, _, f in row}
+        if len(flags) == 1:  # uniform
+            groups[weight_decay if flags.pop() else 0.0].append(tensors)
             continue
         p = tensors[0]
         n = p.shape[-1]
-        if p.numel() < SLICE_MIN_ELEMENTS * (p.numel() // n) * len(leaf_runs):
+        per_row = max(len(row) for row in mask_rows)
+        if n < SLICE_MIN_ELEMENTS * per_row or keep.shape[-1] != n:
             p.addcmul_(p, keep, value=-rate * weight_decay)  # decoupled, before the step
             groups[0.0].append(tensors)
             continue
         rows = [t.view(-1, n) for t in tensors]
-        for r in range(rows[0].shape[0]):
-            for a, b, decays in leaf_runs:
+        for r in range(rows[0].shape[0]):  # a mask of one row serves every row
+            for a, b, decays in mask_rows[r if len(mask_rows) > 1 else 0]:
                 groups[weight_decay if decays else 0.0].append(tuple(x[r, a:b] for x in rows))
     return groups

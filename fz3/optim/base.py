@@ -99,3 +99,14 @@ def check_not_donated(tree: Tree, what: str) -> None:
 def apply_updates(params: Tree, updates: Tree) -> Tree:
     """``params + updates``, leaf by leaf (new tensors; the inputs are untouched)."""
     return optree.tree_map(torch.add, params, updates)
+
+
+def model_comm(model: Any, fn: str) -> Any:
+    """The model's ``Comm``, refusing what is not a ``ShardedModel`` (named in ``fz3.optim.<fn>``'s
+    error)."""
+    comm = getattr(model, "comm", None)
+    if comm is None:
+        raise TypeError(f"fz3.optim.{fn} takes the ShardedModel (fz3.shard's first result), got "
+                        f"{type(model).__name__}: it sums over the model's sharding group, which "
+                        f"a process group (the world, say) gets wrong under hybrid sharding")
+    return comm

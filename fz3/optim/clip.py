@@ -18,7 +18,7 @@ import optree
 import torch
 
 from ..comm.collectives import all_reduce, wait
-from .base import GradientTransformation, Tree
+from .base import GradientTransformation, Tree, model_comm
 
 if TYPE_CHECKING:
     from ..sharding.model import ShardedModel
@@ -57,12 +57,3 @@ def clip_by_global_norm(max_norm: float, model: ShardedModel) -> GradientTransfo
         return optree.tree_map(lambda g: g * coef.to(g.dtype), grads), ClipState(norm)
 
     return GradientTransformation(init, update)
-
-
-def model_comm(model: ShardedModel, fn: str):
-    comm = getattr(model, "comm", None)
-    if comm is None:
-        raise TypeError(f"fz3.optim.{fn} takes the ShardedModel (fz3.shard's first result), got "
-                        f"{type(model).__name__}: it sums over the model's sharding group, which "
-                        f"a process group (the world, say) gets wrong under hybrid sharding")
-    return comm

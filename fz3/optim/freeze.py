@@ -20,9 +20,8 @@ from __future__ import annotations
 from typing import Callable, Collection, NamedTuple
 
 import optree
-import torch
 
-from ..schedule.structure import Role
+from .masks import part_mask
 from ..sharding.model import Params, ShardedModel
 from .base import GradientTransformation, Tree
 
@@ -65,14 +64,7 @@ def keep_mask(model: ShardedModel, names: Collection[str] | Callable[[str], bool
                 f"the original module's, e.g. {sorted(every)[:4]}"
             )
         chosen = wanted.__contains__
-    return Params(tuple(_part_keep(model, part, chosen) for part in model.parts))
-
-
-def _part_keep(model: ShardedModel, part, chosen: Callable[[str], bool]) -> torch.Tensor:
-    """This rank's ``(rows, shard)`` (``(shard,)`` outside stacks) of the part's keep mask."""
-    keep = torch.ones(part.rows, part.layout.shard_numel, dtype=torch.bool, device=model.device)
-    for row in range(part.rows):
-        for s, _, mine in part.layout.local_pieces(model.rank):
-            if any(chosen(part.prefix(row) + name) for name in s.names):
-                keep[row, mine] = False
-    return keep if part.role is Role.STACK else keep.view(-1)
+    return Params(tuple(
+        ~part_mask(model, part, lambda prefix, s: any(chosen(prefix + n) for n in s.names),
+                   per_row=True)
+        for part in model.parts))

@@ -21,8 +21,7 @@ import optree
 import torch
 
 from ..comm.collectives import all_reduce, wait
-from .base import Tree
-from .clip import model_comm
+from .base import Tree, model_comm
 
 if TYPE_CHECKING:
     from ..sharding.model import ShardedModel

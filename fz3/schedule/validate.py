@@ -62,6 +62,12 @@ class Schedule:
         """The unit the loss op runs on."""
         return next(u for u, unit in enumerate(self.units) if unit.role is Role.POST)
 
+    def recomputed(self) -> set[int]:
+        """Layer units whose backward recomputes their forward (run as ``forward``, which
+        keeps the input, not as ``forward_save``, which keeps the graph)."""
+        return {op.unit for op in self.ops
+                if op.kind == OpKind.FORWARD and self.units[op.unit].role is Role.STACK}
+
     def describe(self, op: Op) -> str:
         """``"forward blocks.0"``: the op with its unit's name."""
         kind, u = op[0], op[1]

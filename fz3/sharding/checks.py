@@ -11,6 +11,7 @@ from torch import nn
 from ..comm.collectives import Comm
 from ..comm.failures import differing_ranks, gather_objects
 from ..compare import fingerprint, first_difference
+from ..schedule.structure import Role
 
 
 def check_not_wrapped(module: nn.Module) -> None:
@@ -67,8 +68,7 @@ def check_same_on_all_ranks(comm: Comm, parts, device: torch.device) -> None:
     for part in parts:
         mine.append((f"part {part.name}", part.role.value, f"rows {part.rows}"))
         for frozen, layout in ((False, part.layout), (True, part.frozen)):
-            mine += [(part.prefix() + s.name if part.role.value != "stack"
-                      else f"{part.path}.*.{s.name}",
+            mine += [(f"{part.path}.*.{s.name}" if part.role is Role.STACK else s.name,
                       s.shape, str(s.dtype), *(("frozen",) if frozen else ()))
                      for s in getattr(layout, "slots", ())]
     differ = differing_ranks(comm.group, list(fingerprint(mine)), device)

@@ -10,7 +10,7 @@ the unit's flat gradient comes out of autograd whole (no per-parameter leaves, n
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -39,7 +39,7 @@ def leaf(buffer: torch.Tensor) -> torch.Tensor:
     return buffer.detach().requires_grad_()
 
 
-def call(binding: Binding, tensors: Sequence[torch.Tensor], args: tuple, name: str) -> Any:
+def call(binding: Binding, tensors: Sequence[torch.Tensor], args: tuple, name: object) -> Any:
     """``binding(tensors, args)``, naming a parameter of another part used by mistake: it is
     still on the meta device in the skeleton, and an op that mixes it with real tensors fails."""
     try:
@@ -50,7 +50,7 @@ def call(binding: Binding, tensors: Sequence[torch.Tensor], args: tuple, name: s
         raise _outside_part(name, f"it is on the meta device ({e})") from e
 
 
-def _outside_part(name: str, symptom: str) -> ValueError:
+def _outside_part(name: object, symptom: str) -> ValueError:
     return ValueError(f"{name} used a parameter outside its part: {symptom}. A function may use "
                       f"only the parameters registered in its part (see fz3.shard's assign= to "
                       f"move some)")
@@ -91,13 +91,26 @@ def run_loss(binding: Binding, has_aux: bool, tensors: Sequence[torch.Tensor], h
     return out.reshape(()), aux
 
 
+class LayerName(NamedTuple):
+    """``layer <path>.<index>``: what an error calls a layer, formatted only when one is
+    raised (the per-layer path builds no strings)."""
+
+    path: str
+    index: int
+
+    def __str__(self) -> str:
+        return f"layer {self.path}.{self.index}"
+
+
 def run_layers(bindings: Sequence[Binding], rows: Sequence[Sequence[torch.Tensor]],
-               h: torch.Tensor, extras: Extras, names: Sequence[str]) -> torch.Tensor:
-    """Run consecutive layers (one binding, one tensor list, one name each) on ``h``."""
-    for binding, tensors, name in zip(bindings, rows, names):
-        h = call(binding, tensors, (h, *extras), f"layer {name}")
+               h: torch.Tensor, extras: Extras, path: str, first: int) -> torch.Tensor:
+    """Run consecutive layers (one binding and one tensor list each) on ``h``; they are layers
+    ``first, first + 1, ...`` of the stack at ``path`` (for error messages)."""
+    for j, (binding, tensors) in enumerate(zip(bindings, rows)):
+        name = LayerName(path, first + j)
+        h = call(binding, tensors, (h, *extras), name)
         if not isinstance(h, torch.Tensor):
-            raise TypeError(f"layer {name} returned {type(h).__name__}, not a tensor; pass "
+            raise TypeError(f"{name} returned {type(h).__name__}, not a tensor; pass "
                             f"call_layer=lambda layer, h, *extra: layer(h, *extra)[0] to fz3.shard")
     return h
 

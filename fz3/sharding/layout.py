@@ -11,7 +11,7 @@ Unflattening a gathered buffer gives views, never copies (``FlatLayout.views``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, NamedTuple
+from typing import Callable, Iterable, Mapping, NamedTuple
 
 import torch
 
@@ -77,6 +77,13 @@ class FlatLayout:
         for s in self.slots:
             flat[s.offset : s.offset + s.numel].copy_(tensors[s.name].detach().reshape(-1))
         return flat
+
+    def fill_shard(self, out: torch.Tensor, rank: int,
+                   piece: Callable[[Slot, slice], torch.Tensor]) -> None:
+        """Write rank ``rank``'s shard of one row into ``out`` (shard,): for each parameter
+        overlapping it, ``piece(slot, elements of the parameter)`` (flat) where it belongs."""
+        for s, src, dst in self.local_pieces(rank):
+            out[dst].copy_(piece(s, src))
 
     def local_pieces(self, rank: int) -> list[tuple[Slot, slice, slice]]:
         """``(slot, elements of the parameter, elements of the shard)`` for each parameter

@@ -226,7 +226,7 @@ def _from_checkpoint(weights, module: nn.Module, skeleton: nn.Module, device: to
     source = weights if isinstance(weights, Pretrained) else Pretrained(weights)
     names = checkpoint_names(module)
     pretrained.materialize_buffers(skeleton, source, names, device)
-    return functools.partial(pretrained.shards, source, names)
+    return functools.partial(_shards, read=functools.partial(pretrained.piece, source, names))
 
 
 def _comm(module: nn.Module, group, mesh, device) -> tuple[Comm, torch.device]:
@@ -277,15 +277,16 @@ def _functions(parts: Sequence[Part], skeleton: nn.Module, pre, post, betweens,
 
 
 def _shards(part: Part, layout: FlatLayout, rows, comm: Comm, device: torch.device,
-            dtype: torch.dtype) -> torch.Tensor:
+            dtype: torch.dtype, read: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """This rank's shard of each row's parameters in ``layout``: ``(shard,)``, or ``(k, shard)``
-    for a stack; only the elements this rank owns are copied."""
+    for a stack; only the elements this rank owns are copied, from the module's tensors, or
+    from ``read(part, row, slot, param, elements)`` (a checkpoint: ``pretrained.piece``)."""
     out = torch.zeros(part.rows, layout.shard_numel, dtype=dtype, device=device)  # padding: 0
-    pieces = layout.local_pieces(comm.rank)
     for j, row in enumerate(rows):
         named = {names[0]: p for names, p in row}
-        for s, src, dst in pieces:
-            out[j, dst].copy_(named[s.name].detach().reshape(-1)[src])
+        layout.fill_shard(out[j], comm.rank, lambda s, src: (
+            named[s.name].detach().reshape(-1)[src] if read is None
+            else read(part, j, s, named[s.name], src)))
     return out if part.role is Role.STACK else out.view(-1)
 
 

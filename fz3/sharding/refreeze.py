@@ -114,5 +114,4 @@ def _empty(model: ShardedModel, part: Part, layout: FlatLayout, dtype) -> torch.
 
 def _fill(model: ShardedModel, layout: FlatLayout, out: torch.Tensor, values: dict) -> None:
     """This rank's shard ``out`` (shard,) of one row in ``layout``, from the row's full tensors."""
-    for s, src, dst in layout.local_pieces(model.rank):
-        out[dst].copy_(values[s.name].reshape(-1)[src])
+    layout.fill_shard(out, model.rank, lambda s, src: values[s.name].reshape(-1)[src])

@@ -26,7 +26,7 @@ from .compiled import CompiledLayers, check_compile_options
 from .executor import execute
 from ..sharding.model import Params, ShardedModel
 from ..schedule.schedule import Policy, Schedule, deferred
-from .front import check_call, drain, prepare
+from .front import check_batch, check_params, drain, prepare
 
 
 class Accumulate:
@@ -44,8 +44,9 @@ class Accumulate:
         k = len(micro_batches)
         if k == 0:
             raise ValueError("micro_batches is empty; pass a sequence of k >= 1 batches")
+        check_params(self.model, params)
         for mb in micro_batches:
-            check_call(self.model, params, mb)
+            check_batch(self.model, mb)
         comm = self.model.comm
         losses, acc = [], None
         carry: dict[int, torch.Tensor] = {}

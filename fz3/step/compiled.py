@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.func import functional_call
 
+from ..schedule.structure import Role
 from ..sharding.binding import Binding
 from ..sharding.parts import Part
 
@@ -45,7 +46,7 @@ class CompiledLayers:
         self.graphs: dict[tuple[int, bool], int] = {}  # (part, grad mode) -> graphs compiled so far
         self.warned: set[int] = set()
         for i, part in enumerate(parts):
-            if part.role.value == "stack":
+            if part.role is Role.STACK:
                 # fullgraph: a graph break is a layer that cannot be compiled whole, reported (or
                 # raised with ``strict``) instead of left to run as several small graphs.
                 self.functions[i] = torch.compile(_layer_function(part), dynamic=False,
@@ -53,7 +54,7 @@ class CompiledLayers:
 
     def __call__(self, part_index: int, part: Part, binding: Binding, row: torch.Tensor,
                  frozen_row: torch.Tensor | None, h: torch.Tensor, extras: tuple,
-                 name: str) -> torch.Tensor:
+                 name: object) -> torch.Tensor:
         fn = self.functions.get(part_index)
         if fn is None or part_index in self.failed:
             return _eager(part, binding, row, frozen_row, h, extras)
@@ -62,7 +63,7 @@ class CompiledLayers:
             out = fn(binding.module, row, frozen_row, h, *extras)
         except Exception as e:  # noqa: BLE001 - compilation can fail in many ways; each is reported
             if self.strict:
-                raise CompileError(f"layer {name} ({part.name}) cannot be compiled: {e}. "
+                raise CompileError(f"{name} ({part.name}) cannot be compiled: {e}. "
                                    f"Pass compile=False, or strict=False to run it eager") from e
             self.failed[part_index] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             warnings.warn(f"fz3: the layer function of {part.name} cannot be compiled; it runs "
@@ -71,7 +72,7 @@ class CompiledLayers:
         self._note_compiles(part_index, part, torch.is_grad_enabled(), _graphs() - before, name)
         return out
 
-    def _note_compiles(self, i: int, part: Part, grad: bool, new: int, name: str) -> None:
+    def _note_compiles(self, i: int, part: Part, grad: bool, new: int, name: object) -> None:
         """One graph per part and grad mode is expected; more means a guard that differs per
         layer (reported once)."""
         key = (i, grad)
@@ -79,7 +80,7 @@ class CompiledLayers:
         if self.graphs[key] > 1 and i not in self.warned:
             self.warned.add(i)
             warnings.warn(f"fz3: the compiled layer function of {part.name} compiled again at "
-                          f"layer {name}: something its code reads differs per layer (an attribute "
+                          f"{name}: something its code reads differs per layer (an attribute "
                           f"such as a layer index?), so every layer compiles on its own and runs "
                           f"slowly. Make the layers identical, or pass compile=False", stacklevel=4)
 

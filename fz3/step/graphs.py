@@ -22,8 +22,10 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import optree
 import torch
 
+from ..schedule.ops import OpKind
 from ..schedule.schedule import Schedule
 from ..schedule.structure import Role
 from ..sharding.binding import Binding
@@ -39,7 +41,7 @@ class GraphedLayers:
             if u.role is Role.STACK and len(u.rows) != 1:
                 raise ValueError("cuda_graphs=True captures one layer per unit: "
                                  "use layers_per_unit=1")
-        if any(op.kind.value == "forward_save" for op in schedule.ops):
+        if any(op.kind is OpKind.FORWARD_SAVE for op in schedule.ops):
             raise ValueError("cuda_graphs=True needs activations='recompute': a kept graph (save) "
                              "holds views of a gather slot that the ring reuses")
         self.parts, self.device, self.dtype, self.world = parts, device, dtype, world
@@ -94,8 +96,6 @@ class GraphedLayers:
 
     def check_shapes(self, batch: Any) -> None:
         """The first call's batch shapes are the captured ones; another shape is refused."""
-        import optree
-
         shapes = tuple((tuple(t.shape), t.dtype) for t in optree.tree_leaves(batch)
                        if isinstance(t, torch.Tensor))
         if self.shapes is None:
@@ -112,9 +112,9 @@ def _slots_needed(schedule: Schedule, part: int) -> int:
     for op in schedule.ops:
         if schedule.units[op.unit].part != part:
             continue
-        if op.kind.value == "gather":
+        if op.kind is OpKind.GATHER:
             live.add(op.unit)
-        elif op.kind.value == "free":
+        elif op.kind is OpKind.FREE:
             live.discard(op.unit)
         most = max(most, len(live))
     return max(most, 1)

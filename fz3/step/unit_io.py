@@ -54,18 +54,18 @@ def run_layers(s: StepState, u: int, buffer: torch.Tensor, x, extras) -> torch.T
     unit = s.schedule.units[u]
     part = s.model.parts[unit.part]
     frozen = s.gathered.get((u, True))
-    fns = s.model.functions[unit.part][unit.rows.start:unit.rows.stop]
-    names = [f"{part.path}.{part.first + r}" for r in unit.rows]
+    first = unit.rows.start
+    fns = s.model.functions[unit.part][first:unit.rows.stop]
     if s.graphs is not None and frozen is None:
         return s.graphs(unit.part, u, fns[0], buffer[0], x, extras)
     if s.compiled is not None:
         for j, row in enumerate(_rows(buffer)):
             x = s.compiled(unit.part, part, fns[j], row, None if frozen is None else frozen[j], x,
-                           extras, names[j])
+                           extras, compute.LayerName(part.path, part.first + first + j))
         return x
     rows = [part.layout.views(row) + ([] if frozen is None else part.frozen.views(frozen[j]))
             for j, row in enumerate(_rows(buffer))]
-    return compute.run_layers(fns, rows, x, extras, names)
+    return compute.run_layers(fns, rows, x, extras, part.path, part.first + first)
 
 
 def _rows(buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:

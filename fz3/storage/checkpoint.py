@@ -61,7 +61,7 @@ def save(path: str, model: ShardedModel, state: Any, *, timeout: float = DEFAULT
             os.rename(path, old)
         os.rename(partial, path)
         shutil.rmtree(old, ignore_errors=True)
-    _barrier(model)
+    arrive(_everyone(model), "fz3.save's rename", timeout)  # no rank returns before it is done
 
 
 def load(path: str, model: ShardedModel, template: Any, *, restore_rng: bool = True,
@@ -168,8 +168,3 @@ def _everyone(model: ShardedModel) -> dist.ProcessGroup | None:
     """The group that writes a checkpoint: the shard group, or every rank with hybrid sharding."""
     return model.comm.group if model.comm.replicas == 1 else None
 
-
-def _barrier(model: ShardedModel) -> None:
-    """A barrier on the model's device (``dist.barrier`` on NCCL guesses the device)."""
-    t = torch.zeros(1, device=model.device)
-    dist.all_reduce(t, group=_everyone(model))

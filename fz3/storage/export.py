@@ -65,12 +65,13 @@ def export(path: str, model: ShardedModel, params: Params, *,
                             for alias in s.names[1:]})
             if k == 0:
                 tensors.update(own_buffers(model))
-            held += sum(t.numel() * t.element_size() for t in tensors.values())
+            written = sum(t.numel() * t.element_size() for t in tensors.values())
+            held += written
             name = f"{stem}-{k + 1:05d}-of-{n:05d}.{ext}"
             _write(os.path.join(path, name), tensors, fmt)
             weight_map.update({t: name for t in tensors})
             files.append(name)
-            total += sum(t.numel() * t.element_size() for t in tensors.values())
+            total += written
             del tensors
         peak = max(peak, held)
         del gathered  # before the next unit's copies: one unit of them at a time

@@ -55,7 +55,7 @@ class Gathered:
             if dtype not in self.buffers:
                 self.buffers[dtype] = torch.empty(biggest, dtype=dtype, device=unit.shard.device)
             yield unit, gather_unit(self.model, unit.layout, unit.shard,
-                                    out=self.buffers[dtype][:unit.layout.padded])
+                                    self.buffers[dtype][:unit.layout.padded])
 
 
 def own_buffers(model: ShardedModel) -> dict[str, torch.Tensor]:
@@ -67,13 +67,11 @@ def own_buffers(model: ShardedModel) -> dict[str, torch.Tensor]:
 
 
 def gather_unit(model: ShardedModel, layout: FlatLayout, shard: torch.Tensor,
-                out: torch.Tensor | None = None) -> list[tuple[Slot, torch.Tensor]] | None:
+                full: torch.Tensor) -> list[tuple[Slot, torch.Tensor]] | None:
     """``[(slot, full tensor on the CPU in the parameter's original dtype)]`` on the root rank,
-    None elsewhere. **Collective**: one all-gather of ``shard`` (the unit's local shard) over
-    the sharding group; every rank must call it. The gathered buffer (``out`` if given,
-    ``(padded,)``, reused by the caller) is dropped on return."""
-    full = (torch.empty(layout.padded, dtype=shard.dtype, device=shard.device) if out is None
-            else out)
+    None elsewhere. **Collective**: one all-gather of ``shard`` (the unit's local shard) into
+    ``full`` (``(padded,)``, a buffer the caller reuses) over the sharding group; every rank
+    must call it."""
     wait(all_gather(model.comm, full, shard.contiguous(), label="a unit for a state dict"))
     if not model.is_root:
         return None

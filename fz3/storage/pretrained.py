@@ -31,8 +31,6 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from ..schedule.structure import Role
-from ..sharding.layout import FlatLayout
 
 Rename = (
     Callable[[str], str] | None
@@ -104,40 +102,13 @@ def _weight_map(folder: str) -> dict[str, str]:
     )
 
 
-def shards(
-    source: Pretrained,
-    rename: Rename,
-    part,
-    layout: FlatLayout,
-    rows,
-    comm,
-    device: torch.device,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """This rank's shard of each row of ``part`` in ``layout`` (``(k, shard)`` for a stack,
-    ``(shard,)`` otherwise), each parameter's overlap with the rank's range read from
-    ``source`` if it holds the parameter (under ``rename(name)``), else copied from the
-    module's (real) parameter."""
-    out = torch.zeros(part.rows, layout.shard_numel, dtype=dtype, device=device)  # padding: 0
-    pieces = layout.local_pieces(comm.rank)
-    for j, row in enumerate(rows):
-        params = {names[0]: p for names, p in row}
-        for s, src, dst in pieces:
-            names = [part.prefix(j) + name for name in s.names]
-            piece = _piece(source, rename, names, s.shape, params[s.name], src.start, src.stop)
-            out[j, dst].copy_(piece)
-    return out if part.role is Role.STACK else out.view(-1)
-
-
-def _piece(
-    source: Pretrained,
-    rename: Rename,
-    names: list[str],
-    shape: tuple[int, ...],
-    param: torch.Tensor,
-    start: int,
-    end: int,
-) -> torch.Tensor:
+def piece(source: Pretrained, rename: Rename, part, row: int, slot, param: torch.Tensor,
+          elements: slice) -> torch.Tensor:
+    """Elements ``elements`` of parameter ``slot`` of row ``row`` of ``part``: read from
+    ``source`` if it holds the parameter (under ``rename(name)``), else sliced from the
+    module's (real) parameter ``param``. ``fz3.shard(weights=...)`` fills shards with it."""
+    names, shape, start, end = ([part.prefix(row) + n for n in slot.names], slot.shape,
+                                elements.start, elements.stop)
     key = source.find(names, rename)
     if key is not None:
         if source.shape(key) != tuple(shape):
