@@ -65,8 +65,7 @@ def worker(spec: dict) -> None:
         vg = fz3.value_and_grad(model, fz3.Policy(**spec["policy"]), recorder=rec)
         vg_plain = fz3.value_and_grad(model, fz3.Policy(**spec["policy"]))
     else:  # plain PyTorch, no communication, whatever the world size
-        model = systems.build(cfg, cpu)
-        opt = systems._torch_adamw(model)
+        plain = systems.plain(cfg, cpu)
     if spec["job"] == "collectives":
         return collectives_only(model, fz3.plan(model, fz3.Policy(**spec["policy"])), spec)
     fb, up, steps_t = [], [], []
@@ -84,11 +83,9 @@ def worker(spec: dict) -> None:
             t1 = time.perf_counter()
             params, state = fz3.optim.step(opt, grads, state, params, donate=True)
         else:
-            loss = model(*b)
-            loss.backward()
+            plain.forward_backward(b)
             t1 = time.perf_counter()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            plain.optimizer()
         t2 = time.perf_counter()
         if prof and s in profiled:
             prof.disable()
@@ -172,15 +169,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--config", default="thin", choices=sorted(CONFIGS))
-    ap.add_argument("--policy", default="tuned", help="'tuned' (compare.py's fz3 row), 'default', or JSON")
+    ap.add_argument("--policy", default="tuned", help="'tuned' (compare.py's whole-stack row), 'default', or JSON")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 20 thin, 6 fat)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--cprofile", type=int, default=0, help="print rank 0's top N functions by own time")
     args = ap.parse_args()
     if args.worker:
         return worker(json.loads(args.worker))
-    policy = {"tuned": systems_for(args.config, CONFIGS[args.config]["layers"])["fz3"][1]["policy"],
-              "default": {}}.get(args.policy) or json.loads(args.policy)
+    if args.policy == "tuned":
+        policy = systems_for(args.config, CONFIGS[args.config]["layers"])["fz3 whole stack"][1]["policy"]
+    else:
+        policy = {} if args.policy == "default" else json.loads(args.policy)
     spec = dict(config=args.config, steps=args.steps or (20 if args.config == "thin" else 6),
                 warmup=args.warmup, cprofile=args.cprofile, policy=policy)
     rows = {"limit": launch(dict(spec, job="plain", cprofile=0), 1),

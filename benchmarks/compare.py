@@ -36,14 +36,18 @@ CONFIGS = {
 }
 
 
-def systems_for(config: str, layers: int) -> dict[str, tuple[str, dict] | None]:
+def whole_stack(layers: int) -> dict:
+    """fz3's whole-stack policy: every layer in one unit, gathered once for the step."""
+    return dict(layers_per_unit=layers, activations="save_unsharded", reduce="all_reduce")
+
+
+def systems_for(config: str, layers: int) -> dict[str, tuple[str, dict]]:
     """name -> (builder in systems.py, kwargs). Each fz3 policy has its like-for-like peer
     (``PAIRS``); fz3's policies are schedule knobs, nothing else."""
-    whole = dict(layers_per_unit=layers, activations="save_unsharded", reduce="all_reduce")
     return {
         "limit": ("plain", {}),
         "limit compiled": ("plain", {"compile_blocks": True}),
-        "fz3 whole stack": ("fz3_system", {"policy": whole}),
+        "fz3 whole stack": ("fz3_system", {"policy": whole_stack(layers)}),
         "FSDP2 root only": ("fsdp2", {"root_only": True}),
         "fz3 save": ("fz3_system", {"policy": {"activations": "save"}}),
         "FSDP2": ("fsdp2", {}),
@@ -163,7 +167,7 @@ def main() -> None:
     for config in args.configs.split(","):
         steps = args.steps or (20 if config == "thin" else 6)
         runs = {n: s for n, s in systems_for(config, CONFIGS[config]["layers"]).items()
-                if s is not None and (want is None or n in want)}
+                if want is None or n in want}
         results[config] = {n: [] for n in runs}
         for r in range(args.repeats):
             for name, (builder, kwargs) in runs.items():
@@ -200,8 +204,7 @@ def scaling(args: argparse.Namespace) -> None:
     rows: dict[tuple, list] = {}
     for r in range(args.repeats):
         for axis, layers, world in points:
-            policy = dict(layers_per_unit=layers, activations="save_unsharded", reduce="all_reduce")
-            for name, builder, kw, nproc in (("fz3", "fz3_system", {"policy": policy}, world),
+            for name, builder, kw, nproc in (("fz3", "fz3_system", {"policy": whole_stack(layers)}, world),
                                              ("limit", "plain", {}, 1)):
                 if name == "limit" and axis == "world" and world != 1:
                     continue

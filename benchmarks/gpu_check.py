@@ -49,7 +49,6 @@ from fz3.models.gpt import GPTConfig  # noqa: E402
 from fz3.models import shard_gpt  # noqa: E402
 
 
-
 def init(device: str) -> torch.device:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
@@ -218,24 +217,7 @@ def speed(device: torch.device, cfg: GPTConfig, batch: int, steps: int, warmup: 
         if time.monotonic() > deadline:
             print(f"speed {system} {policy}: skipped (time budget)", flush=True)
             continue
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        t_build = time.perf_counter()
-        step = make()
-        t_build = time.perf_counter() - t_build
-        times, host, loss = [], [], None
-        for s in range(warmup + steps):
-            b = systems.rank_batch(cfg, batch, s, 0, device)
-            systems.sync(device)
-            t0 = time.perf_counter()
-            loss = step(b)
-            t_host = time.perf_counter() - t0  # the host returned: it issued the whole step
-            systems.sync(device)
-            if s >= warmup:
-                times.append(time.perf_counter() - t0)
-                host.append(t_host)
+        step, t_build, times, host, loss = systems.time_steps(make, cfg, batch, device, steps, warmup)
         med = statistics.median(times)
         tps = batch * cfg.seq / med
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")

@@ -19,7 +19,6 @@ Every part prints its rows as it goes and returns them for ``gpu_check.json``.
 
 from __future__ import annotations
 
-import gc
 import statistics
 import time
 
@@ -88,24 +87,7 @@ def speed(device: torch.device, quick: bool, deadline: float, steps: int = 6, wa
 
 def _run(model_name: str, name: str, make, cfg: GPTConfig, micro: int, device: torch.device, steps: int,
          warmup: int) -> dict:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    step = make()
-    build = time.perf_counter() - t0
-    times, host = [], []
-    for s in range(warmup + steps):
-        b = systems.rank_batch(cfg, micro, s, 0, device)
-        systems.sync(device)
-        t0 = time.perf_counter()
-        loss = step(b)
-        issued = time.perf_counter() - t0
-        systems.sync(device)
-        if s >= warmup:
-            times.append(time.perf_counter() - t0)
-            host.append(issued)
+    step, build, times, host, loss = systems.time_steps(make, cfg, micro, device, steps, warmup)
     busy = _busy_ms(step, [systems.rank_batch(cfg, micro, s, 0, device) for s in range(3)], device)
     med = statistics.median(times)
     tps = micro * cfg.seq / med

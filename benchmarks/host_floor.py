@@ -20,14 +20,16 @@ fz3's own cost is what ``benchmarks/host_overhead.py`` measures beyond the last 
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
 
 import torch
 from torch.func import functional_call
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import systems  # noqa: E402
 
 from fz3.models.gpt import Block, GPTConfig  # noqa: E402
 from fz3.sharding.binding import Binding  # noqa: E402
@@ -37,14 +39,7 @@ LAYERS = 48
 
 
 def per_layer_us(fn, steps: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) / LAYERS * 1e6
+    return systems.median_time(fn, steps) / LAYERS * 1e6
 
 
 def main() -> None:

@@ -20,7 +20,6 @@ import datetime
 import os
 import statistics
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -63,17 +62,6 @@ def build(kind: str, kwargs: dict, layers: int):
     return s.fz3_system(cfg, cpu, policy=policy, compile=kwargs.get("compile", False)).forward_backward
 
 
-def timed(fn, batch, steps: int) -> float:
-    for _ in range(3):
-        fn(batch)
-    ts = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        fn(batch)
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5)
@@ -98,8 +86,8 @@ def main() -> None:
     deep: dict[str, list[float]] = {name: [] for name in chosen}
     for r in range(args.repeats):
         for name in chosen:
-            t_deep = timed(built[name, DEEP], batch, args.steps)
-            t_shallow = timed(built[name, SHALLOW], batch, args.steps)
+            t_deep = s.median_time(lambda: built[name, DEEP](batch), args.steps)
+            t_shallow = s.median_time(lambda: built[name, SHALLOW](batch), args.steps)
             per_layer[name].append((t_deep - t_shallow) / (DEEP - SHALLOW) * 1e6)
             deep[name].append(t_deep * 1e3)
         print(f"repeat {r + 1}/{args.repeats}: " + ", ".join(f"{n} {v[-1]:.0f}" for n, v in per_layer.items()),

@@ -105,7 +105,7 @@ def peft_model(cfg, device, dtype=None, meta: bool = False):
 
 
 def _lora_fp32(model):
-    for name, p in model.named_parameters():
+    for p in model.parameters():
         if p.requires_grad:
             p.data = p.data.float()
     return model
@@ -180,20 +180,12 @@ def deepspeed_system(cfg, device, dtype, folder):
     """DeepSpeed ZeRO-3 (CPU accelerator on gloo), client torch AdamW over the LoRA weights."""
     import deepspeed
 
+    import systems
+
     model = peft_model(cfg, device)
-    config = {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "zero_allow_untested_optimizer": True,
-        "zero_optimization": {
-            "stage": 3,
-            "stage3_param_persistence_threshold": 0,
-            "overlap_comm": True,
-        },
-        "wall_clock_breakdown": False,
-    }
     engine, *_ = deepspeed.initialize(
-        model=model, optimizer=_torch_adamw(model), config=config, dist_init_required=False
+        model=model, optimizer=_torch_adamw(model), config=systems.ds_zero3_config(),
+        dist_init_required=False
     )
 
     def forward_backward(batch):
@@ -253,6 +245,8 @@ def measure(
     import torch
     import torch.distributed as dist
 
+    import systems
+
     cfg, seq, per_rank = llama_config(config)
     rank = dist.get_rank()
     cuda = device.type == "cuda"
@@ -268,10 +262,10 @@ def measure(
         batch = rank_batch(cfg, seq, per_rank, s, rank, device)
         t0 = time.perf_counter()
         loss = forward_backward(batch)
-        _sync(device)
+        systems.sync(device)
         t1 = time.perf_counter()
         optimizer_step()
-        _sync(device)
+        systems.sync(device)
         t2 = time.perf_counter()
         if s >= warmup:
             fb.append(t1 - t0)
@@ -286,13 +280,6 @@ def measure(
         loss=float(mean) / dist.get_world_size(),
         tokens_per_step=per_rank * seq * dist.get_world_size(),
     )
-
-
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def worker(spec: dict) -> None:
@@ -400,6 +387,13 @@ def _paired(runs: list[dict], ref: list[dict]) -> float:
     return statistics.median(ratios) if ratios else float("nan")
 
 
+def _resolved(args: argparse.Namespace) -> argparse.Namespace:
+    """``--quick`` spelled out (a saved run's table is printed with what it ran)."""
+    if args.quick:
+        args.config, args.repeats, args.steps, args.warmup = "quick", 1, 2, 1
+    return args
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -421,10 +415,9 @@ def main() -> None:
     if args.report:
         with open(args.report) as f:
             saved = json.load(f)
-        print(table(saved["results"], ap.parse_args(saved["argv"])))
+        print(table(saved["results"], _resolved(ap.parse_args(saved["argv"]))))
         return
-    if args.quick:
-        args.config, args.repeats, args.steps, args.warmup = "quick", 1, 2, 1
+    args = _resolved(args)
     systems = args.systems.split(",")
     results: dict[str, list[dict]] = {s: [] for s in systems}
     with tempfile.TemporaryDirectory() as folder:

@@ -12,7 +12,10 @@ is worthless).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+import gc
+import statistics
+import time
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -144,6 +147,18 @@ def fz3_system(cfg: GPTConfig, device: torch.device, *, policy: fz3.Policy = fz3
     return System(forward_backward, optimizer)
 
 
+def ds_zero3_config() -> dict:
+    """DeepSpeed's ZeRO-3 config for every benchmark: every parameter partitioned (no
+    persistence threshold), communication overlapped, a client torch optimizer."""
+    return {
+        "train_micro_batch_size_per_gpu": 1,  # batch sizes are the caller's; only used for bookkeeping
+        "gradient_accumulation_steps": 1,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "overlap_comm": True},
+        "wall_clock_breakdown": False,
+    }
+
+
 def deepspeed_zero3(cfg: GPTConfig, device: torch.device, *, ac: bool = False,
                     dtype: torch.dtype | None = None) -> System:
     """DeepSpeed ZeRO-3 (CPU accelerator on gloo here), client torch AdamW, every parameter sharded."""
@@ -151,13 +166,7 @@ def deepspeed_zero3(cfg: GPTConfig, device: torch.device, *, ac: bool = False,
 
     model = build(cfg, device)
     _wrap_blocks(model, ac, False)
-    config = {
-        "train_micro_batch_size_per_gpu": 1,  # batch sizes are the caller's; only used for bookkeeping
-        "gradient_accumulation_steps": 1,
-        "zero_allow_untested_optimizer": True,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "overlap_comm": True},
-        "wall_clock_breakdown": False,
-    }
+    config = ds_zero3_config()
     if dtype == torch.bfloat16:
         config["bf16"] = {"enabled": True}
     engine, *_ = deepspeed.initialize(model=model, optimizer=_torch_adamw(model), config=config,
@@ -191,3 +200,49 @@ def sync(device: torch.device) -> None:
     """Wait for the device (timing a step on a GPU); nothing on the CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+class Timed(NamedTuple):
+    step: System
+    build_s: float
+    times: list[float]  # wall time of each timed step, device synchronized
+    host: list[float]  # host time to issue each timed step (returns before the device is done)
+    loss: torch.Tensor
+
+
+def time_steps(make: Callable[[], System], cfg: GPTConfig, micro: int, device: torch.device,
+               steps: int, warmup: int) -> Timed:
+    """Build a system (``make()``, timed) with the allocator's peak reset, then run ``warmup`` +
+    ``steps`` steps of rank 0's batch stream; the timed steps' wall and host times."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    step = make()
+    build = time.perf_counter() - t0
+    times, host, loss = [], [], None
+    for s in range(warmup + steps):
+        b = rank_batch(cfg, micro, s, 0, device)
+        sync(device)
+        t0 = time.perf_counter()
+        loss = step(b)
+        issued = time.perf_counter() - t0  # the host returned: it issued the whole step
+        sync(device)
+        if s >= warmup:
+            times.append(time.perf_counter() - t0)
+            host.append(issued)
+    return Timed(step, build, times, host, loss)
+
+
+def median_time(fn: Callable[[], object], steps: int, warmup: int = 3) -> float:
+    """Median seconds of ``steps`` calls of ``fn`` after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+

@@ -20,10 +20,36 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import socket
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
 from typing import Any, Callable
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a child's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_script(*args: str, timeout: float = 240, env: dict | None = None) -> str:
+    """``python *args`` from the repository root with one thread, warnings off and a free
+    ``MASTER_PORT`` (not the caller's nor a script's fixed default, either may be taken; ``env``
+    entries override all of these). Asserts it exits 0 (the tails of its output in the
+    message) and returns its stdout."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
+           "MASTER_PORT": str(free_port()), **(env or {})}
+    p = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p.stdout
 
 
 def _init_rank(rank: int, world: int, store: str, env: dict) -> None:

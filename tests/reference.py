@@ -53,6 +53,15 @@ def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rt
         torch.testing.assert_close(got[n], want[n], rtol=rtol, atol=atol, msg=lambda m: f"{what} {n}: {m}")
 
 
+def assert_rank_mean(got, local: float, rtol: float = 1e-5) -> None:
+    """``got`` (fz3's loss: the mean over ranks) equals the mean over ranks of each rank's
+    ``local`` reference loss on its own batch. Every rank must call it (an all-reduce)."""
+    total = torch.tensor([float(local)])
+    torch.distributed.all_reduce(total)
+    want = float(total) / torch.distributed.get_world_size()
+    torch.testing.assert_close(float(got), want, rtol=rtol, atol=0)
+
+
 def assert_rel_norm(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol: float, what="") -> None:
     for n in want:
         rel = float((got[n] - want[n]).norm() / want[n].norm().clamp_min(1e-30))

@@ -117,9 +117,8 @@ def export_ranks(rank, world, folder):
         # of the 6.1 units the model has. (Keeping every unit measured 7 on rank 0; a fresh
         # buffer per unit measured 3 at times, gloo holding the last one after its wait.)
         assert mem.peak <= (2 if rank == 0 else 1) * unit < report.model_bytes / 3, (mem.peak, unit)
-        if rank == 0:  # the report's own figure is the measured one
+        if rank == 0:  # the report's own figure is the measured one; the export loads back
             assert abs(report.peak_bytes - mem.peak) <= 0.1 * mem.peak, (report, mem.peak)
-        if rank == 0:
             fresh = GPT(cfg)
             fresh.load_state_dict(fz3.read_export(out), strict=True)
             assert fresh.head.weight is fresh.tok.weight or torch.equal(fresh.head.weight, fresh.tok.weight)
@@ -270,7 +269,10 @@ def skipped_ranks(rank, world, folder):
                                                                   rf"call it within 2 s \(ranks \[1\] are alive") as e:
                 call()
             assert e.value.missing == [1], e.value.missing
-            assert 2 <= time.monotonic() - t0 < 5, (what, time.monotonic() - t0)
+            # Bounded by the call's own 2 s timeout: 10 leaves slack for a loaded 2-core machine
+            # and is still half the process group's 20 s timeout, so a call that waited for the
+            # group's timeout instead of its own fails.
+            assert 2 <= time.monotonic() - t0 < 10, (what, time.monotonic() - t0)
         assert sorted(os.listdir(folder)) == ["good"]  # nothing created, not even an empty folder
         store().set("test/skipped/done", "1")
     else:

@@ -2,50 +2,54 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _run(*args: str, timeout: float = 240) -> str:
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return p.stdout
+from dist import run_script
 
 
 def test_train_gpt_trains_saves_and_resumes(tmp_path):
     ckpt = str(tmp_path / "gpt")
-    out = _run("examples/train_gpt.py", "--steps", "20", "--log-every", "10", "--save-every", "10", "--ckpt", ckpt)
+    out = run_script("examples/train_gpt.py", "--steps", "20", "--log-every", "10", "--save-every", "10",
+                     "--ckpt", ckpt)
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
     assert len(losses) == 3 and losses[-1] < losses[0] - 1.0, out  # the loss falls
     assert "tokens/s" in out
-    out = _run("examples/train_gpt.py", "--steps", "22", "--log-every", "2", "--resume", "--ckpt", ckpt)
+    out = run_script("examples/train_gpt.py", "--steps", "22", "--log-every", "2", "--resume", "--ckpt", ckpt)
     assert "resumed from" in out and "step    22" in out, out
 
 
 def test_compare_quick_fz3_only():
-    out = _run("benchmarks/compare.py", "--quick", "--steps", "2", "--systems", "fz3 save", "--warmup", "1")
+    out = run_script("benchmarks/compare.py", "--quick", "--steps", "2", "--systems", "fz3 save",
+                     "--warmup", "1")
     assert re.search(r"\| fz3 save \| \d+\.\d+ \| \d+\.\d+ \| \d+\.\d+ \|", out), out  # step, fwd+bwd, optimizer
 
 
 def test_host_overhead_proxy_runs():
-    out = _run("benchmarks/host_overhead.py", "--repeats", "1", "--steps", "2", "--systems", "plain eager,fz3 save")
+    out = run_script("benchmarks/host_overhead.py", "--repeats", "1", "--steps", "2", "--systems", "plain eager,fz3 save")
     assert re.search(r"\| fz3 save \| -?\d+ \| -?\d+\.\d+ \| \d+\.\d+ \|", out), out
 
 
-def test_gpu_check_memory_and_safety_parts_dry_run_on_cpu():
-    out = _run("benchmarks/gpu_check.py", "--device", "cpu", "--quick", "--part", "memory")
+def test_gpu_check_memory_part_dry_run_on_cpu():
+    out = run_script("benchmarks/gpu_check.py", "--device", "cpu", "--quick", "--part", "memory")
     assert "| tiny | fz3 recompute |" in out and "memory plan recompute: predicted" in out, out
-    out = _run("benchmarks/gpu_check.py", "--device", "cpu", "--quick", "--part", "safety")
+
+
+def test_gpu_check_safety_part_skips_on_cpu(tmp_path):
+    """The safety part needs CUDA: on CPU it must take its skip branch (exit 0, the reason in
+    gpu_check_safety.json), not run half of the GPU tier or crash."""
+    out = run_script("benchmarks/gpu_check.py", "--device", "cpu", "--quick", "--part", "safety",
+                     "--out", str(tmp_path))
     assert '"gpu": "cpu"' in out, out
+    with open(tmp_path / "gpu_check_safety.json") as f:
+        result = json.load(f)
+    assert result["safety"] == {"skipped": "the GPU tier needs a GPU"}, result
+    assert result["env"]["gpu"] == "cpu", result
 
 
 def test_gpu_check_dry_run_on_cpu():
-    out = _run("benchmarks/gpu_check.py", "--device", "cpu", "--quick")
+    out = run_script("benchmarks/gpu_check.py", "--device", "cpu", "--quick")
     assert "correctness:" in out and "FAIL" not in out and "| fz3 | recompute |" in out, out
 
 
@@ -53,7 +57,7 @@ def test_finetune_lora_from_disk_saves_the_adapter(tmp_path):
     base, out = str(tmp_path / "base"), str(tmp_path / "lora")
     args = ["--steps", "8", "--log-every", "4", "--dim", "64", "--layers", "2"]
     args += ["--base", base, "--out", out]
-    printed = _run("examples/finetune_lora.py", *args)
+    printed = run_script("examples/finetune_lora.py", *args)
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", printed)]
     # steps 1, 4, 8: the loss falls (by ~0.3 here; without training it moves by ~0.01)
     assert len(losses) == 3 and losses[-1] < losses[0] - 0.1, printed
@@ -63,17 +67,7 @@ def test_finetune_lora_from_disk_saves_the_adapter(tmp_path):
 
 
 def test_gpu_check_lora_dry_run_on_cpu():
-    import socket
-
-    with socket.socket() as s:  # a free port (gpu_check's default may be taken)
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", MASTER_PORT=port)
-    args = ["benchmarks/gpu_check.py", "--device", "cpu", "--quick", "--part", "lora"]
-    p = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=240)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    out = p.stdout
+    out = run_script("benchmarks/gpu_check.py", "--device", "cpu", "--quick", "--part", "lora")
     rows = re.findall(r"\| (fz3 recompute|fz3 save|FSDP2) \| \d+ \| [\d.]+ \| (\d+\.\d+) \|", out)
     assert [r[0] for r in rows] == ["fz3 recompute", "fz3 save", "FSDP2"], out
     assert len({r[1] for r in rows}) == 1, out  # the same loss: the same model, LoRA and batches

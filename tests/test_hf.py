@@ -99,17 +99,25 @@ def hf_ranks(rank, world, families, dropout, masks=(False, True)):
     return f"ok {transformers.__version__}"
 
 
+def hf_reference_grads(module, bs: list[dict], base=lambda m: m, seed: int = 11):
+    """Plain autograd on a copy of ``module``: ``base(copy)``'s loss on every rank's batch
+    concatenated, after ``torch.manual_seed(seed)`` (the seed the fz3 runs then take, so dropout
+    draws the same masks), backward. Returns the detached loss and the gradients by name (tied
+    names too), only of parameters the loss reached; the RNG state is as backward left it."""
+    ref = copy.deepcopy(module)
+    torch.manual_seed(seed)
+    loss = base(ref)(**{k: torch.cat([b[k] for b in bs]) for k in bs[0]}).loss
+    loss.backward()
+    named = ref.named_parameters(remove_duplicate=False)
+    return loss.detach(), {n: p.grad for n, p in named if p.grad is not None}
+
+
 def check_grads(rank, world, family, dropout, masked):
     module = build(family, dropout).train()
     vocab = module.config.vocab_size
     bs = [(padded_batch if masked else batch)(family, r, vocab) for r in range(world)]
-    ref = copy.deepcopy(module)
-    torch.manual_seed(11)
-    ref_loss = ref(**{k: torch.cat([b[k] for b in bs]) for k in bs[0]}).loss
-    ref_loss.backward()
+    ref_loss, want = hf_reference_grads(module, bs)
     after_ref = torch.get_rng_state()
-    named = ref.named_parameters(remove_duplicate=False)
-    want = {n: p.grad for n, p in named if p.grad is not None}
     adapter_for(module).check_batch(bs[rank])  # the check takes the batches it must take
     model, params = fz3.shard(module)
     for policy in (fz3.Policy(), fz3.Policy(activations="save", layers_per_unit=2)):
@@ -118,7 +126,7 @@ def check_grads(rank, world, family, dropout, masked):
         if dropout:
             assert torch.equal(torch.get_rng_state(), after_ref)
         what = f"{family} {policy} world={world} attention_mask={masked}"
-        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=0, msg=what)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0, msg=what)
         got = fz3.full_state_dict(model, grads, buffers=False)
         if rank == 0:
             assert_close({n: got[n] for n in want}, want, what=what)

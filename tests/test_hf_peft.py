@@ -12,15 +12,13 @@ pretrained ones. CI runs this file on both ends of the transformers range (``.ci
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 import dist
 import fz3
 from reference import assert_close
-from test_hf import batch, build, expected_version
+from test_hf import batch, build, expected_version, hf_reference_grads
 
 TARGETS = {
     "gpt2": ["c_attn", "c_proj", "c_fc"],  # attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj
@@ -57,11 +55,7 @@ def check_lora(rank, world, family, dropout):
     module = lora(family, dropout)
     vocab = module.get_base_model().config.vocab_size
     bs = [batch(family, r, vocab) for r in range(world)]
-    ref = copy.deepcopy(module)
-    torch.manual_seed(11)
-    ref_loss = ref.get_base_model()(**{k: torch.cat([b[k] for b in bs]) for k in bs[0]}).loss
-    ref_loss.backward()
-    want = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
+    ref_loss, want = hf_reference_grads(module, bs, base=lambda m: m.get_base_model())
     assert want and all(".lora_" in n for n in want)
     pretrained = {
         n: p.detach().clone() for n, p in module.named_parameters() if not p.requires_grad
@@ -73,7 +67,7 @@ def check_lora(rank, world, family, dropout):
         torch.manual_seed(11)
         loss, grads = fz3.value_and_grad(model, policy)(params, bs[rank])
         what = f"LoRA {family} {policy} world={world} dropout={dropout}"
-        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=0, msg=what)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0, msg=what)
         got = fz3.full_state_dict(model, grads, buffers=False)
         if rank == 0:
             assert_close(got, want, what=what)

@@ -17,7 +17,9 @@ import torch
 
 import dist
 import fz3
+from reference import assert_rank_mean
 from test_hf import batch, build
+from test_hf_pretrained import on_meta
 
 TARGETS = ["q_proj", "v_proj", "gate_proj", "down_proj"]
 
@@ -27,8 +29,7 @@ def peft_model(meta: bool):
 
     base = build("llama", False).eval()
     if meta:
-        with torch.device("meta"):
-            base = type(base)(base.config)
+        base = on_meta(base)
     torch.manual_seed(5)
     peft = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
     return fz3.hf.init_lora(peft) if meta else peft
@@ -56,10 +57,7 @@ def export_ranks(rank, world, folder):
     loaded = PeftModel.from_pretrained(build("llama", False).eval(), adapter)
     with torch.no_grad():
         want = float(loaded.get_base_model()(**b).loss)
-    got = fz3.apply(model.eval(), params, b)  # the mean over ranks
-    mean = torch.tensor([want])
-    torch.distributed.all_reduce(mean)
-    torch.testing.assert_close(float(got), float(mean) / world, rtol=1e-5, atol=0)
+    assert_rank_mean(fz3.apply(model.eval(), params, b), want)
     if rank == 0:
         lora = {n: p for n, p in loaded.named_parameters() if ".lora_" in n}
         assert set(lora) == set(trained), set(lora) ^ set(trained)

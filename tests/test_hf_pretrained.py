@@ -22,6 +22,7 @@ import torch
 import dist
 import fz3
 from fz3.observe.live_bytes import LiveBytes
+from reference import assert_rank_mean
 from test_hf import batch, build
 
 
@@ -92,9 +93,7 @@ def check_peft(rank, world, folder):
     peft = fz3.hf.init_lora(get_peft_model(on_meta(base), cfg))
     model, params = fz3.shard(peft, weights=where)
     loss = fz3.apply(model.eval(), params, b)
-    local = torch.tensor([want])
-    torch.distributed.all_reduce(local)
-    torch.testing.assert_close(float(loss), float(local) / world, rtol=1e-5, atol=0)
+    assert_rank_mean(loss, want)
     sd = fz3.full_state_dict(model, params)
     if rank == 0:
         named = dict(base.named_parameters())

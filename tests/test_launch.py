@@ -7,29 +7,23 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 
 from torch.distributed import TCPStore
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from dist import ROOT, free_port
+
 ARGS = ["examples/train_gpt.py", "--steps", "6", "--log-every", "1", "--layers", "2", "--dim", "64"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _losses(out: str) -> list[str]:
     return re.findall(r"step +\d+  loss (\d+\.\d+)", out)
 
 
-def _torchrun(*launch: str, extra: tuple[str, ...] = ()) -> subprocess.Popen:
+def _torchrun(*launch: str) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *launch, *ARGS, *extra], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *launch, *ARGS], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -38,21 +32,20 @@ def test_two_nodes_match_one_node():
     ref, _ = single.communicate(timeout=240)
     assert single.returncode == 0, ref[-3000:]
     assert len(_losses(ref)) == 6, ref[-3000:]
-    for extra in ((),):
-        port = _free_port()
-        # The rendezvous store lives here, not in one of the agents: an agent that hosts it
-        # exits when its own workers are done, and the other agent, still polling the store,
-        # then fails with RendezvousConnectionError although every worker succeeded (a torch
-        # elastic teardown race, e.g. pytorch/torchtune#2676; it failed this test once).
-        store = TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True,
-                         wait_for_workers=False)
-        launch = ("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "is_host=false",
-                  "--rdzv-id", f"fz3-test-{port}", "--max-restarts", "0")
-        nodes = [_torchrun(*launch, extra=extra) for _ in range(2)]
-        outs = [p.communicate(timeout=240)[0] for p in nodes]
-        del store
-        assert all(p.returncode == 0 for p in nodes), "\n".join(o[-2000:] for o in outs)
-        printed = [o for o in outs if _losses(o)]
-        assert len(printed) == 1, outs  # only global rank 0 prints
-        assert _losses(printed[0]) == _losses(ref), (extra, printed[0][-1500:], ref[-1500:])
+    port = free_port()
+    # The rendezvous store lives here, not in one of the agents: an agent that hosts it
+    # exits when its own workers are done, and the other agent, still polling the store,
+    # then fails with RendezvousConnectionError although every worker succeeded (a torch
+    # elastic teardown race, e.g. pytorch/torchtune#2676; it failed this test once).
+    store = TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True,
+                     wait_for_workers=False)
+    launch = ("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "is_host=false",
+              "--rdzv-id", f"fz3-test-{port}", "--max-restarts", "0")
+    nodes = [_torchrun(*launch) for _ in range(2)]
+    outs = [p.communicate(timeout=240)[0] for p in nodes]
+    del store
+    assert all(p.returncode == 0 for p in nodes), "\n".join(o[-2000:] for o in outs)
+    printed = [o for o in outs if _losses(o)]
+    assert len(printed) == 1, outs  # only global rank 0 prints
+    assert _losses(printed[0]) == _losses(ref), (printed[0][-1500:], ref[-1500:])

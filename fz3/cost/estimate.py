@@ -221,13 +221,11 @@ class WorkloadSizes:
         p = self.work.parts[part]
         return p.rows * math.ceil(p.numel / self.ranks) * 4
 
-    def kept(self, op: Op) -> tuple[int, int]:
-        unit = self.sched.units[op.unit]
-        part, k = self.work.parts[unit.part], len(unit.rows)
-        if unit.role is not Role.STACK:
-            return 0, int(part.graph_bytes)
-        return ((0, int(part.graph_bytes * k)) if op.kind == OpKind.FORWARD_SAVE
-                else (int(part.input_bytes), 0))
+    def input_bytes(self, u: int) -> int:
+        return int(self.work.parts[self.sched.units[u].part].input_bytes)
+
+    def graph_bytes(self, u: int) -> int:
+        return int(self.work.parts[self.sched.units[u].part].graph_bytes)
 
     def during(self, op: Op) -> int:
         unit = self.sched.units[op.unit]

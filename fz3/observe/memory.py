@@ -21,7 +21,6 @@ from ..schedule.footprint import footprint
 from ..schedule.ops import Op, OpKind
 from ..schedule.schedule import Schedule
 from ..sharding.model import ShardedModel
-from ..schedule.structure import Role
 from .activations import PartActivations, activation_sizes
 
 MiB = 2**20
@@ -89,13 +88,11 @@ class ModelSizes:
         p = self.model.parts[part]
         return p.rows * p.layout.shard_numel * 4
 
-    def kept(self, op: Op) -> tuple[int, int]:
-        unit = self.schedule.units[op.unit]
-        act, k = self.act[unit.part], len(unit.rows)
-        # pre's and between's graphs are kept whenever gradients are wanted
-        if unit.role is not Role.STACK:
-            return 0, act.graph
-        return (0, act.graph * k) if op.kind == OpKind.FORWARD_SAVE else (act.input, 0)
+    def input_bytes(self, u: int) -> int:
+        return self.act[self.schedule.units[u].part].input
+
+    def graph_bytes(self, u: int) -> int:
+        return self.act[self.schedule.units[u].part].graph
 
     def during(self, op: Op) -> int:
         """What lives only inside ``op`` beyond what the totals after it hold, measured on one

@@ -15,7 +15,8 @@ from typing import NamedTuple, Protocol
 
 from .ops import (COMPUTE_KINDS, Activation, Grad, Op, OpKind, Params, UnitState,
                   transition)
-from .schedule import Schedule
+from .schedule import Schedule, Unit
+from .structure import Role
 
 
 class Sizes(Protocol):
@@ -24,7 +25,8 @@ class Sizes(Protocol):
     def gathered(self, u: int) -> int: ...  # the unit's gathered parameter buffer
     def unreduced(self, u: int) -> int: ...  # its flat gradient before the reduce
     def part_shard(self, part: int) -> int: ...  # a part's fp32 gradient shard, all its rows
-    def kept(self, op: Op) -> tuple[int, int]: ...  # (input, graph) a forward op keeps
+    def input_bytes(self, u: int) -> int: ...  # one layer's input (h), kept for recompute
+    def graph_bytes(self, u: int) -> int: ...  # one row's autograd graph (a layer's, or pre's)
     def during(self, op: Op) -> int: ...  # what lives only while ``op`` runs
 
 
@@ -59,7 +61,7 @@ def footprint(schedule: Schedule, sizes: Sizes) -> list[OpBytes]:
                                read=read)
             assert not isinstance(after, str), f"footprint of an invalid schedule: {after}"
             states[u] = after
-            _account(totals, sizes, op, u, before, after, kept)
+            _account(totals, sizes, op, u, before, after, kept, schedule)
         part = schedule.units[op.unit].part
         if op.kind == OpKind.REDUCE and part not in allocated:
             allocated.add(part)
@@ -69,11 +71,11 @@ def footprint(schedule: Schedule, sizes: Sizes) -> list[OpBytes]:
 
 
 def _account(totals: list[int], sizes: Sizes, op: Op, u: int, before: UnitState, after: UnitState,
-             kept: dict[int, tuple[int, int]]) -> None:
+             kept: dict[int, tuple[int, int]], schedule: Schedule) -> None:
     if (before.params is Params.ABSENT) != (after.params is Params.ABSENT):
         totals[0] += sizes.gathered(u) if before.params is Params.ABSENT else -sizes.gathered(u)
     if before.activation is Activation.NONE and after.activation is Activation.KEPT:
-        kept[u] = sizes.kept(op)
+        kept[u] = _kept(schedule.units[u], op, sizes)
         totals[2] += kept[u][0]
         totals[3] += kept[u][1]
     elif before.activation is Activation.KEPT and after.activation is Activation.NONE:
@@ -82,6 +84,17 @@ def _account(totals: list[int], sizes: Sizes, op: Op, u: int, before: UnitState,
         totals[3] -= graphs
     if _holds_unreduced(after.grad) != _holds_unreduced(before.grad):
         totals[1] += sizes.unreduced(u) if _holds_unreduced(after.grad) else -sizes.unreduced(u)
+
+
+def _kept(unit: Unit, op: Op, sizes: Sizes) -> tuple[int, int]:
+    """``(input, graph)`` bytes a forward keeps: pre's and between's graphs are kept whenever
+    gradients are wanted; a layer unit keeps its k layers' graphs (``forward_save``) or its
+    input (``forward``, recomputed in backward)."""
+    if unit.role is not Role.STACK:
+        return 0, sizes.graph_bytes(op.unit)
+    if op.kind == OpKind.FORWARD_SAVE:
+        return 0, sizes.graph_bytes(op.unit) * len(unit.rows)
+    return sizes.input_bytes(op.unit), 0
 
 
 def _holds_unreduced(g: Grad) -> bool:
