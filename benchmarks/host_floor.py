@@ -12,7 +12,10 @@ layers, one thread, forward+backward, microseconds per layer (median of 30 steps
 - + flat leaf: its parameters are views of one flat leaf buffer, substituted by
   ``torch.func.functional_call``, and the gradient comes out flat.
 - + flat leaf, fz3's binding: the same, the views substituted by ``fz3.sharding.binding``
-  (the name lookup done once per model), as fz3's eager layers run.
+  (the name lookup done once per model), as fz3's layers run with ``trace=False``.
+- flat row, traced programs: the layer traced once into a forward and a backward program
+  (``fz3.step.joint``), called per layer without the autograd engine, as fz3's layers run
+  by default.
 
 fz3's own cost is what ``benchmarks/host_overhead.py`` measures beyond the last row.
 """
@@ -34,6 +37,7 @@ import systems  # noqa: E402
 from fz3.models.gpt import Block, GPTConfig  # noqa: E402
 from fz3.sharding.binding import Binding  # noqa: E402
 from fz3.sharding.layout import FlatLayout  # noqa: E402
+from fz3.step.joint import trace  # noqa: E402
 
 LAYERS = 48
 
@@ -94,9 +98,25 @@ def main() -> None:
             saved.append((x, h, [leaf]))
         reverse(saved)
 
+    def layer(row, frozen_row, h):
+        return bindings[0](layout.views(row), (h,))
+
+    programs = trace(layer, [flats[0], x0], False, [])
+
+    def traced():  # fz3's traced programs: no autograd engine
+        residuals, h = [], x0
+        for flat in flats:
+            out = programs.forward(flat, h)
+            h = out[0]
+            residuals.append(out[1:])
+        g = torch.ones_like(h)
+        for flat in reversed(flats):
+            g = programs.backward([flat, *residuals.pop(), g])[1]
+
     rows = [("plain", per_layer_us(plain)), ("per-layer grad", per_layer_us(per_layer_grad)),
             ("+ flat leaf", per_layer_us(flat_leaf)),
-            ("+ flat leaf, fz3's binding", per_layer_us(flat_leaf_bound))]
+            ("+ flat leaf, fz3's binding", per_layer_us(flat_leaf_bound)),
+            ("flat row, traced programs (no autograd)", per_layer_us(traced))]
     print(f"torch {torch.__version__}, {LAYERS} layers, hidden {cfg.dim}, seq {cfg.seq}, 1 thread")
     print("| run | us per layer | x plain |\n|---|---:|---:|")
     for name, us in rows:

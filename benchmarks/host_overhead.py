@@ -8,7 +8,7 @@ one thread. Each system runs forward+backward (no optimizer) at 48 and at 8 laye
 per-layer cost is the difference over 40 layers, so the embedding, the head and the
 loss, the same for everyone, drop out. Systems: plain eager, plain with each block
 ``torch.compile``d, FSDP2 (``fully_shard`` per block), and fz3's policies eager and compiled
-(``compile=True``). Repeats are interleaved across systems and the medians reported, as the
+(``compile=True``), traced (the default) and, for ``save``, not (``trace=False``). Repeats are interleaved across systems and the medians reported, as the
 machine drifts. At world size 1 fz3's collectives are local copies (``fz3/comm``) and FSDP2's
 go through gloo.
 """
@@ -36,9 +36,12 @@ def systems():
         "plain compiled": ("plain", {"compile_blocks": True}),
         "FSDP2 per block": ("fsdp2", {}),
         "fz3 save": ("fz3", {"policy": {"activations": "save"}}),
+        "fz3 save (not traced)": ("fz3", {"policy": {"activations": "save"}, "trace": False}),
         "fz3 recompute": ("fz3", {"policy": {}}),
         "fz3 whole stack": ("fz3", {"whole": whole}),
         "fz3 save compiled": ("fz3", {"policy": {"activations": "save"}, "compile": True}),
+        "fz3 save compiled (not traced)": ("fz3", {"policy": {"activations": "save"}, "compile": True,
+                                                  "trace": False}),
         "fz3 recompute compiled": ("fz3", {"policy": {}, "compile": True}),
         "fz3 whole stack compiled": ("fz3", {"whole": whole, "compile": True}),
     }
@@ -59,7 +62,8 @@ def build(kind: str, kwargs: dict, layers: int):
     if kind == "fsdp2":
         return s.fsdp2(cfg, cpu, **kwargs).forward_backward
     policy = fz3.Policy(**(kwargs["whole"](layers) if "whole" in kwargs else kwargs["policy"]))
-    return s.fz3_system(cfg, cpu, policy=policy, compile=kwargs.get("compile", False)).forward_backward
+    return s.fz3_system(cfg, cpu, policy=policy, compile=kwargs.get("compile", False),
+                        trace=kwargs.get("trace", True)).forward_backward
 
 
 def main() -> None:

@@ -127,12 +127,12 @@ def fsdp2(cfg: GPTConfig, device: torch.device, *, ac: bool = False, dtype: torc
 
 
 def fz3_system(cfg: GPTConfig, device: torch.device, *, policy: fz3.Policy = fz3.Policy(),
-               dtype: torch.dtype | None = None, compile: bool = False) -> System:
+               dtype: torch.dtype | None = None, compile: bool = False, trace: bool = True) -> System:
     module = build(cfg, device)
     model, params = shard_gpt(module, device=device, precision=fz3.Precision(dtype, torch.float32 if dtype else None))
     del module
     opt = fz3.optim.adamw(**HP, weight_decay=WD, mask=fz3.decay_mask(model))
-    value_and_grad = fz3.value_and_grad(model, policy, compile=compile)
+    value_and_grad = fz3.value_and_grad(model, policy, compile=compile, trace=trace)
     carry = {"params": params, "state": opt.init(params), "grads": None}
 
     def forward_backward(batch):

@@ -14,7 +14,7 @@ import copy
 import dataclasses
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -61,6 +61,9 @@ class ShardedModel:
     mesh: Any = None  # the DeviceMesh given to fz3.shard, if any (checkpoints use it)
     training: bool = True  # dropout and the like on; set per model copy, never in place
     check_batch: Callable[[Any], None] | None = None  # the adapter's batch check (local), if any
+    # traced layer programs (``fz3.step.traced``), shared by every step function on this model
+    # and its copies; keyed by the binding and layouts they were traced from
+    traces: dict = field(default_factory=dict, repr=False)
 
     @property
     def structure(self) -> tuple[PartShape, ...]:

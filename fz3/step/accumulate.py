@@ -23,6 +23,7 @@ import torch
 
 from ..comm.collectives import all_reduce, wait
 from .compiled import CompiledLayers, check_compile_options
+from .traced import TracedLayers, layer_runners
 from .executor import execute
 from ..sharding.model import Params, ShardedModel
 from ..schedule.schedule import Policy, Schedule, deferred
@@ -33,11 +34,12 @@ class Accumulate:
     """``f(params, micro_batches) -> (mean loss, grads)``."""
 
     def __init__(self, model: ShardedModel, schedule: Schedule, policy: Literal["reduce", "defer"],
-                 compiled: CompiledLayers | None = None):
+                 compiled: CompiledLayers | None = None, traced: TracedLayers | None = None):
         if policy not in ("reduce", "defer"):
             raise ValueError(f"policy={policy!r}: use 'reduce' (sum reduced shards) or 'defer' "
                              f"(reduce once)")
         self.model, self.schedule, self.policy, self.compiled = model, schedule, policy, compiled
+        self.traced = traced
         self.deferred = deferred(schedule) if policy == "defer" else None
 
     def __call__(self, params: Params, micro_batches: Sequence[Any]) -> tuple[torch.Tensor, Params]:
@@ -57,7 +59,7 @@ class Accumulate:
             # across replicas once, below (FSDP2 keeps a partial reduce output the same way).
             result = drain(execute(self.model, sched, params, mb, loss_scale=1.0 / k,
                                    carry=carry, reduce_replicas=self.policy == "defer",
-                                   compiled=self.compiled))
+                                   compiled=self.compiled, traced=self.traced))
             losses.append(result.loss)
             if self.policy == "reduce":  # acc holds buffers this function received and owns
                 acc = (result.grads if acc is None
@@ -75,11 +77,11 @@ class Accumulate:
 
 def accumulate(model: ShardedModel, schedule: Schedule | Policy | None = None, *,
                policy: Literal["reduce", "defer"] = "reduce", compile: bool = False,
-               strict: bool = False) -> Accumulate:
+               strict: bool = False, trace: bool = True) -> Accumulate:
     """A step over k micro-batches: ``f(params, [batch_1, ..., batch_k]) -> (loss, grads)``;
-    ``compile``/``strict`` as in ``fz3.value_and_grad``.
+    ``trace``/``compile``/``strict`` as in ``fz3.value_and_grad``.
     **Collective**: the schedule is compared across ranks here; every rank must call it."""
     check_compile_options(model, compile, strict, False)
-    compiled = CompiledLayers(model.parts, strict=strict) if compile else None
+    traced, compiled = layer_runners(model, trace=trace, compile=compile, strict=strict)
     return Accumulate(model, prepare(model, schedule, grad=True, entry="accumulate"), policy,
-                      compiled)
+                      compiled, traced)

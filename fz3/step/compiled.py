@@ -1,5 +1,7 @@
 """Compiled layers: one ``torch.compile`` of the pure per-layer function, reused by every layer
-of a stack.
+of a stack. With ``trace=True`` (the default) this is the fallback for layers that cannot be
+traced (``fz3.step.traced`` compiles traced ones with inductor directly); with
+``trace=False`` it compiles every stack.
 
 Every layer of a stack is the same function of (its flat row of parameters, h, extras): the
 row's split into parameter views and the layer's math are traced once, so a call costs a

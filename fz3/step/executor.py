@@ -11,8 +11,11 @@ where its results go, is ``unit_io.py``'s. The buffer lifetimes are noted below.
 - gather: a ``(world*k*n,)`` buffer in the compute dtype, alive until ``free``; a unit of k>1
   layers is copied once into ``(k, full)`` layer order (rank-major gather order otherwise).
 - forward: keeps the unit's input (``forward``: recompute in backward, with the RNG state
-  it started from) or its autograd graph (``forward_save``). A unit freed while its graph
-  is alive keeps its buffer object with zero-sized storage (``Released``) and is re-gathered
+  it started from) or its autograd graph (``forward_save``); traced layers
+  (``fz3.step.traced``) keep their programs' residuals instead of a graph, as a rule none
+  of them a view of the gathered buffer (their backward re-reads the re-gathered one; one
+  that does is held like a graph). A unit freed while its graph is alive keeps its buffer
+  object with zero-sized storage (``Released``) and is re-gathered
   into that same storage before its backward, as FSDP2 does with ``untyped_storage().resize_()``:
   the graph's saved views then see the re-gathered values.
 - backward (and loss, for the post unit): one flat gradient ``(world, k, n)`` in rank-major
@@ -39,24 +42,28 @@ from ..schedule.schedule import Schedule
 from ..sharding import compute
 from ..sharding.model import Params, ShardedModel
 from .state import Frame, Loss, Reducing, Result, Saved, StepState, regrow, release
-from .unit_io import (add_gradients, call_tensors, detached, frame_of, gather_pieces, grad_leaves,
-                      or_zeros, result_shard, run_layers)
+from .unit_io import (add_gradients, backward_traced, call_tensors, detached, frame_of,
+                      gather_pieces, grad_leaves, or_zeros, result_shard, run_layers, run_traced,
+                      traced_layers)
 
 
 def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any, recorder=None,
             *, loss: Loss | None = None, loss_scale: float | torch.Tensor = 1.0,
             carry: dict[int, torch.Tensor] | None = None, reduce_replicas: bool = True,
-            compiled=None, graphs=None) -> Generator[Frame, None, Result]:
+            compiled=None, graphs=None, traced=None) -> Generator[Frame, None, Result]:
     """Run ``schedule`` on ``batch``. ``loss``: the function the ``loss`` op runs (default:
     the model's ``post``). ``loss_scale`` multiplies the backward's seed (fp16 loss scaling;
     1/k for k accumulated micro-batches). ``carry``: unsharded flat gradients accumulated by
     ``accumulate`` ops, added in at the next ``reduce`` of each unit. ``reduce_replicas``
     (hybrid sharding): sum the gradient shards across replicas (False: the caller does it
     once for several micro-batches). ``recorder``: a ``fz3.Recorder``, or None (no cost).
-    ``compiled``: a ``fz3.step.compiled.CompiledLayers`` to run layers with, or None (eager);
-    ``graphs``: a ``fz3.step.graphs.GraphedLayers`` to replay them with (CUDA)."""
+    ``traced``: a ``fz3.step.traced.TracedLayers`` whose programs run the layers (without the
+    autograd engine), or None; ``compiled``: a ``fz3.step.compiled.CompiledLayers`` for layers
+    that are not traced, or None (eager); ``graphs``: a ``fz3.step.graphs.GraphedLayers`` to
+    replay them with (CUDA)."""
     state = StepState(model, schedule, params, batch, loss or Loss(model.post), loss_scale,
-                      carry, reduce_replicas, compiled, graphs)
+                      carry, reduce_replicas, compiled=compiled, graphs=graphs,
+                      traced=traced)
     if recorder is not None:
         recorder.begin_step(schedule, model.device)
     # With a profiler running (torch.profiler), each op is a named range in its trace; without
@@ -99,7 +106,8 @@ def _gather(s: StepState, op: Op, index: int) -> None:
             out = s.graphs.slot(unit.part, u)
         else:
             out = torch.empty(m.world_size * shard.numel(), dtype=shard.dtype, device=m.device)
-        s.gathering[key] = all_gather(m.comm, out, shard.reshape(-1), Label(s.schedule, op))
+        flat = shard if shard.dim() == 1 else shard.reshape(-1)
+        s.gathering[key] = all_gather(m.comm, out, flat, Label(s.schedule, op))
 
 
 def _wait(s: StepState, op: Op, index: int) -> None:
@@ -159,7 +167,14 @@ def _forward_stage(s: StepState, op: Op, index: int) -> Frame:
 def _forward_layers(s: StepState, op: Op, index: int) -> Frame:
     u, x = op.unit, s.h
     extras, positions = s.extras.get(s.producer, ()), s.grad_positions.get(s.producer, [])
-    if op.kind == OpKind.FORWARD_SAVE:
+    layers = traced_layers(s, u, x, extras, positions)
+    save = op.kind == OpKind.FORWARD_SAVE
+    if layers is not None:  # no graph: the traced programs keep residuals (save) or nothing
+        before = rng.capture(s.model.device) if s.schedule.grad and not save else None
+        s.h, residuals = run_traced(s, u, layers, x, keep=save)
+        if s.schedule.grad:
+            s.saved[u] = Saved(save, x, None, [], (), before, s.producer, layers, residuals)
+    elif save:
         leaf, x_leaf = compute.leaf(s.gathered[u, False]), x.detach().requires_grad_()
         leaf_extras = compute.detach_extras(extras, positions, grad=True)
         with torch.enable_grad():
@@ -208,14 +223,40 @@ def _backward_layers(s: StepState, op: Op, index: int) -> Frame:
     u, model = op.unit, s.model
     saved = s.saved.pop(u)
     positions = s.grad_positions.get(saved.producer, [])
+    layers = saved.traced
+    if layers is not None:
+        residuals = saved.residuals
+        if residuals is None:  # recompute, replaying the forward's RNG
+            rng.restore(saved.rng, model.device)
+            _, residuals = run_traced(s, u, layers, saved.x, keep=True)
+        g_params, g_x, g_extras = backward_traced(s, u, layers, residuals, s.grad_h)
+        g = (g_params, g_x, *g_extras)
+    else:
+        g = _autograd_backward(s, u, saved, positions, s.extras.get(saved.producer, ()))
+    grad_out, s.grad_h = s.grad_h, or_zeros(g[1], saved.x)
+    summed = s.grad_extras.setdefault(saved.producer, {})
+    for j, ge in zip(positions, g[2:]):
+        if ge is not None:
+            summed[j] = ge if j not in summed else summed[j] + ge
+    flat = compute.layer_grad(or_zeros(g[0], s.gathered[u, False]), model.world_size,
+                              by_layer=s.schedule.reduce == "all_reduce")
+    reduce = model.precision.reduce
+    s.unreduced[u] = flat if flat.dtype == reduce else flat.to(reduce)
+    return frame_of(s, op, index, grad_out, s.grad_h, s.unreduced[u])
+
+
+def _autograd_backward(s: StepState, u: int, saved: Saved, positions: list[int],
+                       extras: tuple) -> tuple:
+    """(grad of the unit's (k, padded) buffer, of its input, of each differentiable extra)
+    through autograd: from the forward's graph, or a recomputed one."""
     if saved.graph:
         out, (leaf,), x_leaf, extras = saved.out, saved.leaves, saved.x, saved.extras
     else:  # recompute from the saved input, replaying the forward's RNG
         leaf, x_leaf = compute.leaf(s.gathered[u, False]), saved.x.detach().requires_grad_()
-        extras = compute.detach_extras(s.extras.get(saved.producer, ()), positions, grad=True)
+        extras = compute.detach_extras(extras, positions, grad=True)
         # Nothing after the loss draws but recompute, which sets its own state; _finish
         # leaves the RNG as plain autograd would (rng_after), so none is kept here.
-        rng.restore(saved.rng, model.device)
+        rng.restore(saved.rng, s.model.device)
         with torch.enable_grad():
             out = run_layers(s, u, leaf, x_leaf, extras)
     g = torch.autograd.grad(out, [leaf, x_leaf, *(extras[j] for j in positions)], s.grad_h,
@@ -223,15 +264,7 @@ def _backward_layers(s: StepState, op: Op, index: int) -> Frame:
     if s.graphs is not None:
         # a replayed graph's gradients are its static buffers: the next replay overwrites
         g = tuple(None if t is None else t.clone() for t in g)
-    grad_out, s.grad_h = s.grad_h, or_zeros(g[1], x_leaf)
-    summed = s.grad_extras.setdefault(saved.producer, {})
-    for j, ge in zip(positions, g[2:]):
-        if ge is not None:
-            summed[j] = ge if j not in summed else summed[j] + ge
-    flat = compute.layer_grad(or_zeros(g[0], leaf), model.world_size,
-                              by_layer=s.schedule.reduce == "all_reduce")
-    s.unreduced[u] = flat.to(model.precision.reduce)
-    return frame_of(s, op, index, grad_out, s.grad_h, s.unreduced[u])
+    return g
 
 
 def _backward_stage(s: StepState, op: Op, index: int) -> Frame:
@@ -257,7 +290,9 @@ def _free(s: StepState, op: Op, index: int) -> None:
     if s.graphs is not None:
         s.graphs.release(s.schedule.units[u].part, u)
     saved = s.saved.get(u)
-    held = (saved is not None and saved.graph) or _held_by_a_reader(s, u)
+    # traced layers whose residuals view none of the buffer do not hold it
+    held = (saved is not None and saved.graph and (saved.traced is None or any(
+        p.aliases_params for p in saved.traced.programs))) or _held_by_a_reader(s, u)
     for key in ((u, False), (u, True)):
         buf = s.gathered.pop(key, None)
         # a live graph holds views: free the storage only
@@ -289,7 +324,7 @@ def _reduce(s: StepState, op: Op, index: int) -> None:
         out = (shard if rdt == torch.float32
                else torch.empty(shard.numel(), dtype=rdt, device=m.device))
         s.reducing[u] = Reducing(
-            reduce_scatter(m.comm, out, g.contiguous().view(-1), Label(s.schedule, op)), shard)
+            reduce_scatter(m.comm, out, g.reshape(-1), Label(s.schedule, op)), shard)
 
 
 def _wait_reduce(s: StepState, op: Op, index: int) -> None:

@@ -61,6 +61,11 @@ class Saved(NamedTuple):
     extras: tuple
     rng: RngState | None  # recompute only: the RNG state before the forward (dropout repeats)
     producer: int = -1  # layers: the unit (pre or between) whose extras they were called with
+    # traced layers (``fz3.step.traced``): their programs (a ``Layers``), and with a graph
+    # (save) each layer's residuals in layer order instead of an autograd graph (a list the
+    # backward empties, freeing each residual after its last use)
+    traced: Any = None
+    residuals: list | None = None
 
 
 class Released(NamedTuple):
@@ -88,6 +93,7 @@ class StepState:
     carry: dict[int, torch.Tensor] | None = None  # flat gradients accumulated across micro-batches
     reduces_replicas: bool = True  # hybrid: sum the shard across replicas at each wait_reduce
     compiled: Any = None  # fz3.step.compiled.CompiledLayers: layers run compiled; None: eager
+    traced: Any = None  # fz3.step.traced.TracedLayers: layers run as traced programs; None: not
     graphs: Any = None  # fz3.step.graphs.GraphedLayers: layers replayed as CUDA graphs; None: not
 
     # parameters, by (unit, frozen?): a unit's trained and frozen parameters are gathered apart

@@ -25,9 +25,12 @@ def gather_pieces(s: StepState, unit) -> list[tuple[bool, torch.Tensor]]:
     trained = s.params.parts[unit.part]
     frozen = s.model.frozen[unit.part]
     if unit.role is Role.STACK:
-        trained = trained[unit.rows.start:unit.rows.stop]
-        frozen = None if frozen is None else frozen[unit.rows.start:unit.rows.stop]
-    pieces = [(False, trained.to(s.model.precision.compute))]
+        # one layer: its row (1-D, as gathered); k layers: (k, shard), flattened by the gather
+        rows = unit.rows.start if len(unit.rows) == 1 else slice(unit.rows.start, unit.rows.stop)
+        trained = trained[rows]
+        frozen = None if frozen is None else frozen[rows]
+    compute_dtype = s.model.precision.compute
+    pieces = [(False, trained if trained.dtype == compute_dtype else trained.to(compute_dtype))]
     return pieces if frozen is None else [*pieces, (True, frozen)]
 
 
@@ -68,6 +71,52 @@ def run_layers(s: StepState, u: int, buffer: torch.Tensor, x, extras) -> torch.T
     return compute.run_layers(fns, rows, x, extras, part.path, part.first + first)
 
 
+def traced_layers(s: StepState, u: int, x: torch.Tensor, extras: tuple, positions: list[int]):
+    """The traced programs of a layer unit on ``x`` and ``extras`` (``fz3.step.traced.Layers``),
+    or None: it runs through autograd (or ``compiled``, ``graphs``)."""
+    if s.traced is None or s.graphs is not None:
+        return None
+    unit = s.schedule.units[u]
+    return s.traced.layers(unit.part, unit.rows.start, unit.rows.stop, x, extras, positions)
+
+
+def run_traced(s: StepState, u: int, layers, x: torch.Tensor, *,
+               keep: bool) -> tuple[torch.Tensor, list | None]:
+    """A unit's layers as traced programs on ``x``: ``(h, each layer's residuals)`` with
+    ``keep`` (their forward programs), ``(h, None)`` without (their inference programs)."""
+    buffer, frozen = s.gathered[u, False], s.gathered.get((u, True))
+    # No autograd here: the programs get gathered buffers, detached activations and detached
+    # extras (``StepState.extras``), none of which requires grad, so nothing records a graph.
+    residuals = []
+    for j, (programs, row) in enumerate(zip(layers.programs, _rows(buffer))):
+        params = (row,) if frozen is None else (row, frozen[j])
+        if keep:
+            out = programs.forward(*params, x, *layers.extras)
+            x = out[0]
+            residuals.append(out[1:])
+        else:
+            x = programs.inference(*params, x, *layers.extras)[0]
+    return x, (residuals if keep else None)
+
+
+def backward_traced(s: StepState, u: int, layers, residuals: list,
+                    grad_h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """A unit's layers' backward programs, last layer first: the gradient of its ``(k,
+    padded)`` buffer, of its input, and of each differentiable extra (summed over layers).
+    Empties ``residuals``: each is freed inside its program after its last use."""
+    buffer, frozen = s.gathered[u, False], s.gathered.get((u, True))
+    rows = _rows(buffer)
+    k = len(layers.programs)
+    grads: list = [None] * k
+    extras: list = []
+    for j in reversed(range(k)):  # no autograd (see run_traced)
+        params = [rows[j]] if frozen is None else [rows[j], frozen[j]]
+        out = layers.programs[j].backward([*params, *residuals.pop(), grad_h])
+        grads[j], grad_h = out[0], out[1]
+        extras = list(out[2:]) if not extras else [a + b for a, b in zip(extras, out[2:])]
+    return (grads[0].view(1, -1) if k == 1 else torch.stack(grads)), grad_h, extras
+
+
 def _rows(buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The rows of a (k, padded) buffer; one row as a view, whose backward is free (unbind's
     stacks the rows' gradients into a new buffer)."""
@@ -98,7 +147,10 @@ def result_shard(s: StepState, unit) -> torch.Tensor:
                  else (part.layout.shard_numel,))
         s.grads[unit.part] = torch.empty(shape, dtype=torch.float32, device=s.model.device)
     grads = s.grads[unit.part]
-    return grads[unit.rows.start:unit.rows.stop].view(-1) if part.role is Role.STACK else grads
+    if part.role is not Role.STACK:
+        return grads
+    rows = unit.rows
+    return grads[rows.start] if len(rows) == 1 else grads[rows.start:rows.stop].view(-1)
 
 
 def frame_of(s: StepState, op: Op, index: int, inputs: Any, outputs: Any,

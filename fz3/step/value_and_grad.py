@@ -10,6 +10,7 @@ import torch
 from ..schedule.schedule import Policy, Schedule
 from ..sharding.model import Params, ShardedModel
 from .compiled import CompiledLayers, check_compile_options
+from .traced import TracedLayers, layer_runners
 from .executor import execute
 from .graphs import GraphedLayers
 from .finite import drain_checking_finite
@@ -23,9 +24,10 @@ class ValueAndGrad:
     def __init__(self, model: ShardedModel, schedule: Schedule, *,
                  loss: Callable[..., Any] | None = None, has_aux: bool = False, recorder=None,
                  check_finite: bool = False, check_sync: bool = False,
-                 compiled: CompiledLayers | None = None, graphs: GraphedLayers | None = None):
+                 compiled: CompiledLayers | None = None, graphs: GraphedLayers | None = None,
+                 traced: TracedLayers | None = None):
         self.model, self.schedule, self.recorder = model, schedule, recorder
-        self.compiled = compiled
+        self.compiled, self.traced = compiled, traced
         self.graphs = graphs
         self.loss = loss_of(model, loss, has_aux)
         self.check_finite, self.check_sync = check_finite, check_sync
@@ -40,7 +42,8 @@ class ValueAndGrad:
             check_in_sync(self.model, self.steps, batch)
         self.steps += 1
         gen = execute(self.model, self.schedule, params, batch, self.recorder, loss=self.loss,
-                      loss_scale=loss_scale, compiled=self.compiled, graphs=self.graphs)
+                      loss_scale=loss_scale, compiled=self.compiled, graphs=self.graphs,
+                      traced=self.traced)
         result = (drain_checking_finite(self.model, self.schedule, gen) if self.check_finite
                   else drain(gen))
         value = (result.loss, result.aux) if self.loss.has_aux else result.loss
@@ -50,7 +53,8 @@ class ValueAndGrad:
 def value_and_grad(model: ShardedModel, schedule: Schedule | Policy | None = None, *,
                    loss: Callable[..., Any] | None = None, has_aux: bool = False, recorder=None,
                    check_finite: bool = False, check_sync: bool = False, compile: bool = False,
-                   strict: bool = False, cuda_graphs: bool = False) -> ValueAndGrad:
+                   strict: bool = False, cuda_graphs: bool = False,
+                   trace: bool = True) -> ValueAndGrad:
     """``f(params, batch) -> (loss, grads)``: the mean loss over ranks and this rank's shards
     of its gradient, same pytree structure as ``params``.
 
@@ -66,32 +70,44 @@ def value_and_grad(model: ShardedModel, schedule: Schedule | Policy | None = Non
     ``check_sync`` (debugging): before each step, one all-gather checks that every rank is at
     the same step with batches of the same shapes and dtypes; raises instead of hanging.
     Training or eval mode is the model's (``model.eval()`` is a copy in eval mode).
-    ``compile``: run each stack's layers through one ``torch.compile`` of the per-layer
-    function, shared by all its layers (``fz3.step.compiled``); a layer that cannot be compiled
+    ``trace`` (default): each stack's layers run as programs traced once from the layer's
+    function (``fz3.step.traced``: forward and backward ATen ops called directly, no autograd
+    engine, the same results bit for bit); the layer's Python runs only while tracing, as
+    with ``jax.jit``. ``trace=False`` runs it on every call (breakpoints, prints); a layer
+    that cannot be traced runs that way anyway (``f.traced.failed`` says why).
+    ``compile``: compile each stack's layers once for all of them: their traced programs by
+    inductor, or, for a layer that cannot be traced (or with ``trace=False``), the per-layer
+    function by ``torch.compile`` (``fz3.step.compiled``); a layer that cannot be compiled
     runs eager with a warning, unless ``strict`` (then it raises). ``cuda_graphs``: replay each
-    layer unit's compute as a CUDA graph (``fz3.step.graphs``; CUDA only).
+    layer unit's compute as a CUDA graph (``fz3.step.graphs``; CUDA only; not traced).
     """
     check_compile_options(model, compile, strict, cuda_graphs)
     sched = prepare(model, schedule, grad=True, entry="value_and_grad")
     graphs = (GraphedLayers(model.parts, sched, model.device, model.precision.compute,
                             model.world_size) if cuda_graphs else None)
+    traced, compiled = layer_runners(model, trace=trace and not cuda_graphs, compile=compile,
+                                     strict=strict)
     return ValueAndGrad(model, sched, loss=loss, has_aux=has_aux, recorder=recorder,
-                        check_finite=check_finite, check_sync=check_sync,
-                        compiled=CompiledLayers(model.parts, strict=strict) if compile else None,
-                        graphs=graphs)
+                        check_finite=check_finite, check_sync=check_sync, compiled=compiled,
+                        graphs=graphs, traced=traced)
 
 
 def apply(model: ShardedModel, params: Params, batch: Any, *,
           schedule: Schedule | Policy | None = None, loss: Callable[..., Any] | None = None,
-          has_aux: bool = False, recorder=None, compile: CompiledLayers | bool = False):
+          has_aux: bool = False, recorder=None, compile: ValueAndGrad | bool = False,
+          trace: bool = True):
     """The mean loss over ranks, forward only: no graph, no gradients, units freed after use.
     ``loss``/``has_aux`` as in ``value_and_grad`` (returns ``(loss, aux)`` with ``has_aux``).
-    ``compile``: True, or the ``compiled`` of a ``value_and_grad`` step to share its compiled
-    layers (a new ``CompiledLayers`` each call would compile again).
+    ``trace``/``compile`` as in ``value_and_grad``; ``compile`` may also be a
+    ``value_and_grad`` step, whose traced and compiled layers are then shared (new ones each
+    call would trace and compile again).
     **Collective**: every rank must call it (the schedule is compared across ranks first)."""
     check_call(model, params, batch)  # local: a bad batch fails here, before any collective
     sched = prepare(model, schedule, grad=False, entry="apply")
-    compiled = CompiledLayers(model.parts, strict=False) if compile is True else compile or None
+    if isinstance(compile, ValueAndGrad):
+        traced, compiled = compile.traced, compile.compiled
+    else:
+        traced, compiled = layer_runners(model, trace=trace, compile=compile, strict=False)
     result = drain(execute(model, sched, params, batch, recorder,
-                           loss=loss_of(model, loss, has_aux), compiled=compiled))
+                           loss=loss_of(model, loss, has_aux), compiled=compiled, traced=traced))
     return (result.loss, result.aux) if has_aux else result.loss

@@ -1,0 +1,274 @@
+"""``TracedLayers``: each stack's layers run as traced programs, without the autograd engine.
+
+``fz3.step.joint`` traces a layer into a forward, a backward and an inference program. This
+file decides which layers share them and when they are made:
+
+- Layers share programs when their modules hold the same Python state (every attribute that
+  is not a parameter, a submodule or an empty hook table: ``layer_idx``, a sliding window, a
+  function): those run the same code with the same constants. A layer whose state differs
+  (HF's ``layer_idx``) is traced on its own; identical traces are compiled once.
+- Programs are traced at a unit's first forward for each input signature (shapes and dtypes
+  of h and the tensor extras, the values of the other extras, train or eval mode) and kept
+  in the model (``ShardedModel.traces``): other step functions on it do not trace again.
+- ``compile``: each program is compiled by inductor at its first call (C++ on the CPU,
+  ``cpp_wrapper``: no Python between its kernels), once per distinct code and signature.
+
+A layer that cannot be traced (it reads a tensor's value on the host, branches on data,
+writes into its input, has buffers or hooks) runs as before: through autograd eager, or
+through ``torch.compile`` (``fz3.step.compiled``) with ``compile``. ``failed`` says why;
+with ``compile`` the fallback warns if it cannot compile it either (``strict``: raises).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Callable, NamedTuple, Sequence
+
+import optree
+import torch
+
+from ..schedule.structure import Role
+from ..sharding.binding import Binding
+from ..sharding.model import ShardedModel
+from ..sharding.parts import Part
+from ..sharding.compute import LayerName
+from .compiled import CompiledLayers
+from .joint import Programs, TraceError, trace
+
+log = logging.getLogger(__name__)
+
+
+class Layers(NamedTuple):
+    """The programs of a unit's layers, and what they are called with besides rows and h."""
+
+    programs: tuple[Programs, ...]  # one per layer of the unit
+    extras: tuple[torch.Tensor, ...]  # the tensors among the extras, flattened
+    differentiable: tuple[int, ...]  # positions in ``extras`` whose gradient is returned
+
+
+class TracedLayers:
+    """The stacks of ``model`` as traced programs (see the module docstring). ``compile``:
+    programs compiled by inductor; ``strict``: passed to the ``torch.compile`` fallback (a
+    layer that can be neither traced nor compiled raises ``fz3.CompileError``)."""
+
+    def __init__(self, model: ShardedModel, *, compile: bool = False, strict: bool = False):
+        self.model, self.compile, self.strict = model, compile, strict
+        # the dynamo path for layers that cannot be traced, with compile
+        self.fallback = CompiledLayers(model.parts, strict=strict) if compile else None
+        self.groups: dict[int, list[int]] = {}  # stack part -> layer -> group
+        self.failed: dict[str, str] = {}  # part name -> why its layers run through autograd
+        self.compiles = 0  # inductor compilations so far
+        self._programs: dict[tuple, Programs | None] = {}  # (part, group, signature) ->
+        self._units: dict[tuple, Layers] = {}  # (part, first, stop, signature) -> its programs
+        self._kernels: dict[tuple, Callable[..., Any]] = {}  # (code, signature) -> compiled
+        self._sources: dict[tuple, str] = {}  # (part, signature) -> the first group's code
+        self._warned: set[int] = set()  # parts reported as compiling per layer
+        for i, part in enumerate(model.parts):
+            if part.role is Role.STACK:
+                self.groups[i] = _groups(model.functions[i], part, self.failed)
+
+    def layers(self, part_index: int, first: int, stop: int, h: torch.Tensor,
+               extras: tuple, positions: Sequence[int]) -> Layers | None:
+        """The programs for layers ``[first, stop)`` of a stack on ``h`` and ``extras``, or
+        None: they run through autograd (or dynamo). Traced at the first call per signature."""
+        part = self.model.parts[part_index]
+        if part.name in self.failed:
+            return None
+        flat = [optree.tree_flatten(e, none_is_leaf=True) for e in extras]
+        tensors, consts, where = [], [], []
+        for j, (leaves, spec) in enumerate(flat):
+            consts.append(spec)
+            for leaf in leaves:
+                if isinstance(leaf, torch.Tensor):
+                    where.append(j)
+                    tensors.append(leaf)
+                    consts.append((tuple(leaf.shape), leaf.stride(), leaf.dtype))
+                else:
+                    consts.append(leaf)
+        diff = tuple(i for i, j in enumerate(where) if j in positions)
+        # what a program is specialized to: shapes, strides and dtypes, non-tensor values
+        signature = (tuple(h.shape), h.stride(), h.dtype, self.model.training, diff,
+                     tuple(consts))
+        unit = (part_index, first, stop, signature)
+        try:
+            known = self._units.get(unit)
+        except TypeError:  # an extra that is no tensor and cannot be hashed: not traced
+            return None
+        if known is not None:
+            return known._replace(extras=tuple(tensors))
+        layers = self._layers(part_index, part, first, stop, h, extras, tensors, diff, signature)
+        if layers is not None:
+            self._units[unit] = layers
+        return layers
+
+    def _layers(self, part_index: int, part: Part, first: int, stop: int, h: torch.Tensor,
+                extras: tuple, tensors: list, diff: tuple, signature: tuple) -> Layers | None:
+        groups = self.groups[part_index]
+        programs = []
+        for layer in range(first, stop):
+            key = (part_index, groups[layer], signature)
+            if key not in self._programs:
+                self._programs[key] = self._trace(part_index, part, layer, h, extras, tensors,
+                                                  diff, signature)
+            got = self._programs[key]
+            if got is None:
+                return None
+            programs.append(got)
+        return Layers(tuple(programs), tuple(tensors), diff)
+
+    def _trace(self, i: int, part: Part, layer: int, h: torch.Tensor, extras: tuple,
+               tensors: list, diff: tuple, signature: tuple) -> Programs | None:
+        binding = self.model.functions[i][layer]
+        name = LayerName(part.path, part.first + layer)
+        specs = [optree.tree_flatten(e, none_is_leaf=True) for e in extras]
+        frozen = part.frozen is not None
+        row = torch.empty(part.layout.padded, dtype=self.model.precision.compute,
+                          device=self.model.device)
+        frozen_row = (torch.empty(part.frozen.padded, dtype=_frozen_dtype(self.model, i),
+                                  device=self.model.device) if frozen else None)
+        inputs = [row, *([frozen_row] if frozen else []), h, *tensors]
+        # traced once per model: every step function on it (and its copies) reuses them
+        key = (binding, part.layout, part.frozen, signature)
+        if key not in self.model.traces:
+            try:
+                self.model.traces[key] = trace(_layer(binding, part, specs), inputs, frozen, diff)
+            except TraceError as e:
+                self.model.traces[key] = e
+        programs = self.model.traces[key]
+        if isinstance(programs, TraceError):
+            self._fail(part, f"{name} cannot be traced: {programs}")
+            return None
+        if self.compile:
+            programs = self._compiled(programs)
+            first = self._sources.setdefault((i, signature), programs.source)
+            if first != programs.source and i not in self._warned:
+                self._warned.add(i)
+                warnings.warn(f"fz3: the compiled layer function of {part.name} compiled again "
+                              f"at {name}: something its code reads differs per layer (an "
+                              f"attribute such as a layer index?), so those layers compile "
+                              f"on their own. Make the layers identical, or pass compile=False",
+                              stacklevel=5)
+        return programs
+
+    def _fail(self, part: Part, why: str) -> None:
+        """Its layers run through autograd, or ``torch.compile`` with ``compile`` (which warns,
+        or raises with ``strict``, if it cannot compile them either)."""
+        self.failed[part.name] = why
+        log.info("fz3: %s; its layers run through autograd", why)
+
+    def _compiled(self, programs: Programs) -> Programs:
+        fwd, bwd, inf = programs.graphs
+        return programs._replace(forward=_Inductor(self, fwd, programs.source + "f"),
+                                 backward=_Inductor(self, bwd, programs.source + "b", boxed=True),
+                                 inference=_Inductor(self, inf, programs.source + "i"))
+
+    def kernel(self, graph: torch.fx.Graph, code: str, args: tuple) -> Callable[..., Any]:
+        """Inductor's compilation of ``graph`` for ``args``, shared by every program with the
+        same code and argument signature."""
+        key = (code, tuple((tuple(a.shape), a.stride(), a.dtype) for a in args))
+        if key not in self._kernels:
+            from torch._inductor import compile as inductor_compile
+
+            self.compiles += 1
+            module = torch.fx.GraphModule({}, graph)
+            self._kernels[key] = inductor_compile(module, list(args),
+                                                  options={"cpp_wrapper": True})
+        return self._kernels[key]
+
+
+def layer_runners(model: ShardedModel, *, trace: bool, compile: bool,
+                  strict: bool) -> tuple[TracedLayers | None, CompiledLayers | None]:
+    """What runs the layers: traced programs (and ``torch.compile`` for the layers that cannot
+    be traced, with ``compile``), or ``torch.compile`` alone, or neither (eager)."""
+    if trace:
+        traced = TracedLayers(model, compile=compile, strict=strict)
+        return traced, traced.fallback
+    return None, CompiledLayers(model.parts, strict=strict) if compile else None
+
+
+class _Inductor:
+    """A traced graph, compiled by inductor at its first call (its arguments are the example:
+    compiling runs nothing, so no RNG is drawn)."""
+
+    def __init__(self, owner: TracedLayers, graph: torch.fx.Graph, code: str, boxed: bool = False):
+        self.owner, self.graph, self.code, self.boxed, self.fn = owner, graph, code, boxed, None
+
+    def __call__(self, *args: Any) -> Any:
+        if self.boxed:  # the program's convention: one list (its residuals live to the end here)
+            (box,) = args
+            args = tuple(box)
+            box.clear()
+        if self.fn is None:
+            self.fn = self.owner.kernel(self.graph, self.code, args)
+        return self.fn(*args)
+
+
+def _layer(binding: Binding, part: Part, specs: list) -> Callable[..., torch.Tensor]:
+    """The pure function of one layer: ``(row, frozen_row, h, *tensor extras) -> h``, the
+    extras' structure and non-tensor values constants of it."""
+    layout, frozen_layout = part.layout, part.frozen
+
+    def layer(row: torch.Tensor, frozen_row: torch.Tensor | None, h: torch.Tensor,
+              *tensors: torch.Tensor) -> torch.Tensor:
+        it = iter(tensors)
+        extras = [optree.tree_unflatten(spec, [next(it) if isinstance(leaf, torch.Tensor)
+                                               else leaf for leaf in leaves])
+                  for leaves, spec in specs]
+        views = layout.views(row) + ([] if frozen_row is None else frozen_layout.views(frozen_row))
+        out = binding(views, (h, *extras))
+        if isinstance(out, torch.Tensor) and (out.shape != h.shape or out.dtype != h.dtype):
+            raise TraceError(f"it maps h of shape {list(h.shape)} {h.dtype} to "
+                             f"{list(out.shape)} {out.dtype} (traced layers keep h's shape)")
+        return out
+
+    return layer
+
+
+def _groups(bindings: Sequence[Binding], part: Part, failed: dict[str, str]) -> list[int]:
+    """Layer -> group: layers in one group hold the same Python state. Records in ``failed``
+    a part whose layers hold state a trace cannot see (buffers, hooks, shared reads)."""
+    keys: dict[tuple, int] = {}
+    out = []
+    for layer, binding in enumerate(bindings):
+        try:
+            key = _state(binding)
+        except TraceError as e:
+            failed[part.name] = f"layer {part.path}.{part.first + layer} cannot be traced: {e}"
+            return []
+        out.append(keys.setdefault(key, len(keys)))
+    if part.reads:
+        failed[part.name] = f"{part.name} reads shared parameters"
+    return out
+
+
+def _state(binding: Binding) -> tuple:
+    """What a layer's code can read besides its parameters and inputs, as a comparable key."""
+    items: list[Any] = [id(binding.module.fn)]
+    for path, module in binding.module.m.named_modules():
+        if any(b is not None for b in module._buffers.values()):
+            raise TraceError(f"{path or 'it'} has buffers (state a trace would freeze)")
+        state = []
+        for k, v in vars(module).items():
+            if k in _MODULE_OWN:  # nn.Module's own tables: only hooks matter to a trace
+                if v and "hook" in k and ("forward" in k or "backward" in k) and \
+                        not isinstance(v, bool):
+                    raise TraceError(f"{path or 'it'} has hooks ({k}), which a trace would skip")
+                continue
+            state.append((k, v if _plain(v) else ("id", id(v))))
+        items.append((path, type(module), tuple(state)))
+    return tuple(items)
+
+
+_MODULE_OWN = frozenset(vars(torch.nn.Module()))
+
+
+def _plain(v: Any) -> bool:
+    if isinstance(v, (tuple, frozenset)):
+        return all(_plain(x) for x in v)
+    return v is None or isinstance(v, (bool, int, float, str, torch.dtype))
+
+
+def _frozen_dtype(model: ShardedModel, part: int) -> torch.dtype:
+    frozen = model.frozen[part]
+    return frozen.dtype if frozen is not None else model.precision.compute

@@ -1,0 +1,201 @@
+"""Traced layers (the default, ``trace=True``): each layer's forward and backward run as
+programs traced once from its function (``fz3.step.joint``), without the autograd engine.
+
+Reference: the same step with ``trace=False`` (the layer's Python through autograd, itself
+tested against plain PyTorch autograd on the unsharded model in ``test_core`` and
+``test_golden``). Tolerance: none, bit for bit: the programs run the same ATen ops with the
+same derivative formulas in the same order, and draw the same random numbers (dropout, with
+recompute replaying them). Every other test of a step runs the traced path too, since it is
+the default."""
+
+from __future__ import annotations
+
+import re
+
+import optree
+import pytest
+import torch
+from torch import nn
+
+import dist
+import fz3
+from fz3.models import shard_gpt
+from fz3.models.gpt import GPTConfig
+from reference import batches, gpt
+
+CFG = GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=4, dropout=0.2)
+POLICIES = (fz3.Policy(), fz3.Policy(activations="save"),
+            fz3.Policy(activations="save", layers_per_unit=2), fz3.Policy(layers_per_unit=2))
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b)))
+
+
+def traced_ranks(rank, world):
+    model, params = shard_gpt(gpt(CFG))
+    bs = batches(CFG, world)
+    stack = model.parts[model.part_index("blocks")].name
+    for policy in POLICIES:
+        torch.manual_seed(1)
+        step = fz3.value_and_grad(model, policy)
+        loss, grads = step(params, bs[rank])
+        after = torch.rand(1)  # the RNG is left where autograd leaves it
+        torch.manual_seed(1)
+        want_loss, want = fz3.value_and_grad(model, policy, trace=False)(params, bs[rank])
+        assert torch.equal(after, torch.rand(1)), policy
+        assert torch.equal(loss, want_loss) and _same(grads, want), policy
+        # it ran traced: every layer shares one group, and nothing fell back
+        assert step.traced.failed == {} and step.traced.groups[model.part_index("blocks")] == \
+            [0] * CFG.layers, (policy, step.traced.failed)
+        assert stack not in step.traced.failed
+    torch.manual_seed(2)
+    got = fz3.apply(model.eval(), params, bs[rank])
+    torch.manual_seed(2)
+    assert torch.equal(got, fz3.apply(model.eval(), params, bs[rank], trace=False))
+    return "ok"
+
+
+def test_traced_layers_equal_autograd_bit_for_bit():
+    assert dist.run(2, traced_ranks, timeout=300) == ["ok"] * 2
+
+
+class Net(nn.Module):
+    def __init__(self, layers):
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.layers = nn.ModuleList(layers)
+        self.head = nn.Linear(6, 11)
+
+
+def _pre(m, b):
+    return m.emb(b[0])
+
+
+def _post(m, h, b):
+    return nn.functional.cross_entropy(m.head(h).flatten(0, 1), b[1].flatten())
+
+
+class Lin(nn.Module):
+    def __init__(self, d=6):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, h):
+        return h + torch.tanh(self.lin(h))
+
+
+class ReadsHost(Lin):
+    """Reads a tensor's value on the host: a trace cannot see which branch is taken."""
+
+    def forward(self, h):
+        return h + self.lin(h) * (2.0 if h.sum().item() > 0 else 1.0)
+
+
+class WithBuffer(Lin):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.full((6,), 0.5))
+
+    def forward(self, h):
+        return h + self.lin(h) * self.scale
+
+
+class InPlace(Lin):
+    """Writes into an extra it is given (a count of the layers run): autograd allows it, a
+    program would replay it on whatever it is next called with."""
+
+    def forward(self, h, count):
+        count.add_(1)
+        return h + torch.tanh(self.lin(h))
+
+
+def _pre_count(m, b):
+    return m.emb(b[0]), torch.zeros(())
+
+
+class Indexed(Lin):
+    """Layers that differ by a Python attribute their code reads: each is traced on its own."""
+
+    def __init__(self, index):
+        super().__init__()
+        self.index = index
+
+    def forward(self, h):
+        return h + self.lin(h) / (1 + self.index)
+
+
+def _hooked():
+    layer = Lin()
+    layer.register_forward_hook(lambda m, args, out: out * 2)
+    return layer
+
+
+def fallback_ranks(rank, world):
+    g = torch.Generator().manual_seed(0)
+    b = (torch.randint(0, 11, (2, 5), generator=g), torch.randint(0, 11, (2, 5), generator=g))
+    cases = {
+        "reads": ([ReadsHost() for _ in range(3)], r"layer layers\.0 cannot be traced: .*"),
+        "buffer": ([WithBuffer() for _ in range(3)], r"has buffers"),
+        "hook": ([_hooked() for _ in range(3)], r"has hooks \(_forward_hooks\)"),
+        "indexed": ([Indexed(i) for i in range(3)], None),
+        "plain": ([Lin() for _ in range(3)], None),
+    }
+    for name, (layers, why) in cases.items():
+        torch.manual_seed(0)
+        model, params = fz3.shard(Net(layers), "layers", _pre, _post)
+        for policy in (fz3.Policy(), fz3.Policy(activations="save")):
+            step = fz3.value_and_grad(model, policy)
+            loss, grads = step(params, b)
+            want_loss, want = fz3.value_and_grad(model, policy, trace=False)(params, b)
+            assert torch.equal(loss, want_loss) and _same(grads, want), (name, policy)
+            failed = step.traced.failed.get("layers")
+            if why is None:
+                assert failed is None, (name, failed)
+            else:
+                assert failed is not None and re.search(why, failed), (name, failed)
+        if name == "indexed":
+            assert step.traced.groups[model.part_index("layers")] == [0, 1, 2]
+        if name == "plain":
+            assert step.traced.groups[model.part_index("layers")] == [0, 0, 0]
+    torch.manual_seed(0)
+    model, params = fz3.shard(Net([InPlace() for _ in range(3)]), "layers", _pre_count, _post)
+    step = fz3.value_and_grad(model)
+    loss, grads = step(params, b)
+    want_loss, want = fz3.value_and_grad(model, trace=False)(params, b)
+    assert torch.equal(loss, want_loss) and _same(grads, want)
+    assert re.search(r"writes into its input in place \(aten\.add_", step.traced.failed["layers"])
+    # strict: neither traced nor compiled by torch.compile (the fallback) is an error
+    with pytest.raises(fz3.CompileError, match=r"(?s)layer layers\.0 \(layers\) cannot be compiled"):
+        model, params = fz3.shard(Net([ReadsHost() for _ in range(2)]), "layers", _pre, _post)
+        fz3.value_and_grad(model, compile=True, strict=True)(params, b)
+    return "ok"
+
+
+def test_layers_that_cannot_be_traced_run_through_autograd():
+    assert dist.run(1, fallback_ranks, timeout=300) == ["ok"]
+
+
+def test_python_bindings_only_where_they_dispatch_the_same_op():
+    """``fast_ops``: an op is called through its Python binding (``torch.mm``) only if a trace
+    of the program shows the very same ATen op and arguments; ``torch.mul(h, 2.0)`` dispatches
+    ``mul.Tensor``, so a graph's ``mul.Scalar`` stays on ``_op``."""
+    from fz3.step import joint
+
+    w = torch.randn(4, 4)
+
+    def layer(row, frozen_row, h):
+        return torch.ops.aten.mul.Scalar(h @ row.view(4, 4), 2.0) + h
+
+    programs = joint.trace(layer, [w.reshape(-1), torch.randn(3, 4)], False, [])
+    forward, backward, _ = programs.graphs
+    assert joint.fast_ops(forward) == {torch.ops.aten.mul.Scalar}
+    assert torch.ops.aten.mul.Scalar in joint.fast_ops(backward, boxed=True)
+    h, g = torch.randn(3, 4), torch.randn(3, 4)
+    out, *residuals = programs.forward(w.reshape(-1), h)
+    hl, wl = h.clone().requires_grad_(), w.clone().requires_grad_()
+    want = layer(wl.reshape(-1), None, hl)
+    want.backward(g)
+    grad_row, grad_h = programs.backward([w.reshape(-1), *residuals, g])
+    assert torch.equal(out, want) and torch.equal(grad_h, hl.grad)
+    assert torch.equal(grad_row, wl.grad.reshape(-1))
