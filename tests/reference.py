@@ -87,3 +87,22 @@ def clone(tree):
     import optree
 
     return optree.tree_map(torch.Tensor.clone, tree)
+
+
+class LayerNet(torch.nn.Module):
+    """Embedding, a stack of the given layers (``layers``: width 6), a head over 11 tokens:
+    for tests of what a layer may do (``shard(LayerNet(...), "layers", layer_pre, layer_post)``)."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 6)
+        self.layers = torch.nn.ModuleList(layers)
+        self.head = torch.nn.Linear(6, 11)
+
+
+def layer_pre(m, b):
+    return m.emb(b[0])
+
+
+def layer_post(m, h, b):
+    return torch.nn.functional.cross_entropy(m.head(h).flatten(0, 1), b[1].flatten())

@@ -21,7 +21,7 @@ import dist
 import fz3
 from fz3.models import shard_gpt
 from fz3.models.gpt import GPTConfig
-from reference import assert_close, batches, gpt, reference_grads
+from reference import LayerNet, assert_close, batches, gpt, layer_post, layer_pre, reference_grads
 
 CFG = GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=2)
 RTOL, ATOL = 1e-4, 1e-5  # compiled kernels reorder fp32 sums (see the module docstring)
@@ -100,27 +100,11 @@ class Indexed(nn.Module):
         return h + self.lin(h) / (1 + self.index)
 
 
-class Net(nn.Module):
-    def __init__(self, layers):
-        super().__init__()
-        self.emb = nn.Embedding(11, 6)
-        self.layers = nn.ModuleList(layers)
-        self.head = nn.Linear(6, 11)
-
-
-def _pre(m, b):
-    return m.emb(b[0])
-
-
-def _post(m, h, b):
-    return nn.functional.cross_entropy(m.head(h).flatten(0, 1), b[1].flatten())
-
-
 def fallback_ranks(rank, world):
     g = torch.Generator().manual_seed(0)
     b = (torch.randint(0, 11, (2, 5), generator=g), torch.randint(0, 11, (2, 5), generator=g))
     torch.manual_seed(0)
-    model, params = fz3.shard(Net([Breaks(6) for _ in range(3)]), "layers", _pre, _post)
+    model, params = fz3.shard(LayerNet([Breaks(6) for _ in range(3)]), "layers", layer_pre, layer_post)
     want, _ = fz3.value_and_grad(model)(params, b)
     with pytest.warns(UserWarning, match=r"the layer function of layers cannot be compiled; it runs eager\. "
                                          r"Reason: .*"):
@@ -129,14 +113,14 @@ def fallback_ranks(rank, world):
     with pytest.raises(fz3.CompileError, match=r"(?s)layer layers.0 \(layers\) cannot be compiled: .*compile=False"):
         fz3.value_and_grad(model, compile=True, strict=True)(params, b)
     torch.manual_seed(0)
-    indexed, iparams = fz3.shard(Net([Indexed(6, i) for i in range(3)]), "layers", _pre, _post)
+    indexed, iparams = fz3.shard(LayerNet([Indexed(6, i) for i in range(3)]), "layers", layer_pre, layer_post)
     want, _ = fz3.value_and_grad(indexed)(iparams, b)
     with pytest.warns(UserWarning, match=r"compiled layer function of layers compiled again at layer layers\.1: "
                                          r"something its code reads differs per layer"):
         loss, _ = fz3.value_and_grad(indexed, compile=True)(iparams, b)
     torch.testing.assert_close(loss, want, rtol=RTOL, atol=ATOL)
     torch.manual_seed(0)
-    buffered, bparams = fz3.shard(Net([WithBuffer(6) for _ in range(2)]), "layers", _pre, _post)
+    buffered, bparams = fz3.shard(LayerNet([WithBuffer(6) for _ in range(2)]), "layers", layer_pre, layer_post)
     want, _ = fz3.value_and_grad(buffered)(bparams, b)
     before = counters["stats"]["unique_graphs"]
     with warnings.catch_warnings():

@@ -21,7 +21,7 @@ import dist
 import fz3
 from fz3.models import shard_gpt
 from fz3.models.gpt import GPTConfig
-from reference import batches, gpt
+from reference import LayerNet, batches, gpt, layer_post, layer_pre
 
 CFG = GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=4, dropout=0.2)
 POLICIES = (fz3.Policy(), fz3.Policy(activations="save"),
@@ -58,22 +58,6 @@ def traced_ranks(rank, world):
 
 def test_traced_layers_equal_autograd_bit_for_bit():
     assert dist.run(2, traced_ranks, timeout=300) == ["ok"] * 2
-
-
-class Net(nn.Module):
-    def __init__(self, layers):
-        super().__init__()
-        self.emb = nn.Embedding(11, 6)
-        self.layers = nn.ModuleList(layers)
-        self.head = nn.Linear(6, 11)
-
-
-def _pre(m, b):
-    return m.emb(b[0])
-
-
-def _post(m, h, b):
-    return nn.functional.cross_entropy(m.head(h).flatten(0, 1), b[1].flatten())
 
 
 class Lin(nn.Module):
@@ -143,7 +127,7 @@ def fallback_ranks(rank, world):
     }
     for name, (layers, why) in cases.items():
         torch.manual_seed(0)
-        model, params = fz3.shard(Net(layers), "layers", _pre, _post)
+        model, params = fz3.shard(LayerNet(layers), "layers", layer_pre, layer_post)
         for policy in (fz3.Policy(), fz3.Policy(activations="save")):
             step = fz3.value_and_grad(model, policy)
             loss, grads = step(params, b)
@@ -159,7 +143,7 @@ def fallback_ranks(rank, world):
         if name == "plain":
             assert step.traced.groups[model.part_index("layers")] == [0, 0, 0]
     torch.manual_seed(0)
-    model, params = fz3.shard(Net([InPlace() for _ in range(3)]), "layers", _pre_count, _post)
+    model, params = fz3.shard(LayerNet([InPlace() for _ in range(3)]), "layers", _pre_count, layer_post)
     step = fz3.value_and_grad(model)
     loss, grads = step(params, b)
     want_loss, want = fz3.value_and_grad(model, trace=False)(params, b)
@@ -167,7 +151,7 @@ def fallback_ranks(rank, world):
     assert re.search(r"writes into its input in place \(aten\.add_", step.traced.failed["layers"])
     # strict: neither traced nor compiled by torch.compile (the fallback) is an error
     with pytest.raises(fz3.CompileError, match=r"(?s)layer layers\.0 \(layers\) cannot be compiled"):
-        model, params = fz3.shard(Net([ReadsHost() for _ in range(2)]), "layers", _pre, _post)
+        model, params = fz3.shard(LayerNet([ReadsHost() for _ in range(2)]), "layers", layer_pre, layer_post)
         fz3.value_and_grad(model, compile=True, strict=True)(params, b)
     return "ok"
 
