@@ -44,7 +44,6 @@ class Layers(NamedTuple):
 
     programs: tuple[Programs, ...]  # one per layer of the unit
     extras: tuple[torch.Tensor, ...]  # the tensors among the extras, flattened
-    differentiable: tuple[int, ...]  # positions in ``extras`` whose gradient is returned
 
 
 class TracedLayers:
@@ -53,7 +52,7 @@ class TracedLayers:
     layer that can be neither traced nor compiled raises ``fz3.CompileError``)."""
 
     def __init__(self, model: ShardedModel, *, compile: bool = False, strict: bool = False):
-        self.model, self.compile, self.strict = model, compile, strict
+        self.model, self.compile = model, compile
         # the dynamo path for layers that cannot be traced, with compile
         self.fallback = CompiledLayers(model.parts, strict=strict) if compile else None
         self.groups: dict[int, list[int]] = {}  # stack part -> layer -> group
@@ -115,7 +114,7 @@ class TracedLayers:
             if got is None:
                 return None
             programs.append(got)
-        return Layers(tuple(programs), tuple(tensors), diff)
+        return Layers(tuple(programs), tuple(tensors))
 
     def _trace(self, i: int, part: Part, layer: int, h: torch.Tensor, extras: tuple,
                tensors: list, diff: tuple, signature: tuple) -> Programs | None:
