@@ -164,7 +164,7 @@ def test_python_bindings_only_where_they_dispatch_the_same_op():
     """``fast_ops``: an op is called through its Python binding (``torch.mm``) only if a trace
     of the program shows the very same ATen op and arguments; ``torch.mul(h, 2.0)`` dispatches
     ``mul.Tensor``, so a graph's ``mul.Scalar`` stays on ``_op``."""
-    from fz3.step import joint
+    from fz3.step import codegen, joint
 
     w = torch.randn(4, 4)
 
@@ -173,8 +173,8 @@ def test_python_bindings_only_where_they_dispatch_the_same_op():
 
     programs = joint.trace(layer, [w.reshape(-1), torch.randn(3, 4)], False, [])
     forward, backward, _ = programs.graphs
-    assert joint.fast_ops(forward) == {torch.ops.aten.mul.Scalar}
-    assert torch.ops.aten.mul.Scalar in joint.fast_ops(backward, boxed=True)
+    assert codegen.fast_ops(forward) == {torch.ops.aten.mul.Scalar}
+    assert torch.ops.aten.mul.Scalar in codegen.fast_ops(backward, boxed=True)
     h, g = torch.randn(3, 4), torch.randn(3, 4)
     out, *residuals = programs.forward(w.reshape(-1), h)
     hl, wl = h.clone().requires_grad_(), w.clone().requires_grad_()

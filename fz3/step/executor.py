@@ -291,8 +291,9 @@ def _free(s: StepState, op: Op, index: int) -> None:
         s.graphs.release(s.schedule.units[u].part, u)
     saved = s.saved.get(u)
     # traced layers whose residuals view none of the buffer do not hold it
-    held = (saved is not None and saved.graph and (saved.traced is None or any(
-        p.aliases_params for p in saved.traced.programs))) or _held_by_a_reader(s, u)
+    graph = saved is not None and saved.graph
+    held = (graph and (saved.traced is None or saved.traced.holds_buffer)
+            or _held_by_a_reader(s, u))
     for key in ((u, False), (u, True)):
         buf = s.gathered.pop(key, None)
         # a live graph holds views: free the storage only

@@ -44,6 +44,8 @@ class Layers(NamedTuple):
 
     programs: tuple[Programs, ...]  # one per layer of the unit
     extras: tuple[torch.Tensor, ...]  # the tensors among the extras, flattened
+    # a residual may view the gathered buffer: ``free`` keeps its storage object (released)
+    holds_buffer: bool
 
 
 class TracedLayers:
@@ -96,31 +98,31 @@ class TracedLayers:
             return None
         if known is not None:
             return known._replace(extras=tuple(tensors))
-        layers = self._layers(part_index, part, first, stop, h, extras, tensors, diff, signature)
+        layers = self._layers(part_index, part, first, stop, h, flat, tensors, diff, signature)
         if layers is not None:
             self._units[unit] = layers
         return layers
 
     def _layers(self, part_index: int, part: Part, first: int, stop: int, h: torch.Tensor,
-                extras: tuple, tensors: list, diff: tuple, signature: tuple) -> Layers | None:
+                flat: list, tensors: list, diff: tuple, signature: tuple) -> Layers | None:
+        """``flat``: each extra flattened, ``(leaves, spec)``; ``tensors``: its tensor leaves."""
         groups = self.groups[part_index]
         programs = []
         for layer in range(first, stop):
             key = (part_index, groups[layer], signature)
             if key not in self._programs:
-                self._programs[key] = self._trace(part_index, part, layer, h, extras, tensors,
+                self._programs[key] = self._trace(part_index, part, layer, h, flat, tensors,
                                                   diff, signature)
             got = self._programs[key]
             if got is None:
                 return None
             programs.append(got)
-        return Layers(tuple(programs), tuple(tensors))
+        return Layers(tuple(programs), tuple(tensors), any(p.aliases_params for p in programs))
 
-    def _trace(self, i: int, part: Part, layer: int, h: torch.Tensor, extras: tuple,
+    def _trace(self, i: int, part: Part, layer: int, h: torch.Tensor, flat: list,
                tensors: list, diff: tuple, signature: tuple) -> Programs | None:
         binding = self.model.functions[i][layer]
         name = LayerName(part.path, part.first + layer)
-        specs = [optree.tree_flatten(e, none_is_leaf=True) for e in extras]
         frozen = part.frozen is not None
         row = torch.empty(part.layout.padded, dtype=self.model.precision.compute,
                           device=self.model.device)
@@ -131,7 +133,7 @@ class TracedLayers:
         key = (binding, part.layout, part.frozen, signature)
         if key not in self.model.traces:
             try:
-                self.model.traces[key] = trace(_layer(binding, part, specs), inputs, frozen, diff)
+                self.model.traces[key] = trace(_layer(binding, part, flat), inputs, frozen, diff)
             except TraceError as e:
                 self.model.traces[key] = e
         programs = self.model.traces[key]
