@@ -136,6 +136,42 @@ def check_dropout_world1(rank, world):
         assert_close(sharded_grads(model, grads), ref, what=f"dropout {policy}")
 
 
+def check_one_rank_computes_on_its_shards(rank, world):
+    """One rank gathers nothing (``fz3.comm``): its layers compute on views of the parameter
+    shards themselves, or on their cast to the compute dtype. The step still equals plain
+    autograd, writes nothing into the parameters, and never frees their memory, not even where
+    a kept graph (``trace=False`` with ``save``, a tied embedding read by pre's and post's
+    graphs) would have its buffer released at more ranks."""
+    cfg = dataclasses.replace(UNEVEN, tie=True)
+    module = gpt(cfg)
+    model, params = shard_gpt(module)
+    bs = batches(cfg, 1)
+    ref_loss, ref = reference_grads(module, bs)
+    before = clone(params)
+    whole = fz3.Policy(layers_per_unit=cfg.layers, activations="save_unsharded")
+    for policy in (fz3.Policy(), fz3.Policy(activations="save"), whole,
+                   fz3.Policy(layers_per_unit=2, activations="save")):
+        for trace in (True, False):
+            loss, grads = fz3.value_and_grad(model, policy, trace=trace)(params, bs[0])
+            assert abs(float(loss) - ref_loss) <= 1e-5 * abs(ref_loss), (policy, trace)
+            assert_close(sharded_grads(model, grads), ref, what=f"one rank {policy} {trace}")
+            assert all(torch.equal(a, b) for a, b in zip(params.parts, before.parts)), policy
+    stack = params.parts[model.part_index("blocks")]
+    frames = [f for f in fz3.step_through(model, params, bs[0], fz3.Policy(activations="save"))
+              if f.phase == "forward" and f.name.startswith("blocks.")]
+    assert len(frames) == cfg.layers
+    for f in frames:  # views of the shard: the same memory, nothing gathered
+        assert all(t.untyped_storage().data_ptr() == stack.untyped_storage().data_ptr()
+                   for t in f.params.values()), f.name
+    # computing in bf16, the buffers are casts: freed (and released under a graph) as usual
+    low = fz3.Precision(torch.bfloat16, torch.float32)
+    model16, params16 = shard_gpt(module, precision=low)
+    kept = clone(params16)
+    for trace in (True, False):
+        fz3.value_and_grad(model16, fz3.Policy(activations="save"), trace=trace)(params16, bs[0])
+        assert all(torch.equal(a, b) for a, b in zip(params16.parts, kept.parts)), trace
+
+
 def core_ranks(rank, world, delay):
     # Every policy at 2 and 3 ranks; at 1 and 4 (and with delays) a representative few.
     check_equal_to_reference(rank, world, delay, UNEVEN, POLICIES if world in (2, 3) and not delay else POLICIES[::2])
@@ -147,6 +183,7 @@ def core_ranks(rank, world, delay):
     check_state_dict_roundtrip(rank, world)
     if world == 1:
         check_dropout_world1(rank, world)
+        check_one_rank_computes_on_its_shards(rank, world)
     return "ok"
 
 

@@ -66,15 +66,23 @@ class Pending(NamedTuple):
 # A collective over one rank is a copy (all-gather, reduce-scatter) or nothing (all-reduce).
 # It is done here, in the same stream order a collective would be, without the process
 # group's own host work per call (about 50-80 us on gloo, tens of us on NCCL): a one-GPU run
-# of fz3 pays for no communication. The executor above runs the same code at any size.
+# of fz3 pays for no communication. An all-gather into no given buffer is not even a copy:
+# the shard is the whole buffer (the executor gathers its parameters so: a one-rank run
+# computes on its parameter shards themselves, or their cast to the compute dtype). The
+# executor above runs the same code at any size.
 
 
-def all_gather(comm: Comm, out: torch.Tensor, shard: torch.Tensor,
+def all_gather(comm: Comm, out: torch.Tensor | None, shard: torch.Tensor,
                label: object = "all-gather") -> Pending:
-    """Issue ``out (world*n,) <- concat over ranks of shard (n,)``."""
+    """Issue ``out (world*n,) <- concat over ranks of shard (n,)``. ``out`` None: a new
+    buffer, or in a group of one rank the shard itself (no copy: the caller must not write
+    into the result)."""
     comm._delay()
     if comm.world_size == 1 and comm.local_copies:
-        return Pending(None, out.copy_(shard), shard, comm.group, label)
+        return Pending(None, shard if out is None else out.copy_(shard), shard, comm.group,
+                       label)
+    if out is None:
+        out = shard.new_empty(comm.world_size * shard.numel())
     work = _issue(comm.group, label, all_gather_into, out, shard, group=comm.group, async_op=True)
     return Pending(work, out, shard, comm.group, label)
 

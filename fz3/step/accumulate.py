@@ -59,7 +59,7 @@ class Accumulate:
             # across replicas once, below (FSDP2 keeps a partial reduce output the same way).
             result = drain(execute(self.model, sched, params, mb, loss_scale=1.0 / k,
                                    carry=carry, reduce_replicas=self.policy == "defer",
-                                   compiled=self.compiled, traced=self.traced))
+                                   compiled=self.compiled, traced=self.traced, frames=False))
             losses.append(result.loss)
             if self.policy == "reduce":  # acc holds buffers this function received and owns
                 acc = (result.grads if acc is None

@@ -62,6 +62,28 @@ def one_call_views(graph: fx.Graph, params: int) -> None:
         graph.eliminate_dead_code()
 
 
+# Ops that make a tensor from nothing but their arguments, the same every call (no RNG).
+CONSTANT_FACTORIES = frozenset({torch.ops.aten.zeros.default, torch.ops.aten.ones.default,
+                                torch.ops.aten.full.default,
+                                torch.ops.aten.scalar_tensor.default})
+# Ops that only read their tensor arguments and return new memory: a constant input is safe.
+_READ_ONLY = frozenset({torch.ops.aten.cat.default, torch._C._nn.flatten_dense_tensors})
+
+
+def constant_factories(graph: fx.Graph) -> None:
+    """A ``CONSTANT_FACTORIES`` node read only by ops that copy it (the zeros of a padding's
+    gradient, read by the flat gradient's ``cat``) -> a tensor made once, here: ``codegen``
+    makes it a constant of the program, which never writes to it."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in CONSTANT_FACTORIES or \
+                node.all_input_nodes or not all(u.target in _READ_ONLY for u in node.users):
+            continue
+        value = node.target(*node.args, **node.kwargs)
+        for user in list(node.users):
+            user.args = fx.node.map_arg(user.args, lambda a: value if a is node else a)
+        graph.erase_node(node)
+
+
 def one_call_flatten(graph: fx.Graph) -> None:
     """The row's gradient, ``cat`` of 1-D ``view`` s of each parameter's gradient -> one
     ``flatten_dense_tensors`` call (the same copy of the same values)."""

@@ -50,7 +50,8 @@ from .unit_io import (add_gradients, backward_traced, call_tensors, detached, fr
 def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any, recorder=None,
             *, loss: Loss | None = None, loss_scale: float | torch.Tensor = 1.0,
             carry: dict[int, torch.Tensor] | None = None, reduce_replicas: bool = True,
-            compiled=None, graphs=None, traced=None) -> Generator[Frame, None, Result]:
+            compiled=None, graphs=None, traced=None,
+            frames: bool = True) -> Generator[Frame, None, Result]:
     """Run ``schedule`` on ``batch``. ``loss``: the function the ``loss`` op runs (default:
     the model's ``post``). ``loss_scale`` multiplies the backward's seed (fp16 loss scaling;
     1/k for k accumulated micro-batches). ``carry``: unsharded flat gradients accumulated by
@@ -60,10 +61,11 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
     ``traced``: a ``fz3.step.traced.TracedLayers`` whose programs run the layers (without the
     autograd engine), or None; ``compiled``: a ``fz3.step.compiled.CompiledLayers`` for layers
     that are not traced, or None (eager); ``graphs``: a ``fz3.step.graphs.GraphedLayers`` to
-    replay them with (CUDA)."""
+    replay them with (CUDA). ``frames=False``: no ``Frame`` is made or yielded (a caller that
+    only drains the step)."""
     state = StepState(model, schedule, params, batch, loss or Loss(model.post), loss_scale,
                       carry, reduce_replicas, compiled=compiled, graphs=graphs,
-                      traced=traced)
+                      traced=traced, frames=frames)
     if recorder is not None:
         recorder.begin_step(schedule, model.device)
     # With a profiler running (torch.profiler), each op is a named range in its trace; without
@@ -104,8 +106,8 @@ def _gather(s: StepState, op: Op, index: int) -> None:
         elif s.graphs is not None and unit.role is Role.STACK and not frozen:
             # a fixed address: the ring
             out = s.graphs.slot(unit.part, u)
-        else:
-            out = torch.empty(m.world_size * shard.numel(), dtype=shard.dtype, device=m.device)
+        else:  # a new buffer; one rank's: the shard itself (see fz3/comm)
+            out = None
         flat = shard if shard.dim() == 1 else shard.reshape(-1)
         s.gathering[key] = all_gather(m.comm, out, flat, Label(s.schedule, op))
 
@@ -123,12 +125,16 @@ def _wait(s: StepState, op: Op, index: int) -> None:
             buf = out
         elif k == 1:
             buf = out.view(1, -1)
+            if not frozen:
+                s.rows[u] = (out,)
         elif key in s.released:
             # rank-major (world, k, n) -> layer-major (k, world*n), in place
             buf = regrow(s.released[key].buffer)
             buf.copy_(out.view(world, k, -1).transpose(0, 1).reshape(buf.shape))
         else:
             buf = out.view(world, k, -1).transpose(0, 1).reshape(k, -1)
+        if k > 1 and not frozen and unit.role is Role.STACK:
+            s.rows[u] = buf.unbind(0)
         if key in s.released:
             # The graph's saved views now hold the same values again; collectives and the copy
             # bumped the version counter (gloo: when the work completes), which autograd would
@@ -166,15 +172,16 @@ def _forward_stage(s: StepState, op: Op, index: int) -> Frame:
 
 def _forward_layers(s: StepState, op: Op, index: int) -> Frame:
     u, x = op.unit, s.h
-    extras, positions = s.extras.get(s.producer, ()), s.grad_positions.get(s.producer, [])
-    layers = traced_layers(s, u, x, extras, positions)
+    layers = traced_layers(s, u, x)
     save = op.kind == OpKind.FORWARD_SAVE
     if layers is not None:  # no graph: the traced programs keep residuals (save) or nothing
         before = rng.capture(s.model.device) if s.schedule.grad and not save else None
-        s.h, residuals = run_traced(s, u, layers, x, keep=save)
+        s.h, residuals = run_traced(s, u, layers, x, s.traced_extras[s.producer].tensors,
+                                    keep=save)
         if s.schedule.grad:
             s.saved[u] = Saved(save, x, None, [], (), before, s.producer, layers, residuals)
     elif save:
+        extras, positions = s.extras.get(s.producer, ()), s.grad_positions.get(s.producer, [])
         leaf, x_leaf = compute.leaf(s.gathered[u, False]), x.detach().requires_grad_()
         leaf_extras = compute.detach_extras(extras, positions, grad=True)
         with torch.enable_grad():
@@ -184,7 +191,7 @@ def _forward_layers(s: StepState, op: Op, index: int) -> Frame:
     else:
         before = rng.capture(s.model.device) if s.schedule.grad else None
         with torch.no_grad():
-            s.h = run_layers(s, u, s.gathered[u, False], x, extras)
+            s.h = run_layers(s, u, s.gathered[u, False], x, s.extras.get(s.producer, ()))
         if s.schedule.grad:
             s.saved[u] = Saved(False, x, None, [], (), before, s.producer)
     return frame_of(s, op, index, x, s.h, None)
@@ -228,18 +235,25 @@ def _backward_layers(s: StepState, op: Op, index: int) -> Frame:
         residuals = saved.residuals
         if residuals is None:  # recompute, replaying the forward's RNG
             rng.restore(saved.rng, model.device)
-            _, residuals = run_traced(s, u, layers, saved.x, keep=True)
+            _, residuals = run_traced(s, u, layers, saved.x,
+                                      s.traced_extras[saved.producer].tensors, keep=True)
         g_params, g_x, g_extras = backward_traced(s, u, layers, residuals, s.grad_h)
         g = (g_params, g_x, *g_extras)
     else:
         g = _autograd_backward(s, u, saved, positions, s.extras.get(saved.producer, ()))
     grad_out, s.grad_h = s.grad_h, or_zeros(g[1], saved.x)
-    summed = s.grad_extras.setdefault(saved.producer, {})
-    for j, ge in zip(positions, g[2:]):
-        if ge is not None:
-            summed[j] = ge if j not in summed else summed[j] + ge
-    flat = compute.layer_grad(or_zeros(g[0], s.gathered[u, False]), model.world_size,
-                              by_layer=s.schedule.reduce == "all_reduce")
+    if positions:
+        summed = s.grad_extras.setdefault(saved.producer, {})
+        for j, ge in zip(positions, g[2:]):
+            if ge is not None:
+                summed[j] = ge if j not in summed else summed[j] + ge
+    g_buffer = or_zeros(g[0], s.gathered[u, False])
+    by_layer = s.schedule.reduce == "all_reduce"
+    if len(s.schedule.units[u].rows) == 1 and not by_layer:  # kept flat: (world*n,)
+        flat = g_buffer if g_buffer.dim() == 1 else g_buffer.view(-1)
+    else:
+        flat = compute.layer_grad(g_buffer.view(-1, g_buffer.shape[-1]), model.world_size,
+                                  by_layer=by_layer)
     reduce = model.precision.reduce
     s.unreduced[u] = flat if flat.dtype == reduce else flat.to(reduce)
     return frame_of(s, op, index, grad_out, s.grad_h, s.unreduced[u])
@@ -290,14 +304,16 @@ def _free(s: StepState, op: Op, index: int) -> None:
     if s.graphs is not None:
         s.graphs.release(s.schedule.units[u].part, u)
     saved = s.saved.get(u)
+    s.rows.pop(u, None)
     # traced layers whose residuals view none of the buffer do not hold it
     graph = saved is not None and saved.graph
     held = (graph and (saved.traced is None or saved.traced.holds_buffer)
             or _held_by_a_reader(s, u))
     for key in ((u, False), (u, True)):
         buf = s.gathered.pop(key, None)
-        # a live graph holds views: free the storage only
-        if buf is not None and held:
+        # a live graph holds views: free the storage only (not the parameters' own, which a
+        # one-rank run computes on)
+        if buf is not None and held and not s.is_shard(key, buf):
             s.released[key] = release(buf)
 
 
@@ -324,8 +340,8 @@ def _reduce(s: StepState, op: Op, index: int) -> None:
         rdt = m.precision.reduce
         out = (shard if rdt == torch.float32
                else torch.empty(shard.numel(), dtype=rdt, device=m.device))
-        s.reducing[u] = Reducing(
-            reduce_scatter(m.comm, out, g.reshape(-1), Label(s.schedule, op)), shard)
+        s.reducing[u] = Reducing(reduce_scatter(m.comm, out, g if g.dim() == 1 else g.reshape(-1),
+                                                Label(s.schedule, op)), shard)
 
 
 def _wait_reduce(s: StepState, op: Op, index: int) -> None:

@@ -30,7 +30,8 @@ import torch
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .codegen import TraceError, codegen, fast_ops, one_call_flatten, one_call_views
+from .codegen import (CONSTANT_FACTORIES, TraceError, codegen, constant_factories, fast_ops,
+                      one_call_flatten, one_call_views)
 
 Layer = Callable[..., torch.Tensor]  # (row, frozen_row | None, h, *extras) -> h
 
@@ -95,11 +96,14 @@ def trace(layer: Layer, inputs: Sequence[torch.Tensor], frozen: bool,
     graphs = (fwd, bwd, _forward_only(fwd))  # for inductor, as traced
     slow_f, slow_b = fast_ops(fwd), fast_ops(bwd, boxed=True)
     # for Python, a copy with the parameter views made and the gradient flattened in one
-    # call each (a dozen ops fewer per program; nothing inductor could compile)
+    # call each, and constant zeros made once (a dozen ops fewer per program; nothing
+    # inductor could compile)
     fwd, bwd, inf = (_copy(g) for g in graphs)
     for g in (fwd, bwd, inf):
         one_call_views(g, params=first)
     one_call_flatten(bwd)
+    for g in (fwd, bwd, inf):
+        constant_factories(g)
     forward, s1 = codegen(fwd, "forward", slow=slow_f)
     backward, s2 = codegen(bwd, "backward", boxed=True, slow=slow_b)
     infer, s3 = codegen(inf, "inference", slow=slow_f)
@@ -124,8 +128,10 @@ def partition(joint: fx.Graph, params: range, grads: int) -> tuple[fx.Graph, fx.
             backward_side.add(node)  # depends on g
         elif ins and all(a in rows for a in ins) and _is_view(node):
             rows.add(node)  # a view of a parameter row: recomputed where it is needed
-    # the backward recomputes what depends on g and the row views; everything else it reads
-    # (forward values, h, extras) is a residual
+        elif not ins and node.target in CONSTANT_FACTORIES:
+            rows.add(node)  # zeros (a padding's gradient): made where needed, no residual
+    # the backward recomputes what depends on g, the row views and constants; everything
+    # else it reads (forward values, h, extras) is a residual
     computed = backward_side | rows
     needed = _ancestors(grad_nodes, stop=lambda m: m not in computed)
     residuals = [m for m in joint.nodes if m in needed and m not in computed]

@@ -95,13 +95,21 @@ class StepState:
     compiled: Any = None  # fz3.step.compiled.CompiledLayers: layers run compiled; None: eager
     traced: Any = None  # fz3.step.traced.TracedLayers: layers run as traced programs; None: not
     graphs: Any = None  # fz3.step.graphs.GraphedLayers: layers replayed as CUDA graphs; None: not
+    frames: bool = True  # False: compute ops make no Frame (nobody looks at them)
 
     # parameters, by (unit, frozen?): a unit's trained and frozen parameters are gathered apart
     gathering: dict[tuple[int, bool], Pending] = field(default_factory=dict)
     gathered: dict[tuple[int, bool], torch.Tensor] = field(default_factory=dict)
     released: dict[tuple[int, bool], Released] = field(default_factory=dict)
+    # stack units, by unit: the rows of its gathered trained buffer, 1-D (traced programs' input)
+    rows: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    # by part: its trained shard's rows, split once per step (a stack's one-layer units gather
+    # them), and its gradient shard's rows, where its units' reduces land
+    shard_rows: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    grad_rows: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     saved: dict[int, Saved] = field(default_factory=dict)
-    # gradients, by unit (flat (world, k, n), or (padded,) for a part that is not a stack)
+    # gradients, by unit: flat (world, k, n); (world*n,) for a one-layer unit whose reduce is a
+    # reduce-scatter (the same memory, no views made), (padded,) for a part that is not a stack
     unreduced: dict[int, torch.Tensor] = field(default_factory=dict)
     reducing: dict[int, Reducing] = field(default_factory=dict)
     replicating: list[Pending] = field(default_factory=list)
@@ -111,6 +119,8 @@ class StepState:
     h: torch.Tensor | None = None
     producer: int = -1  # the last pre or between unit run: its extras go to the layers after it
     extras: dict[int, tuple] = field(default_factory=dict)  # by producer: its extra outputs
+    # by producer: its extras as traced programs take them (``fz3.step.traced.Extras``)
+    traced_extras: dict[int, Any] = field(default_factory=dict)
     # by producer: extras with grad
     grad_positions: dict[int, list[int]] = field(default_factory=dict)
     grad_h: torch.Tensor | None = None
@@ -129,13 +139,25 @@ class StepState:
     def owned_bytes(self) -> tuple[int, int, int]:
         """Bytes of the buffers the step holds: gathered parameters, unreduced gradients,
         inputs kept for recompute (the memory plan predicts the same three, op by op)."""
-        params = sum(nbytes(p.out) for p in self.gathering.values()) + \
-            sum(nbytes(b) for b in self.gathered.values())
+        params = sum(nbytes(p.out) for k, p in self.gathering.items()
+                     if not self.is_shard(k, p.out)) + \
+            sum(nbytes(b) for k, b in self.gathered.items() if not self.is_shard(k, b))
         grads = sum(nbytes(g) for g in self.unreduced.values()) + \
             sum(pending_bytes(r.pending) for r in self.reducing.values())
         inputs = sum(nbytes(s.x) for s in self.saved.values()
                      if not s.graph and isinstance(s.x, torch.Tensor))
         return params, grads, inputs
+
+    def is_shard(self, key: tuple[int, bool], buf: torch.Tensor) -> bool:
+        """Whether the gathered buffer of ``key`` (unit, frozen?) is its parameter shard's own
+        memory (one rank gathers without a copy, ``fz3.comm``): never released, held by the
+        parameters, not by the step."""
+        if self.model.world_size != 1:
+            return False
+        u, frozen = key
+        part = self.schedule.units[u].part
+        shard = self.model.frozen[part] if frozen else self.params.parts[part]
+        return buf.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()
 
     def moved_bytes(self, op: Op) -> int:
         """Bytes a collective op moves (the full, unsharded buffer); 0 for other ops."""

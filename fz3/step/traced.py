@@ -40,12 +40,24 @@ log = logging.getLogger(__name__)
 
 
 class Layers(NamedTuple):
-    """The programs of a unit's layers, and what they are called with besides rows and h."""
+    """The programs of a unit's layers."""
 
     programs: tuple[Programs, ...]  # one per layer of the unit
-    extras: tuple[torch.Tensor, ...]  # the tensors among the extras, flattened
     # a residual may view the gathered buffer: ``free`` keeps its storage object (released)
     holds_buffer: bool
+
+
+class Extras(NamedTuple):
+    """A pre or between unit's extra outputs as the traced programs take them, made once per
+    step (``TracedLayers.extras``): every layer after that unit reads the same ones."""
+
+    tensors: tuple[torch.Tensor, ...]  # the tensors among them, flattened: the programs' inputs
+    flat: list  # each extra flattened, ``(leaves, spec)``
+    diff: tuple[int, ...]  # positions in ``tensors`` whose gradient the backward returns
+    # what programs are specialized to (the tensors' shapes, strides and dtypes, the other
+    # values); None: a value cannot be hashed, so the layers are not traced
+    consts: tuple | None
+    key: int  # ``consts``' number in this ``TracedLayers`` (a cheap per-layer lookup)
 
 
 class TracedLayers:
@@ -61,7 +73,9 @@ class TracedLayers:
         self.failed: dict[str, str] = {}  # part name -> why its layers run through autograd
         self.compiles = 0  # inductor compilations so far
         self._programs: dict[tuple, Programs | None] = {}  # (part, group, signature) ->
-        self._units: dict[tuple, Layers] = {}  # (part, first, stop, signature) -> its programs
+        # (part, first, stop, h's shape, stride and dtype, training, extras' key) -> programs
+        self._units: dict[tuple, Layers] = {}
+        self._extras: dict[tuple, int] = {}  # Extras.consts -> Extras.key
         self._kernels: dict[tuple, Callable[..., Any]] = {}  # (code, signature) -> compiled
         self._sources: dict[tuple, str] = {}  # (part, signature) -> the first group's code
         self._warned: set[int] = set()  # parts reported as compiling per layer
@@ -69,13 +83,9 @@ class TracedLayers:
             if part.role is Role.STACK:
                 self.groups[i] = _groups(model.functions[i], part, self.failed)
 
-    def layers(self, part_index: int, first: int, stop: int, h: torch.Tensor,
-               extras: tuple, positions: Sequence[int]) -> Layers | None:
-        """The programs for layers ``[first, stop)`` of a stack on ``h`` and ``extras``, or
-        None: they run through autograd (or dynamo). Traced at the first call per signature."""
-        part = self.model.parts[part_index]
-        if part.name in self.failed:
-            return None
+    def extras(self, extras: tuple, positions: Sequence[int]) -> Extras:
+        """``extras`` (a pre or between unit's extra outputs; ``positions``: those with
+        gradient) as programs take them. Once per producing unit and step."""
         flat = [optree.tree_flatten(e, none_is_leaf=True) for e in extras]
         tensors, consts, where = [], [], []
         for j, (leaves, spec) in enumerate(flat):
@@ -88,39 +98,49 @@ class TracedLayers:
                 else:
                     consts.append(leaf)
         diff = tuple(i for i, j in enumerate(where) if j in positions)
-        # what a program is specialized to: shapes, strides and dtypes, non-tensor values
-        signature = (tuple(h.shape), h.stride(), h.dtype, self.model.training, diff,
-                     tuple(consts))
-        unit = (part_index, first, stop, signature)
+        signature: tuple | None = (diff, tuple(consts))
         try:
-            known = self._units.get(unit)
+            key = self._extras.setdefault(signature, len(self._extras))
         except TypeError:  # an extra that is no tensor and cannot be hashed: not traced
-            return None
+            signature, key = None, -1
+        return Extras(tuple(tensors), flat, diff, signature, key)
+
+    def layers(self, part_index: int, first: int, stop: int, h: torch.Tensor,
+               extras: Extras) -> Layers | None:
+        """The programs for layers ``[first, stop)`` of a stack on ``h`` and ``extras``, or
+        None: they run through autograd (or dynamo). Traced at the first call per signature.
+        On the per-layer path: once traced, one dict lookup."""
+        unit = (part_index, first, stop, h.shape, h.stride(), h.dtype, self.model.training,
+                extras.key)
+        known = self._units.get(unit)
         if known is not None:
-            return known._replace(extras=tuple(tensors))
-        layers = self._layers(part_index, part, first, stop, h, flat, tensors, diff, signature)
+            return known
+        part = self.model.parts[part_index]
+        if part.name in self.failed or extras.consts is None:
+            return None
+        # what a program is specialized to: shapes, strides and dtypes, non-tensor values
+        signature = (tuple(h.shape), h.stride(), h.dtype, self.model.training, extras.consts)
+        layers = self._layers(part_index, part, first, stop, h, extras, signature)
         if layers is not None:
             self._units[unit] = layers
         return layers
 
     def _layers(self, part_index: int, part: Part, first: int, stop: int, h: torch.Tensor,
-                flat: list, tensors: list, diff: tuple, signature: tuple) -> Layers | None:
-        """``flat``: each extra flattened, ``(leaves, spec)``; ``tensors``: its tensor leaves."""
+                extras: Extras, signature: tuple) -> Layers | None:
         groups = self.groups[part_index]
         programs = []
         for layer in range(first, stop):
             key = (part_index, groups[layer], signature)
             if key not in self._programs:
-                self._programs[key] = self._trace(part_index, part, layer, h, flat, tensors,
-                                                  diff, signature)
+                self._programs[key] = self._trace(part_index, part, layer, h, extras, signature)
             got = self._programs[key]
             if got is None:
                 return None
             programs.append(got)
-        return Layers(tuple(programs), tuple(tensors), any(p.aliases_params for p in programs))
+        return Layers(tuple(programs), any(p.aliases_params for p in programs))
 
-    def _trace(self, i: int, part: Part, layer: int, h: torch.Tensor, flat: list,
-               tensors: list, diff: tuple, signature: tuple) -> Programs | None:
+    def _trace(self, i: int, part: Part, layer: int, h: torch.Tensor, extras: Extras,
+               signature: tuple) -> Programs | None:
         binding = self.model.functions[i][layer]
         name = LayerName(part.path, part.first + layer)
         frozen = part.frozen is not None
@@ -128,12 +148,13 @@ class TracedLayers:
                           device=self.model.device)
         frozen_row = (torch.empty(part.frozen.padded, dtype=_frozen_dtype(self.model, i),
                                   device=self.model.device) if frozen else None)
-        inputs = [row, *([frozen_row] if frozen else []), h, *tensors]
+        inputs = [row, *([frozen_row] if frozen else []), h, *extras.tensors]
         # traced once per model: every step function on it (and its copies) reuses them
         key = (binding, part.layout, part.frozen, signature)
         if key not in self.model.traces:
             try:
-                self.model.traces[key] = trace(_layer(binding, part, flat), inputs, frozen, diff)
+                self.model.traces[key] = trace(_layer(binding, part, extras.flat), inputs, frozen,
+                                                    extras.diff)
             except TraceError as e:
                 self.model.traces[key] = e
         programs = self.model.traces[key]

@@ -21,17 +21,29 @@ from .state import Frame, StepState
 
 def gather_pieces(s: StepState, unit) -> list[tuple[bool, torch.Tensor]]:
     """What a unit gathers: its trained shard, cast to the compute dtype before the gather (bf16
-    moves half the bytes), and its frozen shard (stored in that dtype already), if any."""
-    trained = s.params.parts[unit.part]
+    moves half the bytes), and its frozen shard (stored in that dtype already), if any. A
+    unit of one layer gathers its row (1-D), of k layers its ``(k, shard)`` rows."""
     frozen = s.model.frozen[unit.part]
     if unit.role is Role.STACK:
-        # one layer: its row (1-D, as gathered); k layers: (k, shard), flattened by the gather
-        rows = unit.rows.start if len(unit.rows) == 1 else slice(unit.rows.start, unit.rows.stop)
-        trained = trained[rows]
-        frozen = None if frozen is None else frozen[rows]
+        rows = unit.rows
+        if len(rows) == 1:  # the part's rows, split once per step: one op for all its units
+            trained = _shard_rows(s, unit.part)[rows.start]
+            frozen = None if frozen is None else frozen[rows.start]
+        else:
+            trained = s.params.parts[unit.part][rows.start:rows.stop]
+            frozen = None if frozen is None else frozen[rows.start:rows.stop]
+    else:
+        trained = s.params.parts[unit.part]
     compute_dtype = s.model.precision.compute
     pieces = [(False, trained if trained.dtype == compute_dtype else trained.to(compute_dtype))]
     return pieces if frozen is None else [*pieces, (True, frozen)]
+
+
+def _shard_rows(s: StepState, part: int) -> tuple[torch.Tensor, ...]:
+    rows = s.shard_rows.get(part)
+    if rows is None:
+        rows = s.shard_rows[part] = s.params.parts[part].unbind(0)
+    return rows
 
 
 def grad_leaves(s: StepState, u: int) -> list[torch.Tensor]:
@@ -71,41 +83,54 @@ def run_layers(s: StepState, u: int, buffer: torch.Tensor, x, extras) -> torch.T
     return compute.run_layers(fns, rows, x, extras, part.path, part.first + first)
 
 
-def traced_layers(s: StepState, u: int, x: torch.Tensor, extras: tuple, positions: list[int]):
-    """The traced programs of a layer unit on ``x`` and ``extras`` (``fz3.step.traced.Layers``),
-    or None: it runs through autograd (or ``compiled``, ``graphs``)."""
+def traced_layers(s: StepState, u: int, x: torch.Tensor):
+    """The traced programs of a layer unit on ``x`` and its producer's extras
+    (``fz3.step.traced.Layers``), or None: it runs through autograd (or ``compiled``,
+    ``graphs``)."""
     if s.traced is None or s.graphs is not None:
         return None
     unit = s.schedule.units[u]
-    return s.traced.layers(unit.part, unit.rows.start, unit.rows.stop, x, extras, positions)
+    return s.traced.layers(unit.part, unit.rows.start, unit.rows.stop, x,
+                           traced_extras(s, s.producer))
 
 
-def run_traced(s: StepState, u: int, layers, x: torch.Tensor, *,
+def traced_extras(s: StepState, producer: int):
+    """The extras of ``producer`` (a pre or between unit) as traced programs take them
+    (``fz3.step.traced.Extras``), made at the first layer that reads them in this step."""
+    extras = s.traced_extras.get(producer)
+    if extras is None:
+        extras = s.traced_extras[producer] = s.traced.extras(
+            s.extras.get(producer, ()), s.grad_positions.get(producer, []))
+    return extras
+
+
+def run_traced(s: StepState, u: int, layers, x: torch.Tensor, extras: tuple, *,
                keep: bool) -> tuple[torch.Tensor, list | None]:
-    """A unit's layers as traced programs on ``x``: ``(h, each layer's residuals)`` with
-    ``keep`` (their forward programs), ``(h, None)`` without (their inference programs)."""
-    buffer, frozen = s.gathered[u, False], s.gathered.get((u, True))
+    """A unit's layers as traced programs on ``x`` and the extras' tensors: ``(h, each layer's
+    residuals)`` with ``keep`` (their forward programs), ``(h, None)`` without (their
+    inference programs)."""
+    frozen = s.gathered.get((u, True))
     # No autograd here: the programs get gathered buffers, detached activations and detached
     # extras (``StepState.extras``), none of which requires grad, so nothing records a graph.
     residuals = []
-    for j, (programs, row) in enumerate(zip(layers.programs, _rows(buffer))):
+    for j, (programs, row) in enumerate(zip(layers.programs, s.rows[u])):
         params = (row,) if frozen is None else (row, frozen[j])
         if keep:
-            out = programs.forward(*params, x, *layers.extras)
+            out = programs.forward(*params, x, *extras)
             x = out[0]
             residuals.append(out[1:])
         else:
-            x = programs.inference(*params, x, *layers.extras)[0]
+            x = programs.inference(*params, x, *extras)[0]
     return x, (residuals if keep else None)
 
 
 def backward_traced(s: StepState, u: int, layers, residuals: list,
                     grad_h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list]:
-    """A unit's layers' backward programs, last layer first: the gradient of its ``(k,
-    padded)`` buffer, of its input, and of each differentiable extra (summed over layers).
-    Empties ``residuals``: each is freed inside its program after its last use."""
-    buffer, frozen = s.gathered[u, False], s.gathered.get((u, True))
-    rows = _rows(buffer)
+    """A unit's layers' backward programs, last layer first: the gradient of its buffer
+    (``(padded,)`` for one layer, ``(k, padded)`` for k), of its input, and of each
+    differentiable extra (summed over layers). Empties ``residuals``: each is freed inside
+    its program after its last use."""
+    rows, frozen = s.rows[u], s.gathered.get((u, True))
     k = len(layers.programs)
     grads: list = [None] * k
     extras: list = []
@@ -114,12 +139,18 @@ def backward_traced(s: StepState, u: int, layers, residuals: list,
         out = layers.programs[j].backward([*params, *residuals.pop(), grad_h])
         grads[j], grad_h = out[0], out[1]
         extras = list(out[2:]) if not extras else [a + b for a, b in zip(extras, out[2:])]
-    return (grads[0].view(1, -1) if k == 1 else torch.stack(grads)), grad_h, extras
+    return (grads[0] if k == 1 else torch.stack(grads)), grad_h, extras
+
+
+def rows_of(buffer: torch.Tensor, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The rows of a stack unit's ``(k, padded)`` gathered buffer, 1-D; ``flat``: the same
+    memory as gathered (for one layer, its row: no new view)."""
+    return (flat,) if buffer.shape[0] == 1 else buffer.unbind(0)
 
 
 def _rows(buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The rows of a (k, padded) buffer; one row as a view, whose backward is free (unbind's
-    stacks the rows' gradients into a new buffer)."""
+    """The rows of a (k, padded) buffer (an autograd leaf: rows are views of it); one row as a
+    view, whose backward is free (unbind's stacks the rows' gradients into a new buffer)."""
     return (buffer.view(-1),) if buffer.shape[0] == 1 else buffer.unbind(0)
 
 
@@ -140,23 +171,32 @@ def add_gradients(s: StepState, u: int, grads, leaves: list[torch.Tensor]) -> to
 
 def result_shard(s: StepState, unit) -> torch.Tensor:
     """Where this rank's reduced gradient of ``unit`` lands: its rows of the part's gradient
-    shard in the step's result, allocated at the part's first reduce."""
-    part = s.model.parts[unit.part]
-    if unit.part not in s.grads:
+    shard in the step's result, allocated at the part's first reduce (and split into rows
+    once: one op for all the part's units)."""
+    rows = s.grad_rows.get(unit.part)
+    if rows is None:
+        part = s.model.parts[unit.part]
         shape = ((part.rows, part.layout.shard_numel) if part.role is Role.STACK
                  else (part.layout.shard_numel,))
-        s.grads[unit.part] = torch.empty(shape, dtype=torch.float32, device=s.model.device)
-    grads = s.grads[unit.part]
-    if part.role is not Role.STACK:
-        return grads
-    rows = unit.rows
-    return grads[rows.start] if len(rows) == 1 else grads[rows.start:rows.stop].view(-1)
+        grads = s.grads[unit.part] = torch.empty(shape, dtype=torch.float32,
+                                                 device=s.model.device)
+        rows = s.grad_rows[unit.part] = grads.unbind(0) if part.role is Role.STACK else ()
+    if unit.role is not Role.STACK:
+        return s.grads[unit.part]
+    first = unit.rows.start
+    return rows[first] if len(unit.rows) == 1 else s.grads[unit.part][first:unit.rows.stop].view(-1)
 
 
 def frame_of(s: StepState, op: Op, index: int, inputs: Any, outputs: Any,
-             grad: torch.Tensor | None) -> Frame:
-    """What a compute op yields: references to the unit's buffers, inputs and outputs."""
-    reads = s.schedule.units[op.unit].reads
+             grad: torch.Tensor | None) -> Frame | None:
+    """What a compute op yields: references to the unit's buffers, inputs and outputs (None
+    when the step makes no frames)."""
+    if not s.frames:
+        return None
+    unit = s.schedule.units[op.unit]
+    reads = unit.reads
+    if grad is not None and grad.dim() == 1 and unit.role is Role.STACK:
+        grad = grad.view(s.model.world_size, 1, -1)  # a one-layer unit's, kept flat
     return Frame(index, op, s.gathered[op.unit, False], inputs, outputs, grad,
                  {r: s.gathered[r, False] for r in reads} if reads else None,
                  s.gathered.get((op.unit, True)))

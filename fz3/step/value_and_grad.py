@@ -43,7 +43,7 @@ class ValueAndGrad:
         self.steps += 1
         gen = execute(self.model, self.schedule, params, batch, self.recorder, loss=self.loss,
                       loss_scale=loss_scale, compiled=self.compiled, graphs=self.graphs,
-                      traced=self.traced)
+                      traced=self.traced, frames=self.check_finite)
         result = (drain_checking_finite(self.model, self.schedule, gen) if self.check_finite
                   else drain(gen))
         value = (result.loss, result.aux) if self.loss.has_aux else result.loss
@@ -109,5 +109,6 @@ def apply(model: ShardedModel, params: Params, batch: Any, *,
     else:
         traced, compiled = layer_runners(model, trace=trace, compile=compile, strict=False)
     result = drain(execute(model, sched, params, batch, recorder,
-                           loss=loss_of(model, loss, has_aux), compiled=compiled, traced=traced))
+                           loss=loss_of(model, loss, has_aux), compiled=compiled, traced=traced,
+                           frames=False))
     return (result.loss, result.aux) if has_aux else result.loss
