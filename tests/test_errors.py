@@ -58,6 +58,9 @@ def error_ranks(rank, world):
             r"\[2, \d+\]", step, wrong, (x, x))
     _raises(ValueError, r"params of part pre is .* torch.float64", step,
             fz3.Params((pre_.double(), blocks, post_)), (x, x))
+    strided = torch.empty(blocks.shape[1], blocks.shape[0]).t()  # the same shape, transposed
+    _raises(ValueError, r"params of part blocks are not contiguous \(strides \(1, 2\) for shape "
+            r"\[2, \d+\]\): pass contiguous shards", step, fz3.Params((pre_, strided, post_)), (x, x))
     _raises(TypeError, r"params is Params of 2 parts; pass the Params that fz3.shard returned for this model "
             r"\(or a tree shaped like it: 3 parts, \['pre', 'blocks', 'post'\]\)", step, fz3.Params((pre_, blocks)),
             (x, x))

@@ -94,6 +94,25 @@ class InPlace(Lin):
         return h + torch.tanh(self.lin(h))
 
 
+class IntoConstant(Lin):
+    """Writes part of h into a tensor it makes, which the backward reads: the write belongs
+    to the forward (only a constant the forward never touches is made again in backward)."""
+
+    def forward(self, h):
+        m = torch.zeros(h.shape)
+        m[..., 0] = h[..., 1] * 2
+        return h + torch.tanh(self.lin(h)) * m
+
+
+class ScalarIntoView(Lin):
+    """A Python number written through a view: the trace holds it as a tensor attribute."""
+
+    def forward(self, h):
+        m = torch.ones(h.shape[-1])
+        m[0] = 3.0
+        return h + self.lin(h) * m
+
+
 def _pre_count(m, b):
     return m.emb(b[0]), torch.zeros(())
 
@@ -123,6 +142,9 @@ def fallback_ranks(rank, world):
         "buffer": ([WithBuffer() for _ in range(3)], r"has buffers"),
         "hook": ([_hooked() for _ in range(3)], r"has hooks \(_forward_hooks\)"),
         "indexed": ([Indexed(i) for i in range(3)], None),
+        "into a constant": ([IntoConstant() for _ in range(3)], None),
+        "scalar into a view": ([ScalarIntoView() for _ in range(3)],
+                               r"could not be split into programs"),
         "plain": ([Lin() for _ in range(3)], None),
     }
     for name, (layers, why) in cases.items():
@@ -142,6 +164,15 @@ def fallback_ranks(rank, world):
             assert step.traced.groups[model.part_index("layers")] == [0, 1, 2]
         if name == "plain":
             assert step.traced.groups[model.part_index("layers")] == [0, 0, 0]
+    # one step function, h of two shapes: traced once per shape, each step equal
+    model, params = fz3.shard(LayerNet([Lin() for _ in range(3)]), "layers", layer_pre, layer_post)
+    step = fz3.value_and_grad(model)
+    for seq in (5, 3, 5):
+        bb = (torch.randint(0, 11, (2, seq), generator=g), torch.randint(0, 11, (2, seq), generator=g))
+        loss, grads = step(params, bb)
+        want_loss, want = fz3.value_and_grad(model, trace=False)(params, bb)
+        assert torch.equal(loss, want_loss) and _same(grads, want), seq
+    assert len(model.traces) == 2
     torch.manual_seed(0)
     model, params = fz3.shard(LayerNet([InPlace() for _ in range(3)]), "layers", _pre_count, layer_post)
     step = fz3.value_and_grad(model)

@@ -47,6 +47,12 @@ class Comm:
     heartbeat: Heartbeat | None = None  # this process's liveness signal (liveness.py)
     local_copies: bool = True  # a group of one rank copies locally (False: through the backend)
 
+    @property
+    def local(self) -> bool:
+        """A group of one rank whose collectives are done here, without the backend (a copy,
+        or nothing): an all-gather into no given buffer hands back the shard itself."""
+        return self.world_size == 1 and self.local_copies
+
     def _delay(self) -> None:
         if self.delay_s:
             time.sleep(self.delay_s * self.rank)
@@ -78,7 +84,7 @@ def all_gather(comm: Comm, out: torch.Tensor | None, shard: torch.Tensor,
     buffer, or in a group of one rank the shard itself (no copy: the caller must not write
     into the result)."""
     comm._delay()
-    if comm.world_size == 1 and comm.local_copies:
+    if comm.local:
         return Pending(None, shard if out is None else out.copy_(shard), shard, comm.group,
                        label)
     if out is None:
@@ -91,7 +97,7 @@ def reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor,
                    label: object = "reduce-scatter") -> Pending:
     """Issue ``out (n,) <- sum over ranks of full[rank*n:(rank+1)*n]`` (full: (world*n,))."""
     comm._delay()
-    if comm.world_size == 1 and comm.local_copies:
+    if comm.local:
         return Pending(None, out.copy_(full), full, comm.reduce_group, label)
     work = _issue(comm.reduce_group, label, reduce_scatter_into, out, full, op=dist.ReduceOp.SUM,
                   group=comm.reduce_group, async_op=True)

@@ -166,7 +166,9 @@ class _Timeline:
         elements = len(unit.rows) * self.work.parts[unit.part].numel
         nbytes = elements * (self.work.param_bytes if gather else self.work.grad_bytes)
         passes = 2 if not gather and self.sched.reduce == "all_reduce" else 1
-        dur = self._ring(nbytes, shard, self.spans_nodes, passes)
+        # one rank gathers fp32 shards in place (fz3.comm): no copy
+        in_place = gather and shard == 1 and self.work.param_bytes == 4
+        dur = 0.0 if in_place else self._ring(nbytes, shard, self.spans_nodes, passes)
         self.sent += (shard - 1) / shard * nbytes * passes
         # the shard, all-reduced across replicas (across nodes)
         if not gather and self.replicas > 1:
@@ -213,7 +215,7 @@ class WorkloadSizes:
 
     def gathered(self, u: int) -> int:
         if self.ranks == 1 and self.work.param_bytes == 4:
-            return 0  # one rank computes on its fp32 shards (fz3.comm): nothing is gathered
+            return 0  # one rank gathers fp32 shards in place (fz3.comm): nothing is allocated
         return self._elements(u) * self.work.param_bytes
 
     def unreduced(self, u: int) -> int:

@@ -27,7 +27,8 @@ class StepFrame(NamedTuple):
     name: str  # the unit's name ("pre", "blocks.3", "post"); "" for the final frame
     op: Op | None
     index: int  # the op's position in the schedule (-1 for the final frame)
-    # gathered parameters by original module name (views: clone to keep)
+    # gathered parameters by original module name (views: clone to keep; read-only: at world
+    # size 1 they are the parameter shards themselves)
     params: dict[str, torch.Tensor]
     # forward: the unit's input (the batch for outer); backward: gradient w.r.t. its output
     inputs: Any

@@ -1,7 +1,8 @@
 """Traced graphs as Python programs: each op called through its C++ binding, values dropped
 after their last use (``codegen``), the Python binding eager PyTorch uses where a re-trace shows
 it dispatches the very same ATen op (``fast_ops``), parameter views and a flat gradient made in
-one call each (``one_call_views``, ``one_call_flatten``). ``fz3.step.joint`` makes the graphs.
+one call each (``one_call_views``, ``one_call_flatten``), constant zeros made once
+(``constant_factories``). ``fz3.step.joint`` makes the graphs.
 """
 
 from __future__ import annotations
@@ -66,17 +67,23 @@ def one_call_views(graph: fx.Graph, params: int) -> None:
 CONSTANT_FACTORIES = frozenset({torch.ops.aten.zeros.default, torch.ops.aten.ones.default,
                                 torch.ops.aten.full.default,
                                 torch.ops.aten.scalar_tensor.default})
-# Ops that only read their tensor arguments and return new memory: a constant input is safe.
-_READ_ONLY = frozenset({torch.ops.aten.cat.default, torch._C._nn.flatten_dense_tensors})
+
+
+def _copies_its_inputs(node: fx.Node) -> bool:
+    """Whether ``node`` only reads its tensor inputs and returns new memory (``cat`` always;
+    ``flatten_dense_tensors`` of one tensor returns a view of it)."""
+    if node.target is torch.ops.aten.cat.default:
+        return True
+    return node.target is torch._C._nn.flatten_dense_tensors and len(node.args[0]) > 1
 
 
 def constant_factories(graph: fx.Graph) -> None:
     """A ``CONSTANT_FACTORIES`` node read only by ops that copy it (the zeros of a padding's
     gradient, read by the flat gradient's ``cat``) -> a tensor made once, here: ``codegen``
-    makes it a constant of the program, which never writes to it."""
+    makes it a constant of the program, which never writes to it, nor lets it out."""
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in CONSTANT_FACTORIES or \
-                node.all_input_nodes or not all(u.target in _READ_ONLY for u in node.users):
+                node.all_input_nodes or not all(_copies_its_inputs(u) for u in node.users):
             continue
         value = node.target(*node.args, **node.kwargs)
         for user in list(node.users):

@@ -1,7 +1,8 @@
 """The layer-scan executor: one training step, top to bottom, as an interpreter of a Schedule.
 
 ``execute`` runs the schedule's ops in order, one short handler per op kind, all sharing a
-``StepState``; it yields a ``Frame`` after every compute op and returns the ``Result``.
+``StepState``; it yields a ``Frame`` after every compute op (unless told no one reads them)
+and returns the ``Result``.
 ``fz3.value_and_grad`` drains it, ``fz3.step_through`` hands the frames to the user. Closing
 it early drains every collective still in flight, so no rank is left inside one. The
 handlers follow, in the order a step meets them; what they call a unit's function with, and
@@ -10,6 +11,8 @@ where its results go, is ``unit_io.py``'s. The buffer lifetimes are noted below.
 [Note: buffer lifetimes, per unit]
 - gather: a ``(world*k*n,)`` buffer in the compute dtype, alive until ``free``; a unit of k>1
   layers is copied once into ``(k, full)`` layer order (rank-major gather order otherwise).
+  At world size 1 it is the shard itself (or its cast to the compute dtype): nothing is
+  copied, and ``free`` never releases the parameters' own storage (``StepState.is_shard``).
 - forward: keeps the unit's input (``forward``: recompute in backward, with the RNG state
   it started from) or its autograd graph (``forward_save``); traced layers
   (``fz3.step.traced``) keep their programs' residuals instead of a graph, as a rule none
@@ -19,7 +22,7 @@ where its results go, is ``unit_io.py``'s. The buffer lifetimes are noted below.
   into that same storage before its backward, as FSDP2 does with ``untyped_storage().resize_()``:
   the graph's saved views then see the re-gathered values.
 - backward (and loss, for the post unit): one flat gradient ``(world, k, n)`` in rank-major
-  order, alive until its reduce is waited. A unit of tied parameters (a shared part) gets
+  order (one layer's kept ``(world*n,)``, the same memory), alive until its reduce is waited. A unit of tied parameters (a shared part) gets
   its flat gradient from its first reader's loss or backward; later readers add into it;
   it is reduced after the last one.
 - reduce: writes this rank's fp32 shard straight into the step's result: the part's whole

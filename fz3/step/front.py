@@ -82,8 +82,14 @@ def check_call(model: ShardedModel, params: Params, batch: Any) -> None:
 
 
 def check_params(model: ShardedModel, params: Params) -> None:
-    """Cheap shape/dtype/device checks (fp32 master shards)."""
+    """Cheap shape/dtype/device checks (fp32 master shards), and contiguity: collectives send
+    them as they are, and one rank computes on them (``fz3.comm``)."""
     check_tree(model, params, "params", torch.float32)
+    for part, t in zip(model.parts, params.parts):
+        if not t.is_contiguous():
+            raise ValueError(f"params of part {part.name} are not contiguous (strides "
+                             f"{t.stride()} for shape {list(t.shape)}): pass contiguous shards, "
+                             f"e.g. optree.tree_map(torch.Tensor.contiguous, params)")
 
 
 def check_batch(model: ShardedModel, batch: Any) -> None:

@@ -9,9 +9,9 @@ joint graph, with fake tensors (a tensor's value read on the host, a data-depend
 fails the trace; nothing is computed, no RNG is drawn). The graph is cut where AOTAutograd's
 default partitioner cuts it:
 
-- backward: every node that depends on the cotangent ``g``, and the views of the parameter
+- backward: every node that depends on the cotangent ``g``, the views of the parameter
   rows it reads (recomputed from the re-gathered row, so no residual aliases a gathered
-  buffer that ``free`` releases);
+  buffer that ``free`` releases), and constants only it uses (a padding's zero gradient);
 - forward: everything else; the forward nodes the backward reads are its residuals, kept
   between the two as a tuple of tensors (what autograd would have saved).
 
@@ -88,8 +88,21 @@ def trace(layer: Layer, inputs: Sequence[torch.Tensor], frozen: bool,
         first_line = str(e).splitlines()[0][:300] if str(e) else ""
         raise TraceError(f"{type(e).__name__}: {first_line}") from e
     _refuse_input_mutation(joint_gm.graph)
-    _fold_transposes(joint_gm.graph)
-    fwd, bwd = partition(joint_gm.graph, params=range(first), grads=len(wrt))
+    try:
+        return _programs(joint_gm.graph, first, len(wrt))
+    except TraceError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a graph these passes do not handle (a constant
+        # tensor attribute, say): the layer runs through autograd, the reason recorded
+        raise TraceError(f"its graph could not be split into programs ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:200] if str(e) else ''})") from e
+
+
+def _programs(joint: fx.Graph, first: int, grads: int) -> Programs:
+    """The joint graph of a layer whose parameter rows are its first ``first`` inputs ->
+    its programs."""
+    _fold_transposes(joint)
+    fwd, bwd = partition(joint, params=range(first), grads=grads)
     aliases = _residuals_alias_params(fwd, params=first)
     # Forwards without gradient run the forward's ops, residuals not returned: the same
     # kernels as the recompute that follows them (eager may pick others without grad mode)
@@ -128,10 +141,13 @@ def partition(joint: fx.Graph, params: range, grads: int) -> tuple[fx.Graph, fx.
             backward_side.add(node)  # depends on g
         elif ins and all(a in rows for a in ins) and _is_view(node):
             rows.add(node)  # a view of a parameter row: recomputed where it is needed
-        elif not ins and node.target in CONSTANT_FACTORIES:
-            rows.add(node)  # zeros (a padding's gradient): made where needed, no residual
-    # the backward recomputes what depends on g, the row views and constants; everything
-    # else it reads (forward values, h, extras) is a residual
+    # a constant only the backward touches (the zeros of a padding's gradient) is made there,
+    # not kept as a residual; one the forward reads or writes into stays a residual
+    rows.update(n for n in joint.nodes if n.op == "call_function" and not n.all_input_nodes
+                and n.target in CONSTANT_FACTORIES and n.users
+                and all(user in backward_side for user in n.users))
+    # the backward recomputes what depends on g, the row views and those constants;
+    # everything else it reads (forward values, h, extras) is a residual
     computed = backward_side | rows
     needed = _ancestors(grad_nodes, stop=lambda m: m not in computed)
     residuals = [m for m in joint.nodes if m in needed and m not in computed]

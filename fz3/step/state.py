@@ -26,7 +26,9 @@ class Frame(NamedTuple):
 
     index: int  # position of the op in the schedule
     op: Op
-    params: torch.Tensor  # the unit's gathered parameters: (padded,), or (k, padded) for k layers
+    # the unit's gathered parameters: (padded,), or (k, padded) for k layers; read-only (at
+    # world size 1 the parameter shard itself)
+    params: torch.Tensor
     inputs: Any  # forward: the unit's input (the batch for pre); backward: grad w.r.t. its output
     # forward: its output (h, or (h, *extra) for pre and between; the loss for `loss`);
     # backward: grad w.r.t. its input
@@ -152,7 +154,7 @@ class StepState:
         """Whether the gathered buffer of ``key`` (unit, frozen?) is its parameter shard's own
         memory (one rank gathers without a copy, ``fz3.comm``): never released, held by the
         parameters, not by the step."""
-        if self.model.world_size != 1:
+        if not self.model.comm.local:
             return False
         u, frozen = key
         part = self.schedule.units[u].part

@@ -159,7 +159,7 @@ class TracedLayers:
                 self.model.traces[key] = e
         programs = self.model.traces[key]
         if isinstance(programs, TraceError):
-            self._fail(part, f"{name} cannot be traced: {programs}")
+            self._fail(i, part, f"{name} cannot be traced: {programs}")
             return None
         if self.compile:
             programs = self._compiled(programs)
@@ -173,10 +173,12 @@ class TracedLayers:
                               stacklevel=5)
         return programs
 
-    def _fail(self, part: Part, why: str) -> None:
+    def _fail(self, part_index: int, part: Part, why: str) -> None:
         """Its layers run through autograd, or ``torch.compile`` with ``compile`` (which warns,
-        or raises with ``strict``, if it cannot compile them either)."""
+        or raises with ``strict``, if it cannot compile them either): all of them, also those
+        of its units found traced before."""
         self.failed[part.name] = why
+        self._units = {k: v for k, v in self._units.items() if k[0] != part_index}
         log.info("fz3: %s; its layers run through autograd", why)
 
     def _compiled(self, programs: Programs) -> Programs:

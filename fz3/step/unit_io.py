@@ -142,12 +142,6 @@ def backward_traced(s: StepState, u: int, layers, residuals: list,
     return (grads[0] if k == 1 else torch.stack(grads)), grad_h, extras
 
 
-def rows_of(buffer: torch.Tensor, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The rows of a stack unit's ``(k, padded)`` gathered buffer, 1-D; ``flat``: the same
-    memory as gathered (for one layer, its row: no new view)."""
-    return (flat,) if buffer.shape[0] == 1 else buffer.unbind(0)
-
-
 def _rows(buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The rows of a (k, padded) buffer (an autograd leaf: rows are views of it); one row as a
     view, whose backward is free (unbind's stacks the rows' gradients into a new buffer)."""
