@@ -22,9 +22,9 @@ where its results go, is ``unit_io.py``'s. The buffer lifetimes are noted below.
   into that same storage before its backward, as FSDP2 does with ``untyped_storage().resize_()``:
   the graph's saved views then see the re-gathered values.
 - backward (and loss, for the post unit): one flat gradient ``(world, k, n)`` in rank-major
-  order (one layer's kept ``(world*n,)``, the same memory), alive until its reduce is waited. A unit of tied parameters (a shared part) gets
-  its flat gradient from its first reader's loss or backward; later readers add into it;
-  it is reduced after the last one.
+  order (one layer's kept ``(world*n,)``, the same memory), alive until its reduce is
+  waited. A unit of tied parameters (a shared part) gets its flat gradient from its first
+  reader's loss or backward; later readers add into it; it is reduced after the last one.
 - reduce: writes this rank's fp32 shard straight into the step's result: the part's whole
   gradient shard is allocated at the first reduce of any of its units (as activations are
   freed, like autograd's own ``.grad``), and nothing is copied at the end of the step.
