@@ -7,10 +7,12 @@ A GPT so small its compute is negligible (hidden 16, seq 8, batch 1), world size
 one thread. Each system runs forward+backward (no optimizer) at 48 and at 8 layers; the
 per-layer cost is the difference over 40 layers, so the embedding, the head and the
 loss, the same for everyone, drop out. Systems: plain eager, plain with each block
-``torch.compile``d, FSDP2 (``fully_shard`` per block), and fz3's policies eager and compiled
-(``compile=True``), traced (the default) and, for ``save``, not (``trace=False``). Repeats are interleaved across systems and the medians reported, as the
-machine drifts. At world size 1 fz3's collectives are local copies (``fz3/comm``) and FSDP2's
-go through gloo.
+``torch.compile``d, plain with each block checkpointed (``recompute``'s twin), FSDP2
+(``fully_shard`` per block), and fz3's policies eager and compiled (``compile=True``), traced
+(the default) and, for ``save``, not (``trace=False``). Repeats are interleaved across
+systems and the medians reported, as the machine drifts. At world size 1 fz3 gathers
+nothing (its layers compute on the shards, ``fz3/comm``) and FSDP2's collectives go through
+gloo.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def systems():
     return {
         "plain eager": ("plain", {}),
         "plain compiled": ("plain", {"compile_blocks": True}),
+        "plain + AC": ("plain", {"ac": True}),  # recompute's twin: each block checkpointed
         "FSDP2 per block": ("fsdp2", {}),
         "fz3 save": ("fz3", {"policy": {"activations": "save"}}),
         "fz3 save (not traced)": ("fz3", {"policy": {"activations": "save"}, "trace": False}),
