@@ -128,6 +128,15 @@ class Indexed(Lin):
         return h + self.lin(h) / (1 + self.index)
 
 
+class Tagged(Lin):
+    """Layers that differ by an attribute their code does not read (HF's ``layer_idx``, used
+    only by a KV cache): traced per layer, their graphs alike, so they share programs."""
+
+    def __init__(self, tag):
+        super().__init__()
+        self.tag = tag
+
+
 def _hooked():
     layer = Lin()
     layer.register_forward_hook(lambda m, args, out: out * 2)
@@ -142,6 +151,7 @@ def fallback_ranks(rank, world):
         "buffer": ([WithBuffer() for _ in range(3)], r"has buffers"),
         "hook": ([_hooked() for _ in range(3)], r"has hooks \(_forward_hooks\)"),
         "indexed": ([Indexed(i) for i in range(3)], None),
+        "tagged": ([Tagged(i) for i in range(3)], None),
         "into a constant": ([IntoConstant() for _ in range(3)], None),
         "scalar into a view": ([ScalarIntoView() for _ in range(3)],
                                r"could not be split into programs"),
@@ -160,8 +170,12 @@ def fallback_ranks(rank, world):
                 assert failed is None, (name, failed)
             else:
                 assert failed is not None and re.search(why, failed), (name, failed)
-        if name == "indexed":
+        if name == "indexed":  # traced per layer; their code differs, so do their programs
             assert step.traced.groups[model.part_index("layers")] == [0, 1, 2]
+            assert len({id(p) for p in model.traces.values()}) == 3
+        if name == "tagged":
+            assert step.traced.groups[model.part_index("layers")] == [0, 1, 2]
+            assert len({id(p) for p in model.traces.values()}) == 1
         if name == "plain":
             assert step.traced.groups[model.part_index("layers")] == [0, 0, 0]
     # one step function, h of two shapes: traced once per shape, each step equal
@@ -172,7 +186,7 @@ def fallback_ranks(rank, world):
         loss, grads = step(params, bb)
         want_loss, want = fz3.value_and_grad(model, trace=False)(params, bb)
         assert torch.equal(loss, want_loss) and _same(grads, want), seq
-    assert len(model.traces) == 2
+    assert len({id(p) for p in model.traces.values()}) == 2  # programs, one per shape
     torch.manual_seed(0)
     model, params = fz3.shard(LayerNet([InPlace() for _ in range(3)]), "layers", _pre_count, layer_post)
     step = fz3.value_and_grad(model)

@@ -62,7 +62,8 @@ class ShardedModel:
     training: bool = True  # dropout and the like on; set per model copy, never in place
     check_batch: Callable[[Any], None] | None = None  # the adapter's batch check (local), if any
     # traced layer programs (``fz3.step.traced``), shared by every step function on this model
-    # and its copies; keyed by the binding and layouts they were traced from
+    # and its copies; keyed by the binding and layouts they were traced from, and by their
+    # joint graph's code (layers traced alike share programs)
     traces: dict = field(default_factory=dict, repr=False)
 
     @property

@@ -54,11 +54,28 @@ class Programs(NamedTuple):
     aliases_params: bool = True
 
 
+class Joint(NamedTuple):
+    """A layer's joint graph (forward, then backward), before it is split into programs."""
+
+    graph: fx.Graph
+    # the graph as Python code: layers whose joint graphs read alike share programs (None:
+    # the graph holds tensor constants, whose values the code does not show)
+    code: str | None
+    first: int  # inputs[first] is h; before it, the parameter rows
+    grads: int  # gradients it returns: the row's, h's, each differentiable extra's
+
+
 def trace(layer: Layer, inputs: Sequence[torch.Tensor], frozen: bool,
           differentiable: Sequence[int]) -> Programs:
-    """Trace ``layer`` on ``inputs`` = ``(row, [frozen_row,] h, *tensor_extras)``.
-    ``differentiable``: positions in ``tensor_extras`` whose gradient the backward returns.
-    Raises ``TraceError`` naming why a layer cannot be traced."""
+    """Trace ``layer`` on ``inputs`` = ``(row, [frozen_row,] h, *tensor_extras)`` into its
+    programs. ``differentiable``: positions in ``tensor_extras`` whose gradient the backward
+    returns. Raises ``TraceError`` naming why a layer cannot be traced."""
+    return programs(joint_trace(layer, inputs, frozen, differentiable))
+
+
+def joint_trace(layer: Layer, inputs: Sequence[torch.Tensor], frozen: bool,
+                differentiable: Sequence[int]) -> Joint:
+    """``trace``'s first half: the joint graph of ``layer`` on ``inputs``."""
     first = 2 if frozen else 1  # inputs[first] is h
     n = len(inputs)
     wrt = [0, first, *(first + 1 + j for j in differentiable)]
@@ -88,8 +105,14 @@ def trace(layer: Layer, inputs: Sequence[torch.Tensor], frozen: bool,
         first_line = str(e).splitlines()[0][:300] if str(e) else ""
         raise TraceError(f"{type(e).__name__}: {first_line}") from e
     _refuse_input_mutation(joint_gm.graph)
+    constants = any(node.op == "get_attr" for node in joint_gm.graph.nodes)
+    return Joint(joint_gm.graph, None if constants else joint_gm.code, first, len(wrt))
+
+
+def programs(joint: Joint) -> Programs:
+    """``trace``'s second half: a joint graph split into programs (the graph is changed)."""
     try:
-        return _programs(joint_gm.graph, first, len(wrt))
+        return _programs(joint.graph, joint.first, joint.grads)
     except TraceError:
         raise
     except Exception as e:  # noqa: BLE001 - a graph these passes do not handle (a constant

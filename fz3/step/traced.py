@@ -6,7 +6,9 @@ file decides which layers share them and when they are made:
 - Layers share programs when their modules hold the same Python state (every attribute that
   is not a parameter, a submodule or an empty hook table: ``layer_idx``, a sliding window, a
   function): those run the same code with the same constants. A layer whose state differs
-  (HF's ``layer_idx``) is traced on its own; identical traces are compiled once.
+  (HF's ``layer_idx``) is traced on its own, and shares the programs of an earlier layer
+  whose joint graph reads the same (only the trace itself is paid again, a quarter of
+  the cost); identical programs are compiled once.
 - Programs are traced at a unit's first forward for each input signature (shapes and dtypes
   of h and the tensor extras, the values of the other extras, train or eval mode) and kept
   in the model (``ShardedModel.traces``): other step functions on it do not trace again.
@@ -34,7 +36,7 @@ from ..sharding.model import ShardedModel
 from ..sharding.parts import Part
 from ..sharding.compute import LayerName
 from .compiled import CompiledLayers
-from .joint import Programs, TraceError, trace
+from .joint import Programs, TraceError, joint_trace, programs
 
 log = logging.getLogger(__name__)
 
@@ -152,11 +154,8 @@ class TracedLayers:
         # traced once per model: every step function on it (and its copies) reuses them
         key = (binding, part.layout, part.frozen, signature)
         if key not in self.model.traces:
-            try:
-                self.model.traces[key] = trace(_layer(binding, part, extras.flat), inputs, frozen,
-                                                    extras.diff)
-            except TraceError as e:
-                self.model.traces[key] = e
+            self.model.traces[key] = self._programs_of(binding, part, extras, inputs, frozen,
+                                                       signature)
         programs = self.model.traces[key]
         if isinstance(programs, TraceError):
             self._fail(i, part, f"{name} cannot be traced: {programs}")
@@ -172,6 +171,26 @@ class TracedLayers:
                               f"on their own. Make the layers identical, or pass compile=False",
                               stacklevel=5)
         return programs
+
+    def _programs_of(self, binding: Binding, part: Part, extras: Extras, inputs: list,
+                     frozen: bool, signature: tuple) -> Programs | TraceError:
+        """A layer's programs, or why it cannot be traced. Layers whose modules differ (HF's
+        ``layer_idx``) but whose joint graphs read alike share programs: only the first is
+        split and turned into code."""
+        try:
+            joint = joint_trace(_layer(binding, part, extras.flat), inputs, frozen, extras.diff)
+        except TraceError as e:
+            return e
+        alike = ("joint", joint.code, part.layout, part.frozen, signature)
+        if joint.code is None or alike not in self.model.traces:
+            try:
+                made: Programs | TraceError = programs(joint)
+            except TraceError as e:
+                made = e
+            if joint.code is None:
+                return made
+            self.model.traces[alike] = made
+        return self.model.traces[alike]
 
     def _fail(self, part_index: int, part: Part, why: str) -> None:
         """Its layers run through autograd, or ``torch.compile`` with ``compile`` (which warns,
