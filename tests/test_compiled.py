@@ -100,6 +100,18 @@ class Indexed(nn.Module):
         return h + self.lin(h) / (1 + self.index)
 
 
+class Act(nn.Module):
+    """Layers that differ by the function they apply: programs alike but for one op, which
+    must not share a compilation."""
+
+    def __init__(self, d, act):
+        super().__init__()
+        self.lin, self.act = nn.Linear(d, d), act
+
+    def forward(self, h):
+        return h + self.act(self.lin(h))
+
+
 def fallback_ranks(rank, world):
     g = torch.Generator().manual_seed(0)
     b = (torch.randint(0, 11, (2, 5), generator=g), torch.randint(0, 11, (2, 5), generator=g))
@@ -119,6 +131,15 @@ def fallback_ranks(rank, world):
                                          r"something its code reads differs per layer"):
         loss, _ = fz3.value_and_grad(indexed, compile=True)(iparams, b)
     torch.testing.assert_close(loss, want, rtol=RTOL, atol=ATOL)
+    torch.manual_seed(0)
+    acts, aparams = fz3.shard(LayerNet([Act(6, f) for f in (torch.tanh, torch.sigmoid, torch.tanh)]),
+                              "layers", layer_pre, layer_post)
+    want, _ = fz3.value_and_grad(acts)(aparams, b)
+    with pytest.warns(UserWarning, match=r"compiled again at layer layers\.1"):
+        step = fz3.value_and_grad(acts, compile=True)
+        loss, _ = step(aparams, b)
+    torch.testing.assert_close(loss, want, rtol=RTOL, atol=ATOL)
+    assert step.traced.compiles == 6  # forward, backward, inference of tanh's and of sigmoid's
     torch.manual_seed(0)
     buffered, bparams = fz3.shard(LayerNet([WithBuffer(6) for _ in range(2)]), "layers", layer_pre, layer_post)
     want, _ = fz3.value_and_grad(buffered)(bparams, b)

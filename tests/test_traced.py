@@ -154,7 +154,8 @@ def fallback_ranks(rank, world):
         "tagged": ([Tagged(i) for i in range(3)], None),
         "into a constant": ([IntoConstant() for _ in range(3)], None),
         "scalar into a view": ([ScalarIntoView() for _ in range(3)],
-                               r"could not be split into programs"),
+                               r"layers\.0 cannot be traced: it makes a tensor from Python "
+                               r"values \(torch\.tensor\(\.\.\.\), or a number written through a view"),
         "plain": ([Lin() for _ in range(3)], None),
     }
     for name, (layers, why) in cases.items():

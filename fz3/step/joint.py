@@ -42,7 +42,8 @@ class Programs(NamedTuple):
     differentiable extras, in order; one list, emptied by the call); ``inference(*inputs) ->
     (h,)`` for forwards without gradient. ``inputs`` are ``(row, frozen_row, h,
     *tensor_extras)``, ``frozen_row`` left out when the layer has none. The graphs are kept
-    for inductor; ``source`` identifies the code."""
+    for inductor (and identify the programs: compilations are keyed by them); ``source`` is
+    the Python programs' code, for reading (constants appear by name, not value)."""
 
     forward: Callable[..., tuple]
     backward: Callable[..., tuple]
@@ -58,9 +59,9 @@ class Joint(NamedTuple):
     """A layer's joint graph (forward, then backward), before it is split into programs."""
 
     graph: fx.Graph
-    # the graph as Python code: layers whose joint graphs read alike share programs (None:
-    # the graph holds tensor constants, whose values the code does not show)
-    code: str | None
+    # the graph as Python code, every op and argument value printed: layers whose joint
+    # graphs read alike share programs
+    code: str
     first: int  # inputs[first] is h; before it, the parameter rows
     grads: int  # gradients it returns: the row's, h's, each differentiable extra's
 
@@ -105,27 +106,15 @@ def joint_trace(layer: Layer, inputs: Sequence[torch.Tensor], frozen: bool,
         first_line = str(e).splitlines()[0][:300] if str(e) else ""
         raise TraceError(f"{type(e).__name__}: {first_line}") from e
     _refuse_input_mutation(joint_gm.graph)
-    constants = any(node.op == "get_attr" for node in joint_gm.graph.nodes)
-    return Joint(joint_gm.graph, None if constants else joint_gm.code, first, len(wrt))
+    _refuse_tensor_constants(joint_gm.graph)
+    return Joint(joint_gm.graph, joint_gm.code, first, len(wrt))
 
 
 def programs(joint: Joint) -> Programs:
     """``trace``'s second half: a joint graph split into programs (the graph is changed)."""
-    try:
-        return _programs(joint.graph, joint.first, joint.grads)
-    except TraceError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a graph these passes do not handle (a constant
-        # tensor attribute, say): the layer runs through autograd, the reason recorded
-        raise TraceError(f"its graph could not be split into programs ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0][:200] if str(e) else ''})") from e
-
-
-def _programs(joint: fx.Graph, first: int, grads: int) -> Programs:
-    """The joint graph of a layer whose parameter rows are its first ``first`` inputs ->
-    its programs."""
-    _fold_transposes(joint)
-    fwd, bwd = partition(joint, params=range(first), grads=grads)
+    first = joint.first
+    _fold_transposes(joint.graph)
+    fwd, bwd = partition(joint.graph, params=range(first), grads=joint.grads)
     aliases = _residuals_alias_params(fwd, params=first)
     # Forwards without gradient run the forward's ops, residuals not returned: the same
     # kernels as the recompute that follows them (eager may pick others without grad mode)
@@ -164,11 +153,10 @@ def partition(joint: fx.Graph, params: range, grads: int) -> tuple[fx.Graph, fx.
             backward_side.add(node)  # depends on g
         elif ins and all(a in rows for a in ins) and _is_view(node):
             rows.add(node)  # a view of a parameter row: recomputed where it is needed
-    # a constant only the backward touches (the zeros of a padding's gradient) is made there,
-    # not kept as a residual; one the forward reads or writes into stays a residual
+    # a constant (the zeros of a padding's gradient) is made again where needed, not kept as a
+    # residual, unless an op writes into it: that write happened in the forward
     rows.update(n for n in joint.nodes if n.op == "call_function" and not n.all_input_nodes
-                and n.target in CONSTANT_FACTORIES and n.users
-                and all(user in backward_side for user in n.users))
+                and n.target in CONSTANT_FACTORIES and not _written(n))
     # the backward recomputes what depends on g, the row views and those constants;
     # everything else it reads (forward values, h, extras) is a residual
     computed = backward_side | rows
@@ -245,6 +233,26 @@ def _is_view(node: fx.Node) -> bool:
     return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
 
 
+def _written(node: fx.Node) -> bool:
+    """Whether an op writes into ``node``'s tensor or a view of it."""
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for user in n.users:
+            if isinstance(user.target, torch._ops.OpOverload):
+                for i, arg in enumerate(user.target._schema.arguments):
+                    value = (user.args[i] if i < len(user.args) else
+                             user.kwargs.get(arg.name))
+                    if value is n and arg.alias_info is not None and arg.alias_info.is_write:
+                        return True
+            if _is_view(user):
+                todo.append(user)
+    return False
+
+
 def _refuse_input_mutation(graph: fx.Graph) -> None:
     """An op writing into one of the layer's inputs (``h.add_(...)``) would write into fz3's
     buffers or the previous layer's output: such a layer runs through autograd."""
@@ -255,6 +263,18 @@ def _refuse_input_mutation(graph: fx.Graph) -> None:
         for arg, value in zip(node.target._schema.arguments, node.args):
             if arg.alias_info is not None and arg.alias_info.is_write and value in inputs:
                 raise TraceError(f"it writes into its input in place ({node.target})")
+
+
+def _refuse_tensor_constants(graph: fx.Graph) -> None:
+    """A tensor made from Python values inside the layer (``torch.tensor(2.0)``, a number
+    written through a view, ``m[0] = 3.0``) is a constant of the trace whose value its code
+    does not show: such a layer runs through autograd."""
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            raise TraceError("it makes a tensor from Python values (torch.tensor(...), or a "
+                             "number written through a view such as m[0] = 3.0): make it from "
+                             "an input instead (torch.full_like, h.new_tensor), or pass it as "
+                             "an extra")
 
 
 def _fold_transposes(graph: fx.Graph) -> None:

@@ -7,18 +7,20 @@ file decides which layers share them and when they are made:
   is not a parameter, a submodule or an empty hook table: ``layer_idx``, a sliding window, a
   function): those run the same code with the same constants. A layer whose state differs
   (HF's ``layer_idx``) is traced on its own, and shares the programs of an earlier layer
-  whose joint graph reads the same (only the trace itself is paid again, a quarter of
-  the cost); identical programs are compiled once.
+  whose joint graph reads the same (its printed code: ops and argument values; only the
+  trace itself is paid again, a quarter of the cost).
 - Programs are traced at a unit's first forward for each input signature (shapes and dtypes
   of h and the tensor extras, the values of the other extras, train or eval mode) and kept
   in the model (``ShardedModel.traces``): other step functions on it do not trace again.
 - ``compile``: each program is compiled by inductor at its first call (C++ on the CPU,
-  ``cpp_wrapper``: no Python between its kernels), once per distinct code and signature.
+  ``cpp_wrapper``: no Python between its kernels), once per program and argument signature:
+  layers that share programs share the compilation.
 
 A layer that cannot be traced (it reads a tensor's value on the host, branches on data,
-writes into its input, has buffers or hooks) runs as before: through autograd eager, or
-through ``torch.compile`` (``fz3.step.compiled``) with ``compile``. ``failed`` says why;
-with ``compile`` the fallback warns if it cannot compile it either (``strict``: raises).
+writes into its input, makes a tensor from Python values, has buffers or hooks) runs as
+before: through autograd eager, or through ``torch.compile`` (``fz3.step.compiled``) with
+``compile``. ``failed`` says why; with ``compile`` the fallback warns if it cannot compile
+it either (``strict``: raises).
 """
 
 from __future__ import annotations
@@ -78,8 +80,9 @@ class TracedLayers:
         # (part, first, stop, h's shape, stride and dtype, training, extras' key) -> programs
         self._units: dict[tuple, Layers] = {}
         self._extras: dict[tuple, int] = {}  # Extras.consts -> Extras.key
-        self._kernels: dict[tuple, Callable[..., Any]] = {}  # (code, signature) -> compiled
-        self._sources: dict[tuple, str] = {}  # (part, signature) -> the first group's code
+        self._kernels: dict[tuple, Callable[..., Any]] = {}  # (graph, signature) -> compiled
+        # (part, signature) -> the first group's graphs: a later group with others compiles again
+        self._first: dict[tuple, tuple] = {}
         self._warned: set[int] = set()  # parts reported as compiling per layer
         for i, part in enumerate(model.parts):
             if part.role is Role.STACK:
@@ -162,8 +165,8 @@ class TracedLayers:
             return None
         if self.compile:
             programs = self._compiled(programs)
-            first = self._sources.setdefault((i, signature), programs.source)
-            if first != programs.source and i not in self._warned:
+            first = self._first.setdefault((i, signature), programs.graphs)
+            if first is not programs.graphs and i not in self._warned:
                 self._warned.add(i)
                 warnings.warn(f"fz3: the compiled layer function of {part.name} compiled again "
                               f"at {name}: something its code reads differs per layer (an "
@@ -182,14 +185,11 @@ class TracedLayers:
         except TraceError as e:
             return e
         alike = ("joint", joint.code, part.layout, part.frozen, signature)
-        if joint.code is None or alike not in self.model.traces:
+        if alike not in self.model.traces:
             try:
-                made: Programs | TraceError = programs(joint)
+                self.model.traces[alike] = programs(joint)
             except TraceError as e:
-                made = e
-            if joint.code is None:
-                return made
-            self.model.traces[alike] = made
+                self.model.traces[alike] = e
         return self.model.traces[alike]
 
     def _fail(self, part_index: int, part: Part, why: str) -> None:
@@ -202,14 +202,14 @@ class TracedLayers:
 
     def _compiled(self, programs: Programs) -> Programs:
         fwd, bwd, inf = programs.graphs
-        return programs._replace(forward=_Inductor(self, fwd, programs.source + "f"),
-                                 backward=_Inductor(self, bwd, programs.source + "b", boxed=True),
-                                 inference=_Inductor(self, inf, programs.source + "i"))
+        return programs._replace(forward=_Inductor(self, fwd),
+                                 backward=_Inductor(self, bwd, boxed=True),
+                                 inference=_Inductor(self, inf))
 
-    def kernel(self, graph: torch.fx.Graph, code: str, args: tuple) -> Callable[..., Any]:
-        """Inductor's compilation of ``graph`` for ``args``, shared by every program with the
-        same code and argument signature."""
-        key = (code, tuple((tuple(a.shape), a.stride(), a.dtype) for a in args))
+    def kernel(self, graph: torch.fx.Graph, args: tuple) -> Callable[..., Any]:
+        """Inductor's compilation of ``graph`` for ``args``, shared by every layer whose
+        programs are these (layers traced alike share their programs: one compilation)."""
+        key = (graph, tuple((tuple(a.shape), a.stride(), a.dtype) for a in args))
         if key not in self._kernels:
             from torch._inductor import compile as inductor_compile
 
@@ -234,8 +234,8 @@ class _Inductor:
     """A traced graph, compiled by inductor at its first call (its arguments are the example:
     compiling runs nothing, so no RNG is drawn)."""
 
-    def __init__(self, owner: TracedLayers, graph: torch.fx.Graph, code: str, boxed: bool = False):
-        self.owner, self.graph, self.code, self.boxed, self.fn = owner, graph, code, boxed, None
+    def __init__(self, owner: TracedLayers, graph: torch.fx.Graph, boxed: bool = False):
+        self.owner, self.graph, self.boxed, self.fn = owner, graph, boxed, None
 
     def __call__(self, *args: Any) -> Any:
         if self.boxed:  # the program's convention: one list (its residuals live to the end here)
@@ -243,7 +243,7 @@ class _Inductor:
             args = tuple(box)
             box.clear()
         if self.fn is None:
-            self.fn = self.owner.kernel(self.graph, self.code, args)
+            self.fn = self.owner.kernel(self.graph, args)
         return self.fn(*args)
 
 
