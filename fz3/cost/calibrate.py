@@ -22,7 +22,10 @@ from ..comm.compat import all_gather_into
 from ..comm.groups import destroy
 from ..schedule.ops import COMPUTE_KINDS
 from ..schedule.schedule import Policy
+from ..sharding.binding import Binding
+from ..sharding.layout import FlatLayout
 from ..sharding.model import Params, ShardedModel
+from ..step.joint import trace
 from ..step.value_and_grad import value_and_grad
 from .estimate import Cluster, Workload, estimate
 from .workload import OpCounter
@@ -49,7 +52,7 @@ def calibrate_cpu(probe: Probe, group: Any = None, repeats: int = 5,
     an earlier calibration (they need a group of 2 or more ranks) and measure only the local
     rates, which drift with the machine's load."""
     world = dist.get_world_size(group)
-    rate, mem_bw, op, call = _from_rank0(group, 4, lambda: _local_rates(probe, repeats))
+    rate, mem_bw, op, call, traced = _from_rank0(group, 5, lambda: _local_rates(probe, repeats))
     bw, lat, contention = mem_bw, 1e-6, 1.0
     if network is not None:
         bw, lat, contention = network.intra_bw, network.intra_latency, network.contention
@@ -61,7 +64,8 @@ def calibrate_cpu(probe: Probe, group: Any = None, repeats: int = 5,
     (collective,) = _from_rank0(group, 1, lambda: [_collective_overhead(single, repeats)])
     cluster = Cluster(nodes=1, devices_per_node=world, flops=rate, mem_bw=mem_bw, memory=0.0,
                       intra_bw=bw, inter_bw=bw, intra_latency=lat, inter_latency=lat,
-                      op_overhead=op, call_overhead=max(call, op), unit_overhead=0.0,
+                      op_overhead=op, call_overhead=max(call, op), traced_op_overhead=traced,
+                      unit_overhead=0.0,
                       collective_overhead=collective, overlap=False,
                       cores_per_node=os.cpu_count() or 1, contention=contention)
     # the executor's own time: what the step takes beyond what this cluster predicts
@@ -94,7 +98,8 @@ def _time(fn: Callable[[], Any], n: int) -> float:
 
 
 def _local_rates(probe: Probe, repeats: int) -> list[float]:
-    """[matmul FLOP/s, copy bytes/s, s per eager op, s per functional_call] of one thread.
+    """[matmul FLOP/s, copy bytes/s, s per eager op, s per functional_call, s per op of a
+    traced layer program] of one thread.
 
     Every sample runs ~0.1 s, the time scale of a training step, so that the minimum over
     samples sees the same machine a step sees (short samples dodge slow periods that steps
@@ -124,7 +129,22 @@ def _local_rates(probe: Probe, repeats: int) -> list[float]:
     one, bound = torch.ones(1), _Identity(block)
     call = _time(lambda: [torch.func.functional_call(bound, params, (one,), tie_weights=False)
                           for _ in range(1000)], repeats) / 1000
-    return [rate, mem_bw, op, call]
+    # The same block as traced programs (how fz3 runs layers by default), per op
+    named = list(tiny.named_parameters())
+    layout = FlatLayout.build([((n,), p) for n, p in named], 1)
+    binding = Binding(lambda m, h: m(h), tiny, [layout])
+    row = torch.cat([p.detach().reshape(-1) for _, p in named])
+    h = probe.block_input.detach()
+    programs = trace(lambda r, frozen, x: binding(layout.views(r), (x,)), [row, h], False, [])
+    seed = torch.ones_like(h)
+
+    def traced_step():
+        out = programs.forward(row, h)
+        programs.backward([row, *out[1:], seed])
+
+    traced = _time(lambda: [traced_step() for _ in range(200)], repeats) / 200 / \
+        cnt.work["tiny"].ops
+    return [rate, mem_bw, op, call, traced]
 
 
 def _collective_overhead(single: Any, repeats: int) -> float:

@@ -48,6 +48,9 @@ class Cluster:
     inter_latency: float = 20e-6
     op_overhead: float = 5e-6  # host s per ATen op (launch / dispatch)
     call_overhead: float = 30e-6  # host s per layer call (functional_call)
+    # host s per ATen op of a traced layer program (fz3's default, ``fz3.step.joint``): no
+    # autograd engine, no functional_call. None: layers cost as eager (op_overhead, calls)
+    traced_op_overhead: float | None = None
     # host s of the executor's own work per compute op (leaves, joins, RNG)
     unit_overhead: float = 0.0
     collective_overhead: float = 0.0  # host s to issue and wait one async collective, network aside
@@ -151,9 +154,11 @@ class _Timeline:
             w = part.bwd.scale(k) + (part.fwd.scale(k) if u in self.recompute else Work())
         else:
             w = part.fwd.scale(k)
-        dur = self.slow * (w.flops / c.flops + w.bytes / c.mem_bw + w.ops * c.op_overhead)
-        dur += self.slow * (c.unit_overhead + (k * c.call_overhead if stack else 0))
-        self.t_host += w.ops * c.op_overhead
+        traced = stack and c.traced_op_overhead is not None
+        per_op = c.traced_op_overhead if traced else c.op_overhead
+        dur = self.slow * (w.flops / c.flops + w.bytes / c.mem_bw + w.ops * per_op)
+        dur += self.slow * (c.unit_overhead + (k * c.call_overhead if stack and not traced else 0))
+        self.t_host += w.ops * per_op
         self.t_comp = max(self.t_comp, self.t_host) + dur
         self.comp_total += dur
 
