@@ -128,16 +128,14 @@ def _wait(s: StepState, op: Op, index: int) -> None:
             buf = out
         elif k == 1:
             buf = out.view(1, -1)
-            if not frozen:
-                s.rows[u] = (out,)
         elif key in s.released:
             # rank-major (world, k, n) -> layer-major (k, world*n), in place
             buf = regrow(s.released[key].buffer)
             buf.copy_(out.view(world, k, -1).transpose(0, 1).reshape(buf.shape))
         else:
             buf = out.view(world, k, -1).transpose(0, 1).reshape(k, -1)
-        if k > 1 and not frozen and unit.role is Role.STACK:
-            s.rows[u] = buf.unbind(0)
+        if unit.role is Role.STACK and not frozen:  # a one-layer unit's row: as gathered
+            s.rows[u] = (out,) if k == 1 else buf.unbind(0)
         if key in s.released:
             # The graph's saved views now hold the same values again; collectives and the copy
             # bumped the version counter (gloo: when the work completes), which autograd would

@@ -39,6 +39,7 @@ from ..sharding.parts import Part
 from ..sharding.compute import LayerName
 from .compiled import CompiledLayers
 from .joint import Programs, TraceError, joint_trace, programs
+from .layer_groups import groups
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class TracedLayers:
         self._warned: set[int] = set()  # parts reported as compiling per layer
         for i, part in enumerate(model.parts):
             if part.role is Role.STACK:
-                self.groups[i] = _groups(model.functions[i], part, self.failed)
+                self.groups[i] = groups(model.functions[i], part, self.failed)
 
     def extras(self, extras: tuple, positions: Sequence[int]) -> Extras:
         """``extras`` (a pre or between unit's extra outputs; ``positions``: those with
@@ -151,7 +152,7 @@ class TracedLayers:
         frozen = part.frozen is not None
         row = torch.empty(part.layout.padded, dtype=self.model.precision.compute,
                           device=self.model.device)
-        frozen_row = (torch.empty(part.frozen.padded, dtype=_frozen_dtype(self.model, i),
+        frozen_row = (torch.empty(part.frozen.padded, dtype=self.model.precision.frozen,
                                   device=self.model.device) if frozen else None)
         inputs = [row, *([frozen_row] if frozen else []), h, *extras.tensors]
         # traced once per model: every step function on it (and its copies) reuses them
@@ -266,52 +267,3 @@ def _layer(binding: Binding, part: Part, specs: list) -> Callable[..., torch.Ten
         return out
 
     return layer
-
-
-def _groups(bindings: Sequence[Binding], part: Part, failed: dict[str, str]) -> list[int]:
-    """Layer -> group: layers in one group hold the same Python state. Records in ``failed``
-    a part whose layers hold state a trace cannot see (buffers, hooks, shared reads)."""
-    keys: dict[tuple, int] = {}
-    out = []
-    for layer, binding in enumerate(bindings):
-        try:
-            key = _state(binding)
-        except TraceError as e:
-            failed[part.name] = f"layer {part.path}.{part.first + layer} cannot be traced: {e}"
-            return []
-        out.append(keys.setdefault(key, len(keys)))
-    if part.reads:
-        failed[part.name] = f"{part.name} reads shared parameters"
-    return out
-
-
-def _state(binding: Binding) -> tuple:
-    """What a layer's code can read besides its parameters and inputs, as a comparable key."""
-    items: list[Any] = [id(binding.module.fn)]
-    for path, module in binding.module.m.named_modules():
-        if any(b is not None for b in module._buffers.values()):
-            raise TraceError(f"{path or 'it'} has buffers (state a trace would freeze)")
-        state = []
-        for k, v in vars(module).items():
-            if k in _MODULE_OWN:  # nn.Module's own tables: only hooks matter to a trace
-                if v and "hook" in k and ("forward" in k or "backward" in k) and \
-                        not isinstance(v, bool):
-                    raise TraceError(f"{path or 'it'} has hooks ({k}), which a trace would skip")
-                continue
-            state.append((k, v if _plain(v) else ("id", id(v))))
-        items.append((path, type(module), tuple(state)))
-    return tuple(items)
-
-
-_MODULE_OWN = frozenset(vars(torch.nn.Module()))
-
-
-def _plain(v: Any) -> bool:
-    if isinstance(v, (tuple, frozenset)):
-        return all(_plain(x) for x in v)
-    return v is None or isinstance(v, (bool, int, float, str, torch.dtype))
-
-
-def _frozen_dtype(model: ShardedModel, part: int) -> torch.dtype:
-    frozen = model.frozen[part]
-    return frozen.dtype if frozen is not None else model.precision.compute
