@@ -27,16 +27,20 @@ from .step.finite import NonFiniteError
 from .step.record import Event, Recorder
 from .step.value_and_grad import ValueAndGrad, apply, value_and_grad
 from .storage.checkpoint import load, save
+from .storage.errors import CheckpointDamagedError, CheckpointError
+from .storage.verify import CheckpointReport, verify_checkpoint
 from .storage.export import ExportReport, export, read_export
 from .storage.pretrained import Pretrained
 from .storage.state_dict import full_state_dict
 
 __all__ = [
-    "Accumulate", "Category", "CollectiveMismatchError", "CompileError", "Event", "ExportReport",
+    "Accumulate", "Category", "CheckpointDamagedError", "CheckpointError", "CheckpointReport",
+    "CollectiveMismatchError", "CompileError", "Event", "ExportReport",
     "FlatLayout", "Frame", "MemoryPlan", "NonFiniteError", "Op", "OpKind", "Params", "PartShape",
     "Policy", "Precision", "Pretrained", "RankLostError", "Recorder", "Result", "Role", "Schedule",
     "ScheduleError", "ShardedModel", "Slot", "StepFrame", "Unit", "ValueAndGrad", "accumulate",
     "any_rank", "apply", "chrome_trace", "decay_mask", "deferred", "destroy", "export",
     "full_state_dict", "hf", "load", "memory_plan", "optim", "plan", "read_export", "refreeze",
     "save", "shard", "step_through", "trace", "trace_summary", "validate", "value_and_grad",
+    "verify_checkpoint",
 ]

@@ -44,11 +44,16 @@ def check_tree(model: Any, tree: Any, what: str = "params",
                              f"or fz3.load to reshard")
 
 
+def is_donated(t: Any) -> bool:
+    """``t`` was emptied by ``fz3.optim.step(..., donate=True)`` (no elements, no storage: see
+    ``fz3/optim/base.py``'s [Note: donated trees])."""
+    return (isinstance(t, torch.Tensor) and t.numel() == 0 and t.dim() == 1
+            and t.untyped_storage().nbytes() == 0)
+
+
 def refuse_donated(t: Any, what: str) -> None:
-    """Raise if ``t`` was emptied by ``fz3.optim.step(..., donate=True)`` (no elements, no
-    storage: see ``fz3/optim/base.py``'s [Note: donated trees])."""
-    if (isinstance(t, torch.Tensor) and t.numel() == 0 and t.dim() == 1
-            and t.untyped_storage().nbytes() == 0):
+    """Raise if ``t`` was emptied by ``fz3.optim.step(..., donate=True)``."""
+    if is_donated(t):
         raise ValueError(f"{what} were donated to fz3.optim.step(..., donate=True), which "
                          f"updated their buffers in place and returned new ones: use the "
                          f"{what} it returned")

@@ -10,11 +10,18 @@ its last dimension: rank r's real elements are exactly ``torch.chunk``'s r-th ch
 only at the end), so DCP knows every element's global offset and a checkpoint written at
 world size 4 loads at 2 or 3, and back.
 
-Nothing is lost on a crash: a save writes ``path.partial`` and renames it into place only
-when every rank has finished; the previous checkpoint moves to ``path.old`` for the moment
-of the swap, and ``load`` falls back to it if ``path`` is missing. ``path/fz3.json``
-describes the model; loading a checkpoint of another model or a missing or damaged one
-raises a ``ValueError`` naming the file and what differs, on every rank.
+Nothing is lost, and nothing wrong loads silently:
+- ``save`` writes ``path.partial`` and moves it into place only once it is complete on every
+  rank; the outcome of each step is agreed by all ranks first, so a failure anywhere (disk
+  full, permission, a bad path) raises the same ``fz3.CheckpointError`` on every rank with the
+  cause, and a rank that dies is named (``fz3.RankLostError``): see ``commit.py``'s [Note:
+  committing a save]. A tree donated to ``fz3.optim.step(..., donate=True)`` is refused before
+  anything is written.
+- Every storage item's CRC-32 is recorded (``checksums.py``); ``load`` checks every byte it
+  reads and ``fz3.verify_checkpoint(path)`` the whole checkpoint offline.
+- ``path/fz3.json`` describes the model; loading a checkpoint of another model raises a
+  ``ValueError`` naming what differs, a damaged one ``fz3.CheckpointDamagedError`` (a
+  ``ValueError`` too) naming the file, on every rank.
 """
 
 from __future__ import annotations
@@ -29,73 +36,122 @@ import torch.distributed as dist
 
 from .. import rng
 from ..comm.arrival import DEFAULT_TIMEOUT_S, arrive
+from ..comm.failures import lost_error
 from ..sharding.layout import FlatLayout
 from ..sharding.model import Params, ShardedModel
-from .verify import META, check_model, check_template, describe, read_meta
+from ..sharding.params import is_donated
+from .commit import agree, attempt, fsync_dir, swap_in, write_durably
+from .errors import CheckpointDamagedError, failures_of, save_failure
+from .verify import (META, check_model, check_template, checksums_of, describe, meta_text, read_meta,
+                     recorded_checksums)
 
 # torch.distributed.checkpoint and DTensor are imported where used: they take over a second
 # to import, which every process importing fz3 would otherwise pay.
 
 
-def save(path: str, model: ShardedModel, state: Any, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+def save(path: str | os.PathLike, model: ShardedModel, state: Any, *,
+         timeout: float = DEFAULT_TIMEOUT_S) -> None:
     """Write ``state`` (a pytree: dicts, lists, NamedTuples, ``Params``, tensors, values) to
-    ``path``.
+    ``path`` (normalised: ``"ckpt/"`` is ``"ckpt"``; ``~`` is not expanded).
 
-    Collective: every rank calls it. A rank that does not within ``timeout`` seconds makes the
-    others raise ``fz3.CollectiveMismatchError`` naming it, before anything is written."""
-    import torch.distributed.checkpoint as dcp
-
-    partial, old = path + ".partial", path + ".old"
-    if dist.get_rank() == 0:  # a stale partial (an interrupted save); arrive is the barrier
-        shutil.rmtree(partial, ignore_errors=True)
-    arrive(_everyone(model), "fz3.save", timeout)
-    flat = _flatten(model, state, "")
-    flat[f"rng.rank{dist.get_rank()}"] = rng.pack(rng.capture(model.device))
-    dcp.save(flat, checkpoint_id=partial, process_group=_everyone(model))
-    # DCP's save returns on the coordinator only after every rank has written
-    if dist.get_rank() == 0:
-        with open(os.path.join(partial, META), "w") as f:
-            json.dump(describe(model, [k for k in flat if not k.startswith("rng.")]), f, indent=1)
-        if os.path.exists(path):
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(path, old)
-        os.rename(partial, path)
-        shutil.rmtree(old, ignore_errors=True)
-    arrive(_everyone(model), "fz3.save's rename", timeout)  # no rank returns before it is done
-
-
-def load(path: str, model: ShardedModel, template: Any, *, restore_rng: bool = True,
-         timeout: float = DEFAULT_TIMEOUT_S) -> Any:
-    """Read a checkpoint into a new state shaped like ``template`` (built for this model and
-    world size, e.g. ``{"params": params, "opt": opt.init(params), "step": 0}``).
-
-    Collective: every rank calls it (``timeout`` as in ``save``)."""
+    **Collective**: every rank calls it. A rank that does not within ``timeout`` seconds makes
+    the others raise ``fz3.CollectiveMismatchError`` naming it, before anything is written. A
+    failure on any rank raises ``fz3.CheckpointError`` (or ``fz3.RankLostError`` for a dead
+    rank) on every rank, and leaves the previous checkpoint at ``path`` as it was."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from .dcp_io import ChecksumWriter
+
+    path = os.path.normpath(os.fspath(path))
+    flat = _flatten(model, state, "")  # refuses a donated tree, before anything is touched
+    group, rank0 = _everyone(model), dist.get_rank() == 0
+    partial, old = path + ".partial", path + ".old"
+    if rank0:  # a stale partial (an interrupted save); arrive is the barrier
+        shutil.rmtree(partial, ignore_errors=True)
+    arrive(group, "fz3.save", timeout)
+    flat[f"rng.rank{dist.get_rank()}"] = rng.pack(rng.capture(model.device))
+    writer = ChecksumWriter(partial)
+
+    def drop_partial() -> None:
+        if rank0:
+            shutil.rmtree(partial, ignore_errors=True)
+
+    try:  # DCP agrees on its own outcome: a failure on any rank is raised on all of them
+        dcp.save(flat, storage_writer=writer, process_group=group)
+    except (Exception, CheckpointException) as e:
+        failure = save_failure(group, path, "writing the data", e)
+        drop_partial()
+        raise failure from None
+    # [Note: committing a save]: fz3.json, then the swap, each agreed by every rank
+    keys = [k for k in flat if not k.startswith("rng.")]
+
+    def write_meta() -> None:
+        meta = {**describe(model, keys), "checksums": checksums_of(partial, writer.checksums or [])}
+        write_durably(os.path.join(partial, META), meta_text(meta))
+        fsync_dir(partial)
+
+    agree(group, path, f"writing {META}", attempt(write_meta) if rank0 else None, drop_partial)
+    agree(group, path, "moving the checkpoint into place",
+          attempt(lambda: swap_in(path, partial, old)) if rank0 else None, drop_partial)
+
+
+def load(path: str | os.PathLike, model: ShardedModel, template: Any, *, restore_rng: bool = True,
+         timeout: float = DEFAULT_TIMEOUT_S) -> Any:
+    """Read a checkpoint into a new state shaped like ``template`` (built for this model and
+    world size, e.g. ``{"params": params, "opt": opt.init(params), "step": 0}``), checking
+    every byte read against the checksums recorded at save.
+
+    **Collective**: every rank calls it (``timeout`` as in ``save``). Raises, on every rank:
+    ``FileNotFoundError`` (no checkpoint), ``fz3.CheckpointDamagedError`` (a ``ValueError``:
+    missing, truncated or changed bytes, naming the file, the item and the rank that read it),
+    ``ValueError`` (another model, a template that does not fit)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from .dcp_io import VerifyingReader
+
+    path = os.path.normpath(os.fspath(path))
     arrive(_everyone(model), "fz3.load", timeout)
     path = path if os.path.isdir(path) or not os.path.isdir(path + ".old") else path + ".old"
     meta, saved = read_meta(path)
     check_model(path, meta, model)
     flat = _flatten(model, template, "", for_load=True)
     check_template(path, meta, saved, flat, model)
+    sums = recorded_checksums(path, meta, warn=model.is_root)
     rng_key = f"rng.rank{dist.get_rank()}"
     # ranks beyond the saved job keep their RNG state
     with_rng = restore_rng and dist.get_rank() < meta["ranks"]
     if with_rng:
         flat[rng_key] = rng.pack(rng.capture(model.device))
+    reader = (dcp.FileSystemReader(path) if sums is None
+              else VerifyingReader(path, sums, dist.get_rank()))
     try:
-        dcp.load(flat, checkpoint_id=path, process_group=_everyone(model))
+        dcp.load(flat, storage_reader=reader, process_group=_everyone(model))
     except (Exception, CheckpointException) as e:  # DCP raises every rank's failure on all of them
-        raise ValueError(f"checkpoint {path} is damaged inside a file, or the storage failed: its "
-                         f"files have their full length and fit the model and the template, yet "
-                         f"reading them failed: {str(e)[:2000]}") from e
+        raise _load_failure(model, path, e) from None
     if with_rng:
         rng.restore(rng.unpack(flat.pop(rng_key), model.device), model.device)
     return _unflatten(model, template, flat, "")
 
 
+def _load_failure(model: ShardedModel, path: str, e: BaseException) -> Exception:
+    failed = failures_of(e)
+    if failed is None:  # a collective broke: a rank is gone
+        return lost_error(_everyone(model) or dist.group.WORLD, f"fz3.load({path!r})", e)
+    damaged = [str(x) for x in failed.values() if isinstance(x, CheckpointDamagedError)]
+    if damaged:
+        return CheckpointDamagedError(" | ".join(damaged), path, sorted(failed))
+    shown = "; ".join(f"rank {r}: {type(x).__name__}: {str(x)[:1000]}" for r, x in failed.items())
+    return CheckpointDamagedError(
+        f"checkpoint {path} is damaged inside a file, or the storage failed: its files have their "
+        f"full length and fit the model and the template, yet reading them failed: {shown}",
+        path, sorted(failed))
+
+
 def _flatten(model: ShardedModel, x: Any, key: str, for_load: bool = False) -> dict[str, Any]:
+    if not for_load:
+        _refuse_donated(model, x, key)
     if isinstance(x, Params):
         return {f"{key}{part.name}": _dtensor(model, part.layout, t.reshape(part.rows, -1),
                                               for_load)
@@ -108,6 +164,18 @@ def _flatten(model: ShardedModel, x: Any, key: str, for_load: bool = False) -> d
         return _merge(model, enumerate(x), key, for_load)
     name = key.rstrip(".") or "state"
     return {name: x.clone() if for_load and isinstance(x, torch.Tensor) else x}
+
+
+def _refuse_donated(model: ShardedModel, x: Any, key: str) -> None:
+    tensors = ([(f"{key}{p.name}", t) for p, t in zip(model.parts, x.parts)] if isinstance(x, Params)
+               else [(key.rstrip(".") or "state", x)])
+    for name, t in tensors:
+        if is_donated(t):
+            raise ValueError(f"fz3.save: state[{name!r}] was donated to fz3.optim.step(..., "
+                             f"donate=True), which updated its buffers in place and returned new "
+                             f"ones: save what it returned (params, opt_state = fz3.optim.step(opt, "
+                             f"grads, opt_state, params, donate=True)). Nothing was written; the "
+                             f"checkpoint at the path is untouched")
 
 
 def _merge(model: ShardedModel, items, key: str, for_load: bool) -> dict[str, Any]:

@@ -34,7 +34,7 @@ class ExportReport(NamedTuple):
     model_bytes: int  # the whole model, for comparison
 
 
-def export(path: str, model: ShardedModel, params: Params, *,
+def export(path: str | os.PathLike, model: ShardedModel, params: Params, *,
            format: Literal["safetensors", "torch"] | None = None,
            timeout: float = DEFAULT_TIMEOUT_S) -> ExportReport:
     """Write the consolidated weights (and persistent buffers) under ``path``.
@@ -42,6 +42,7 @@ def export(path: str, model: ShardedModel, params: Params, *,
     **Collective**: one all-gather per unit; every rank calls it. A rank of the sharding group
     that does not within ``timeout`` seconds makes the others raise
     ``fz3.CollectiveMismatchError`` naming it, before ``path`` is created."""
+    path = os.path.normpath(os.fspath(path))
     check_tree(model, params, "params")
     arrive(model.comm.group, "fz3.export", timeout)
     fmt = format or ("safetensors" if _has_safetensors() else "torch")

@@ -1,26 +1,35 @@
 """What ``fz3.load`` refuses before it reads a byte of data, on every rank alike, each with
 the file or key and what differs: a damaged checkpoint (missing, truncated or unreadable
-files), one saved from another model, and a template that does not fit what was saved
-(another structure, shape, dtype, or a device that is not the model's).
+files, a ``fz3.json`` or ``.metadata`` that changed since the save), one saved from another
+model, and a template that does not fit what was saved (another structure, shape, dtype, or a
+device that is not the model's); and ``fz3.verify_checkpoint``, which checks every byte of a
+checkpoint against its checksums offline.
 
-Told apart because the fixes differ: a damaged checkpoint needs the previous one; another
-model's needs another path; a wrong template needs building like the saved state. DCP would
-report the last as a read failure, or worse, silently cast a float64 or meta template.
+Told apart because the fixes differ: a damaged checkpoint (``CheckpointDamagedError``, a
+``ValueError`` too) needs the previous one; another model's needs another path; a wrong
+template needs building like the saved state. DCP would report the last as a read failure, or
+worse, silently cast a float64 or meta template.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from ..compare import first_difference
 from ..sharding.model import ShardedModel
+from .checksums import ALGORITHM, checksum_table, crc_of_bytes, crc_of_range, damage_message, mismatches
+from .errors import CheckpointDamagedError
 
 META = "fz3.json"
+DCP_META = ".metadata"
+
+log = logging.getLogger(__name__)
 
 
 def describe(model: ShardedModel, keys: list[str]) -> dict:
@@ -33,6 +42,24 @@ def describe(model: ShardedModel, keys: list[str]) -> dict:
             "keys": keys}
 
 
+def meta_text(meta: dict) -> str:
+    """``fz3.json``'s text: ``meta`` with a CRC-32 of itself, which ``read_meta`` checks."""
+    meta = {k: v for k, v in meta.items() if k != "crc32"}
+    return json.dumps({**meta, "crc32": _self_crc(meta)}, indent=1)
+
+
+def _self_crc(meta: dict) -> int:
+    return crc_of_bytes(json.dumps(meta, sort_keys=True, separators=(",", ":")).encode())
+
+
+def checksums_of(path: str, checksums: list[list[Any]]) -> dict:
+    """``fz3.json``'s ``checksums`` entry: every storage item's CRC-32 and the ``.metadata``
+    file's (written before this is)."""
+    meta_file = os.path.join(path, DCP_META)
+    return {"algorithm": ALGORITHM, "items": checksums,
+            "metadata": crc_of_range(meta_file, 0, os.path.getsize(meta_file))}
+
+
 def read_meta(path: str) -> tuple[dict, Any]:
     """``(fz3.json, DCP's Metadata)``, once every file the checkpoint needs is there in full."""
     import torch.distributed.checkpoint as dcp
@@ -43,15 +70,18 @@ def read_meta(path: str) -> tuple[dict, Any]:
                                 f"save one first")
     for needed in (file, os.path.join(path, ".metadata")):
         if not os.path.isfile(needed):
-            raise ValueError(f"checkpoint {path} is incomplete: {needed} is missing (an "
-                             f"interrupted save?)")
+            raise CheckpointDamagedError(f"checkpoint {path} is incomplete: {needed} is missing (an "
+                                         f"interrupted save?)", path)
     try:
         with open(file) as f:
             meta = json.load(f)
+        _check_metadata_sums(path, meta)  # before unpickling: a damaged pickle can do anything
         saved = dcp.FileSystemReader(path).read_metadata()
+    except CheckpointDamagedError:
+        raise
     except Exception as e:  # noqa: BLE001 - any decoding failure of the two metadata files
-        raise ValueError(f"checkpoint {path} is damaged: its metadata ({META}, .metadata) cannot "
-                         f"be read: {type(e).__name__}: {e}") from e
+        raise CheckpointDamagedError(f"checkpoint {path} is damaged: its metadata ({META}, .metadata) "
+                                     f"cannot be read: {type(e).__name__}: {e}", path) from e
     # Every data file DCP's metadata refers to must be there, long enough: a damaged or
     # truncated checkpoint is named here, on every rank, before any rank starts reading.
     need: dict[str, int] = {}
@@ -62,8 +92,67 @@ def read_meta(path: str) -> tuple[dict, Any]:
         have = os.path.getsize(data) if os.path.isfile(data) else -1
         if have < size:
             state = "is missing" if have < 0 else f"has {have} bytes, {size} expected (truncated)"
-            raise ValueError(f"checkpoint {path} is damaged: {data} {state}")
+            raise CheckpointDamagedError(f"checkpoint {path} is damaged: {data} {state}", path)
     return meta, saved
+
+
+def _check_metadata_sums(path: str, meta: dict) -> None:
+    """``fz3.json`` and ``.metadata`` are the bytes the save wrote (when it recorded sums)."""
+    if "crc32" in meta and _self_crc({k: v for k, v in meta.items() if k != "crc32"}) != meta["crc32"]:
+        raise CheckpointDamagedError(f"checkpoint {path} is damaged: {os.path.join(path, META)} "
+                                     f"changed after the save (its crc32 does not match)", path)
+    sums = meta.get("checksums")
+    if sums is None:
+        return
+    if sums.get("algorithm") != ALGORITHM:
+        raise CheckpointDamagedError(f"checkpoint {path}: its checksums are {sums.get('algorithm')!r}, "
+                                     f"which this fz3 cannot check (it knows {ALGORITHM!r}): load it "
+                                     f"with the fz3 that saved it", path)
+    file = os.path.join(path, DCP_META)
+    if crc_of_range(file, 0, os.path.getsize(file)) != sums["metadata"]:
+        raise CheckpointDamagedError(f"checkpoint {path} is damaged: {file} changed after the save "
+                                     f"(its crc32 does not match the one in {META})", path)
+
+
+def recorded_checksums(path: str, meta: dict, warn: bool = True) -> dict | None:
+    """The ``{(file, offset, length): crc}`` a checkpoint recorded, or None (with one log line
+    where ``warn``) for a checkpoint saved before fz3 recorded them: it loads, unverified."""
+    if "checksums" not in meta:
+        if warn:
+            log.warning("fz3: checkpoint %s has no checksums (saved by an fz3 before they were "
+                        "recorded): its bytes cannot be verified", path)
+        return None
+    return checksum_table(meta["checksums"])
+
+
+class CheckpointReport(NamedTuple):
+    """What ``fz3.verify_checkpoint`` checked."""
+
+    path: str
+    files: int  # data files (.distcp)
+    items: int  # storage items, each checked whole
+    bytes: int  # data bytes checked
+    verified: bool  # False: the checkpoint predates checksums; nothing could be checked
+
+
+def verify_checkpoint(path: str) -> CheckpointReport:
+    """Check every byte of the checkpoint at ``path`` against the checksums its save recorded,
+    offline: no model, no process group (not collective). Raises ``CheckpointDamagedError``
+    naming every damaged item (file, byte range, key) and ``FileNotFoundError`` if there is no
+    checkpoint; a checkpoint saved before checksums gives ``verified=False`` and one log line."""
+    path = os.path.normpath(os.fspath(path))
+    meta, saved = read_meta(path)
+    spans = {(info.relative_path, info.offset, info.length): index.fqn
+             for index, info in saved.storage_data.items()}
+    files = len({rel for rel, _, _ in spans})
+    size = sum(length for _, _, length in spans)
+    table = recorded_checksums(path, meta)
+    if table is None:
+        return CheckpointReport(path, files, len(spans), 0, False)
+    bad = mismatches(path, spans, table)
+    if bad:
+        raise CheckpointDamagedError(damage_message(path, bad, "it has"), path)
+    return CheckpointReport(path, files, len(spans), size, True)
 
 
 def check_model(path: str, meta: dict, model: ShardedModel) -> None:
