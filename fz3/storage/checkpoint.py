@@ -42,8 +42,8 @@ from ..sharding.model import Params, ShardedModel
 from ..sharding.params import is_donated
 from .commit import agree, attempt, fsync_dir, swap_in, write_durably
 from .errors import CheckpointDamagedError, failures_of, save_failure
-from .verify import (META, check_model, check_template, checksums_of, describe, meta_text, read_meta,
-                     recorded_checksums)
+from .verify import (META, check_model, check_template, checksums_of, describe, meta_text,
+                     read_meta, recorded_checksums)
 
 # torch.distributed.checkpoint and DTensor are imported where used: they take over a second
 # to import, which every process importing fz3 would otherwise pay.
@@ -167,15 +167,17 @@ def _flatten(model: ShardedModel, x: Any, key: str, for_load: bool = False) -> d
 
 
 def _refuse_donated(model: ShardedModel, x: Any, key: str) -> None:
-    tensors = ([(f"{key}{p.name}", t) for p, t in zip(model.parts, x.parts)] if isinstance(x, Params)
-               else [(key.rstrip(".") or "state", x)])
+    if isinstance(x, Params):
+        tensors = [(f"{key}{p.name}", t) for p, t in zip(model.parts, x.parts)]
+    else:
+        tensors = [(key.rstrip(".") or "state", x)]
     for name, t in tensors:
         if is_donated(t):
             raise ValueError(f"fz3.save: state[{name!r}] was donated to fz3.optim.step(..., "
                              f"donate=True), which updated its buffers in place and returned new "
-                             f"ones: save what it returned (params, opt_state = fz3.optim.step(opt, "
-                             f"grads, opt_state, params, donate=True)). Nothing was written; the "
-                             f"checkpoint at the path is untouched")
+                             f"ones: save what it returned (params, opt_state = "
+                             f"fz3.optim.step(opt, grads, opt_state, params, donate=True)). "
+                             f"Nothing was written; the checkpoint at the path is untouched")
 
 
 def _merge(model: ShardedModel, items, key: str, for_load: bool) -> dict[str, Any]:

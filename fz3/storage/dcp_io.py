@@ -110,14 +110,16 @@ class ChecksumWriter(FileSystemWriter):
             if self.fs.errors:  # the file system's own refusal (ENOSPC, EIO) is the cause
                 raise self.fs.errors[0] from e
             raise
-        summed = [dataclasses.replace(r, storage_data=Summed(r.storage_data, self._crc(r.storage_data)))
+        summed = [dataclasses.replace(r, storage_data=Summed(r.storage_data,
+                                                             self._crc(r.storage_data)))
                   for r in results]
         out: Future = Future()
         out.set_result(summed)
         return out
 
     def _crc(self, info: Any) -> int:
-        measured = self.fs.spans.get(info.relative_path, {}).get((info.offset, info.offset + info.length))
+        spans = self.fs.spans.get(info.relative_path, {})
+        measured = spans.get((info.offset, info.offset + info.length))
         if measured is not None:
             return measured
         return crc_of_range(os.path.join(self.path, info.relative_path), info.offset, info.length)
@@ -146,6 +148,7 @@ class VerifyingReader(FileSystemReader):
             spans.setdefault((info.relative_path, info.offset, info.length), item.storage_index.fqn)
         bad = mismatches(os.fspath(self.path), spans, self.checksums)
         if bad:
-            raise CheckpointDamagedError(damage_message(os.fspath(self.path), bad, f"rank {self.rank} read"),
-                                         os.fspath(self.path), [self.rank])
+            path = os.fspath(self.path)
+            raise CheckpointDamagedError(damage_message(path, bad, f"rank {self.rank} read"),
+                                         path, [self.rank])
         return super().read_data(plan, planner)

@@ -95,9 +95,11 @@ def _message(path: str, phase: str, failed: dict[int, BaseException]) -> str:
     return f"fz3.save({path!r}) failed {phase} on rank(s) {sorted(failed)}: {shown}. {_FIX}"
 
 
+_PEER_GONE = ("Connection closed", "Connection reset", "Broken pipe", "Timed out", "timed out")
+
+
 def _is_transport(e: Any) -> bool:
     """A collective's failure that only says a peer went away (gloo's 'Connection closed by
     peer', NCCL's abort), not why: the heartbeats tell."""
     return isinstance(e, (RankLostError, dist.DistBackendError)) or (
-        isinstance(e, RuntimeError) and any(s in str(e) for s in ("Connection closed", "Connection reset", "Broken pipe",
-                                      "Timed out", "timed out")))
+        isinstance(e, RuntimeError) and any(s in str(e) for s in _PEER_GONE))

@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from ..compare import first_difference
 from ..sharding.model import ShardedModel
-from .checksums import ALGORITHM, checksum_table, crc_of_bytes, crc_of_range, damage_message, mismatches
+from .checksums import (ALGORITHM, checksum_table, crc_of_bytes, crc_of_range, damage_message,
+                        mismatches)
 from .errors import CheckpointDamagedError
 
 META = "fz3.json"
@@ -70,8 +71,8 @@ def read_meta(path: str) -> tuple[dict, Any]:
                                 f"save one first")
     for needed in (file, os.path.join(path, ".metadata")):
         if not os.path.isfile(needed):
-            raise CheckpointDamagedError(f"checkpoint {path} is incomplete: {needed} is missing (an "
-                                         f"interrupted save?)", path)
+            raise CheckpointDamagedError(f"checkpoint {path} is incomplete: {needed} is missing "
+                                         f"(an interrupted save?)", path)
     try:
         with open(file) as f:
             meta = json.load(f)
@@ -80,8 +81,9 @@ def read_meta(path: str) -> tuple[dict, Any]:
     except CheckpointDamagedError:
         raise
     except Exception as e:  # noqa: BLE001 - any decoding failure of the two metadata files
-        raise CheckpointDamagedError(f"checkpoint {path} is damaged: its metadata ({META}, .metadata) "
-                                     f"cannot be read: {type(e).__name__}: {e}", path) from e
+        raise CheckpointDamagedError(f"checkpoint {path} is damaged: its metadata ({META}, "
+                                     f".metadata) cannot be read: {type(e).__name__}: {e}",
+                                     path) from e
     # Every data file DCP's metadata refers to must be there, long enough: a damaged or
     # truncated checkpoint is named here, on every rank, before any rank starts reading.
     need: dict[str, int] = {}
@@ -98,16 +100,18 @@ def read_meta(path: str) -> tuple[dict, Any]:
 
 def _check_metadata_sums(path: str, meta: dict) -> None:
     """``fz3.json`` and ``.metadata`` are the bytes the save wrote (when it recorded sums)."""
-    if "crc32" in meta and _self_crc({k: v for k, v in meta.items() if k != "crc32"}) != meta["crc32"]:
+    rest = {k: v for k, v in meta.items() if k != "crc32"}
+    if "crc32" in meta and _self_crc(rest) != meta["crc32"]:
         raise CheckpointDamagedError(f"checkpoint {path} is damaged: {os.path.join(path, META)} "
                                      f"changed after the save (its crc32 does not match)", path)
     sums = meta.get("checksums")
     if sums is None:
         return
     if sums.get("algorithm") != ALGORITHM:
-        raise CheckpointDamagedError(f"checkpoint {path}: its checksums are {sums.get('algorithm')!r}, "
-                                     f"which this fz3 cannot check (it knows {ALGORITHM!r}): load it "
-                                     f"with the fz3 that saved it", path)
+        raise CheckpointDamagedError(f"checkpoint {path}: its checksums are "
+                                     f"{sums.get('algorithm')!r}, which this fz3 cannot check (it "
+                                     f"knows {ALGORITHM!r}): load it with the fz3 that saved it",
+                                     path)
     file = os.path.join(path, DCP_META)
     if crc_of_range(file, 0, os.path.getsize(file)) != sums["metadata"]:
         raise CheckpointDamagedError(f"checkpoint {path} is damaged: {file} changed after the save "
