@@ -83,7 +83,7 @@ def correctness(device: torch.device) -> list[dict]:
         model, params = shard_gpt(systems.build(cfg, device), device=device,
                                   precision=fz3.Precision(dtype, torch.float32 if dtype else None))
         loss, grads = fz3.value_and_grad(model, policy)(params, batch)
-        got = fz3.full_state_dict(model, grads, buffers=False)
+        got = fz3.full_state_dict(model, grads)
         loss_rel = abs(float(loss) - float(ref_loss.detach())) / abs(float(ref_loss.detach()))
         # worst |a-b| / (atol + rtol |b|) over all elements (<= 1 means allclose)
         closeness = max(float(((got[n].to(device) - w).abs() / (1e-5 + 1e-5 * w.abs())).max()) for n, w in want.items())

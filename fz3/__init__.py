@@ -31,16 +31,16 @@ from .storage.errors import CheckpointDamagedError, CheckpointError
 from .storage.verify import CheckpointReport, verify_checkpoint
 from .storage.export import ExportReport, export, read_export
 from .storage.pretrained import Pretrained
-from .storage.state_dict import full_state_dict
+from .storage.state_dict import full_state_dict, module_state_dict
 
 __all__ = [
     "Accumulate", "Category", "CheckpointDamagedError", "CheckpointError", "CheckpointReport",
-    "CollectiveMismatchError", "CompileError", "Event", "ExportReport",
-    "FlatLayout", "Frame", "MemoryPlan", "NonFiniteError", "Op", "OpKind", "Params", "PartShape",
-    "Policy", "Precision", "Pretrained", "RankLostError", "Recorder", "Result", "Role", "Schedule",
-    "ScheduleError", "ShardedModel", "Slot", "StepFrame", "Unit", "ValueAndGrad", "accumulate",
-    "any_rank", "apply", "chrome_trace", "decay_mask", "deferred", "destroy", "export",
-    "full_state_dict", "hf", "load", "memory_plan", "optim", "plan", "read_export", "refreeze",
-    "save", "shard", "step_through", "trace", "trace_summary", "validate", "value_and_grad",
+    "CollectiveMismatchError", "CompileError", "Event", "ExportReport", "FlatLayout", "Frame",
+    "MemoryPlan", "NonFiniteError", "Op", "OpKind", "Params", "PartShape", "Policy", "Precision",
+    "Pretrained", "RankLostError", "Recorder", "Result", "Role", "Schedule", "ScheduleError",
+    "ShardedModel", "Slot", "StepFrame", "Unit", "ValueAndGrad", "accumulate", "any_rank", "apply",
+    "chrome_trace", "decay_mask", "deferred", "destroy", "export", "full_state_dict", "hf", "load",
+    "memory_plan", "module_state_dict", "optim", "plan", "read_export", "refreeze", "save",
+    "shard", "step_through", "trace", "trace_summary", "validate", "value_and_grad",
     "verify_checkpoint",
 ]

@@ -69,7 +69,7 @@ def assert_rel_norm(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
 
 
 def sharded_grads(model, grads) -> dict[str, torch.Tensor] | None:
-    return fz3.full_state_dict(model, grads, buffers=False)
+    return fz3.full_state_dict(model, grads)
 
 
 def padding_is_zero(model, tree, rank: int) -> bool:

@@ -36,7 +36,7 @@ def _train(model, params, world, rank, steps, start=0, opt=None, state=None):
 
 def _full(model, state) -> dict:
     """Full params and AdamW moments on rank 0 (None elsewhere)."""
-    out = {k: fz3.full_state_dict(model, t, buffers=False) for k, t in
+    out = {k: fz3.full_state_dict(model, t) for k, t in
            (("params", state["params"]), ("mu", state["opt"].mu), ("nu", state["opt"].nu))}
     return out if model.rank == 0 else None
 

@@ -93,7 +93,7 @@ def check_adamw(rank, world, delay, steps=10, cfg=UNEVEN):
         torch_opt.step()
     want = {n: p.detach() for n, p in ref.named_parameters()}
     for what, p in (("pure", params), ("fused", fused_params)):
-        got = fz3.full_state_dict(model, p, buffers=False)
+        got = fz3.full_state_dict(model, p)
         if rank == 0:
             if world == 1:
                 assert_close(got, want, what=f"adamw {what} world=1")
@@ -109,7 +109,7 @@ def check_state_dict_roundtrip(rank, world):
     cfg = dataclasses.replace(UNEVEN, tie=True)
     module = gpt(cfg)
     model, params = shard_gpt(module)
-    sd = fz3.full_state_dict(model, params)
+    sd = fz3.module_state_dict(model, params)
     if rank == 0:
         fresh = gpt(cfg, seed=123)
         fresh.load_state_dict(sd, strict=True)

@@ -36,7 +36,7 @@ def frozen_ranks(rank, world):
     frozen_before = [None if t is None else t.clone() for t in model.frozen]
     for policy in (fz3.Policy(), fz3.Policy(activations="save"), fz3.Policy(layers_per_unit=2, reduce="all_reduce")):
         loss, grads = fz3.value_and_grad(model, policy)(params, bs[rank])
-        got = fz3.full_state_dict(model, grads, buffers=False)
+        got = fz3.full_state_dict(model, grads)
         if rank == 0:
             assert set(got) == trained
             assert_close(got, want, what=f"frozen {policy} world={world}")
@@ -45,7 +45,7 @@ def frozen_ranks(rank, world):
         params, state = fz3.optim.step(opt, grads, state, params, donate=True)
     # frozen weights are bitwise unchanged; the state dict of params has every weight
     assert all(a is None or torch.equal(a, b) for a, b in zip(frozen_before, model.frozen))
-    sd = fz3.full_state_dict(model, params)
+    sd = fz3.module_state_dict(model, params)
     if rank == 0:
         assert set(sd) == set(module.state_dict())
         torch.testing.assert_close(sd["tok.weight"], module.tok.weight.detach(), rtol=0, atol=0)

@@ -44,7 +44,7 @@ def _digest(t: torch.Tensor) -> str:
 
 
 def _record(model, loss, grads) -> dict | None:
-    sd = fz3.full_state_dict(model, grads, buffers=False)
+    sd = fz3.full_state_dict(model, grads)
     if sd is None:
         return None
     return {"loss": float(loss).hex(), "grads": {n: _digest(g) for n, g in sorted(sd.items())}}

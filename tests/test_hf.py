@@ -127,7 +127,7 @@ def check_grads(rank, world, family, dropout, masked):
             assert torch.equal(torch.get_rng_state(), after_ref)
         what = f"{family} {policy} world={world} attention_mask={masked}"
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0, msg=what)
-        got = fz3.full_state_dict(model, grads, buffers=False)
+        got = fz3.full_state_dict(model, grads)
         if rank == 0:
             assert_close({n: got[n] for n in want}, want, what=what)
             unused = set(got) - set(want)  # parameters the loss does not reach have zero gradient
@@ -135,14 +135,14 @@ def check_grads(rank, world, family, dropout, masked):
 
 
 def check_round_trip(family):
-    """fz3 params, changed, -> full_state_dict -> a fresh HF model: 2 x params is exact in fp32
+    """fz3 params, changed, -> module_state_dict -> a fresh HF model: 2 x params is exact in fp32
     (and keeps the padding zero), so the loaded model must hold exactly 2 x the initial weights,
     and its buffers unchanged (the initial weights would fail)."""
     module = build(family, False)
     initial = {n: t.clone() for n, t in module.state_dict().items()}
     param_names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
     model, params = fz3.shard(module)
-    sd = fz3.full_state_dict(model, fz3.Params(tuple(2 * t for t in params.parts)))
+    sd = fz3.module_state_dict(model, fz3.Params(tuple(2 * t for t in params.parts)))
     if sd is None:  # not rank 0
         return
     fresh = build(family, False)

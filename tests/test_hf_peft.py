@@ -68,13 +68,13 @@ def check_lora(rank, world, family, dropout):
         loss, grads = fz3.value_and_grad(model, policy)(params, bs[rank])
         what = f"LoRA {family} {policy} world={world} dropout={dropout}"
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0, msg=what)
-        got = fz3.full_state_dict(model, grads, buffers=False)
+        got = fz3.full_state_dict(model, grads)
         if rank == 0:
             assert_close(got, want, what=what)
     for _ in range(2):
         _, grads = fz3.value_and_grad(model)(params, bs[rank])
         params, state = fz3.optim.step(opt, grads, state, params, donate=True)
-    sd = fz3.full_state_dict(model, params)
+    sd = fz3.module_state_dict(model, params)
     if rank == 0:
         for n, p in pretrained.items():
             assert torch.equal(sd[n], p), f"{family}: frozen {n} changed"

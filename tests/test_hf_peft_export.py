@@ -51,7 +51,7 @@ def export_ranks(rank, world, folder):
         params, state = fz3.optim.step(opt, grads, state, params)
     files = fz3.hf.export_peft(adapter, model, params)
     fz3.save(ckpt, model, {"params": params, "opt": state})
-    trained = fz3.full_state_dict(model, params, buffers=False)
+    trained = fz3.full_state_dict(model, params)
     assert (rank == 0) == ("adapter_model.safetensors" in files and "adapter_config.json" in files)
     torch.distributed.barrier()
     loaded = PeftModel.from_pretrained(build("llama", False).eval(), adapter)

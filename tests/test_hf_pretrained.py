@@ -67,7 +67,7 @@ def check_family(rank, world, family, where, shard_size):
     assert source.bytes_read <= mine + slack, (family, source.bytes_read, mine, slack)
     whole = sum(p.numel() * p.element_size() for p in real.parameters())
     assert source.bytes_read < 0.6 * whole, (family, source.bytes_read, whole)
-    sd = fz3.full_state_dict(model, params)
+    sd = fz3.module_state_dict(model, params)
     buffers = dict(model.skeleton.named_buffers())
     for name, b in real.named_buffers():
         assert torch.equal(buffers[name], b), f"{family} buffer {name}"
@@ -94,7 +94,7 @@ def check_peft(rank, world, folder):
     model, params = fz3.shard(peft, weights=where)
     loss = fz3.apply(model.eval(), params, b)
     assert_rank_mean(loss, want)
-    sd = fz3.full_state_dict(model, params)
+    sd = fz3.module_state_dict(model, params)
     if rank == 0:
         named = dict(base.named_parameters())
         q = "base_model.model.model.layers.1.self_attn.q_proj"

@@ -29,7 +29,7 @@ def hybrid_ranks(rank, world, folder):
         for policy in (fz3.Policy(), fz3.Policy(activations="save", reduce="all_reduce", layers_per_unit=2)):
             loss, grads = fz3.value_and_grad(model, policy)(params, bs[rank])
             assert abs(float(loss) - ref_loss) <= 1e-5 * abs(ref_loss), (shape, float(loss), ref_loss)
-            got = fz3.full_state_dict(model, grads, buffers=False)
+            got = fz3.full_state_dict(model, grads)
             if rank == 0:
                 assert_close(got, ref, what=f"hybrid {shape} {policy}")
         # two optimizer steps keep the replicas identical and match torch on the whole batch
@@ -49,7 +49,7 @@ def hybrid_ranks(rank, world, folder):
             # the norm of R identical replicas is the norm of one (a sum over the world: sqrt(R) x)
             torch.testing.assert_close(state[0].norm, norm, rtol=1e-5, atol=0, msg=f"{shape} norm")
             topt.step()
-        got = fz3.full_state_dict(model, p, buffers=False)
+        got = fz3.full_state_dict(model, p)
         if rank == 0:
             assert_rel_norm(got, dict(torch_ref.named_parameters(remove_duplicate=False)), 1e-5, what=f"{shape}")
         if shape == (2, 2):
@@ -58,7 +58,7 @@ def hybrid_ranks(rank, world, folder):
     mesh = init_device_mesh("cpu", (1, 4))
     model, params = shard_gpt(gpt(CFG), mesh=mesh)
     loaded = fz3.load(os.path.join(folder, "hsdp"), model, {"params": params})["params"]
-    got = fz3.full_state_dict(model, loaded, buffers=False)
+    got = fz3.full_state_dict(model, loaded)
     if rank == 0:
         assert all(torch.equal(got[n], saved[n]) for n in saved)
     return "ok"

@@ -88,10 +88,10 @@ def models_ranks(rank, world):
         for policy in (fz3.Policy(), fz3.Policy(activations="save"), fz3.Policy(layers_per_unit=2, prefetch=2)):
             loss, grads = fz3.value_and_grad(model, policy)(params, bs[rank])
             torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=0)
-            got = fz3.full_state_dict(model, grads, buffers=False)
+            got = fz3.full_state_dict(model, grads)
             if rank == 0:
                 assert_close(got, want, what=f"Net(layers={layers}, tie={tie}) {policy}")
-        sd = fz3.full_state_dict(model, params)
+        sd = fz3.module_state_dict(model, params)
         if rank == 0:
             fresh = Net(layers=layers, tie=tie)
             fresh.load_state_dict(sd, strict=True)

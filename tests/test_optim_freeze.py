@@ -49,7 +49,7 @@ def freeze_ranks(rank, world, steps=3):
             if n in FROZEN:
                 p.grad = None
         torch_opt.step()
-    got = fz3.full_state_dict(model, params)
+    got = fz3.module_state_dict(model, params)
     if rank == 0:
         for n in FROZEN | {"pos.weight"}:
             assert torch.equal(got[n], before[n]), n

@@ -29,7 +29,7 @@ def accumulation_ranks(rank, world):
         for sched in (fz3.Policy(), fz3.Policy(layers_per_unit=2, activations="save", reduce="all_reduce")):
             loss, grads = fz3.accumulate(model, sched, policy=policy)(params, [micro[s][rank] for s in range(k)])
             assert abs(float(loss) - ref_loss) <= 1e-5 * abs(ref_loss), (policy, float(loss), ref_loss)
-            got = fz3.full_state_dict(model, grads, buffers=False)
+            got = fz3.full_state_dict(model, grads)
             if rank == 0:
                 assert_close(got, ref, what=f"accumulate {policy} {sched}")
     with pytest.raises(ValueError, match="policy='sum'"):
@@ -60,7 +60,7 @@ def clip_ranks(rank, world, steps=4):
         torch.testing.assert_close(state[0].norm, norm, rtol=1e-5, atol=0)
         assert float(norm) > 0.05  # the clip was active
         torch_opt.step()
-    got = fz3.full_state_dict(model, params, buffers=False)
+    got = fz3.full_state_dict(model, params)
     if rank == 0:
         assert_rel_norm(got, {n: p.detach() for n, p in ref.named_parameters(remove_duplicate=False)}, 1e-5,
                         what=f"clip+adamw world={world}")
@@ -86,7 +86,7 @@ def precision_ranks(rank, world):
         # (unsharded, padded) gradient, so one step moves every unit once.
         moved = sum(e.nbytes for e in rec.events if e.op.kind == "reduce")
         assert moved == sum(p.rows * p.layout.padded for p in model.parts) * want[reduce]
-        got = fz3.full_state_dict(model, grads, buffers=False)
+        got = fz3.full_state_dict(model, grads)
         if rank != 0:
             continue
         if reduce == torch.float32:
@@ -119,7 +119,7 @@ def precision_ranks(rank, world):
         history.append((finite, ls.scale))
         if finite:
             if not gathered:  # every rank takes this branch together: `finite` is agreed
-                first, gathered = fz3.full_state_dict(model16, grads, buffers=False), True
+                first, gathered = fz3.full_state_dict(model16, grads), True
             params16, state = fz3.optim.step(opt, grads, state, params16)
         else:
             assert params16 is before

@@ -95,10 +95,10 @@ def towers_ranks(rank, world, tie):
     for policy in POLICIES:
         loss, grads = fz3.value_and_grad(model, policy)(params, bs[rank])
         torch.testing.assert_close(loss, torch.tensor(ref_loss), rtol=1e-5, atol=1e-6)
-        got = fz3.full_state_dict(model, grads, buffers=False)
+        got = fz3.full_state_dict(model, grads)
         if rank == 0:
             assert_close(got, want, what=f"two towers tie={tie} {policy} world={world}")
-    sd = fz3.full_state_dict(model, params)
+    sd = fz3.module_state_dict(model, params)
     if rank == 0:
         fresh = TwoTowers(tie=tie)
         fresh.load_state_dict(sd, strict=True)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from ..compare import fingerprint
 from .compat import default_store
 from .failures import RankLostError
-from .liveness import WINDOW_S, observe, restart_key
+from .liveness import PERIOD_S, WINDOW_S, entered_calls, observe, restart_key
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -139,3 +139,26 @@ def _act(decision: str, what: str, timeout: float, st: dist.Store) -> None:
         f"{what} is collective: ranks {missing} did not call it within {timeout:g} s "
         f"({'; '.join(state) or 'no rank missing?'}). Call it on every rank, not only on rank "
         f"0 (timeout= sets how long ranks may be apart)", missing)
+
+
+def absent_error(group: dist.ProcessGroup | None, what: object,
+                 waited_s: float) -> CollectiveMismatchError | None:
+    """After waiting ``waited_s`` in a collective of ``what``: the error naming the ranks that
+    entered fewer step calls than the others (they are elsewhere), or None when every rank is
+    in the same call. Reads the counts once every rank's heartbeat has published its own."""
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    time.sleep(2 * PERIOD_S)
+    calls = entered_calls(default_store(), ranks)
+    known = [c for c in calls.values() if c is not None]
+    if not known:
+        return None
+    top = max(known)
+    behind = sorted(r for r, c in calls.items() if c is not None and c < top)
+    if not behind:
+        return None
+    shown = ", ".join(f"rank {r}: {calls[r]}" for r in ranks)
+    return CollectiveMismatchError(
+        f"{what}: ranks {behind} did not enter this step call within {waited_s:g} s (step calls "
+        f"entered, by rank: {shown}): they are running other code. Every rank must make "
+        f"the same fz3 calls in the same order (fz3.shard(timeout=) sets how long ranks may be "
+        f"apart)", behind)

@@ -14,17 +14,29 @@ threads and ``wait`` blocks the host: the same code, the same order.
 All-gathers and reduce-scatters use two process groups over the same ranks where the
 backend serializes one group's collectives (NCCL): a reduce-scatter of layer i+1 then does
 not queue behind the all-gather of layer i-1 in backward.
+
+[Note: a rank that never comes]
+On gloo, ``wait`` waits at most ``comm.step_timeout`` (``fz3.shard``'s ``timeout=``) at a
+time. When it passes, the ranks' published counts of step calls entered (``liveness.py``)
+say whether a rank is absent: one that entered fewer calls than the others is running other
+code, and the ranks waiting raise ``fz3.CollectiveMismatchError`` naming it. If every rank is
+in the same call, someone is merely slow: ``wait`` waits again, and the process group's own
+timeout stays the bound for a rank hung inside the call (``RankLostError``). Cost: none
+while ranks arrive in time (``Work.wait(timeout)`` costs what ``Work.wait()`` does). NCCL's
+``wait`` does not block the host, so there the process group's timeout stays the only bound.
 """
 
 from __future__ import annotations
 
+import datetime
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from .arrival import absent_error
 from .compat import all_gather_into, reduce_scatter_into
 from .failures import lost_error
 from .liveness import Heartbeat
@@ -46,6 +58,12 @@ class Comm:
     delay_s: float = 0.0
     heartbeat: Heartbeat | None = None  # this process's liveness signal (liveness.py)
     local_copies: bool = True  # a group of one rank copies locally (False: through the backend)
+    # gloo: how long a wait lasts before the absent ranks are looked for ([Note: a rank that
+    # never comes]); None: wait as the process group does
+    step_timeout: datetime.timedelta | None = None
+    # Collectives given up on when ranks were found absent: kept, never waited for, so gloo
+    # never writes into freed memory if those ranks come later (the model is unusable then).
+    abandoned: list = field(default_factory=list)
 
     @property
     def local(self) -> bool:
@@ -66,6 +84,7 @@ class Pending(NamedTuple):
     keep: torch.Tensor | None
     group: dist.ProcessGroup | None = None  # for naming a lost rank if it fails
     label: object = None  # what it is, str()-ed only on failure (the executor passes its Op)
+    timeout: datetime.timedelta | None = None  # the comm's step_timeout
 
 
 # [Note: a group of one rank]
@@ -90,7 +109,7 @@ def all_gather(comm: Comm, out: torch.Tensor | None, shard: torch.Tensor,
     if out is None:
         out = shard.new_empty(comm.world_size * shard.numel())
     work = _issue(comm.group, label, all_gather_into, out, shard, group=comm.group, async_op=True)
-    return Pending(work, out, shard, comm.group, label)
+    return Pending(work, out, shard, comm.group, label, comm.step_timeout)
 
 
 def reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor,
@@ -101,7 +120,7 @@ def reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor,
         return Pending(None, out.copy_(full), full, comm.reduce_group, label)
     work = _issue(comm.reduce_group, label, reduce_scatter_into, out, full, op=dist.ReduceOp.SUM,
                   group=comm.reduce_group, async_op=True)
-    return Pending(work, out, full, comm.reduce_group, label)
+    return Pending(work, out, full, comm.reduce_group, label, comm.step_timeout)
 
 
 def all_reduce(comm: Comm, t: torch.Tensor, *, group: dist.ProcessGroup | None = None,
@@ -114,20 +133,36 @@ def all_reduce(comm: Comm, t: torch.Tensor, *, group: dist.ProcessGroup | None =
         return Pending(None, t, None, group, label)
     work = _issue(group, label, dist.all_reduce, t, op=dist.ReduceOp.SUM, group=group,
                   async_op=True)
-    return Pending(work, t, None, group, label)
+    return Pending(work, t, None, group, label, comm.step_timeout)
 
 
 def wait(p: Pending) -> torch.Tensor:
     """Block (gloo) or make the current stream wait (NCCL) until ``p`` is done; return its output.
 
     A failure (a peer died, or hung past the process group's timeout) raises
-    ``fz3.RankLostError`` naming the ranks that are gone."""
-    if p.work is not None:
+    ``fz3.RankLostError`` naming the ranks that are gone; a rank that never entered this call
+    ``fz3.CollectiveMismatchError`` after ``p.timeout`` ([Note: a rank that never comes])."""
+    if p.work is None:
+        return p.out
+    while True:
         try:
-            p.work.wait()
+            if p.timeout is None:
+                p.work.wait()
+            else:
+                p.work.wait(p.timeout)
+            return p.out
         except RuntimeError as e:
-            raise lost_error(p.group, p.label, e) from e
-    return p.out
+            if p.timeout is None or not _timed_out(e):
+                raise lost_error(p.group, p.label, e) from e
+        absent = absent_error(p.group, p.label, p.timeout.total_seconds())
+        if absent is not None:
+            raise absent
+
+
+def _timed_out(e: RuntimeError) -> bool:
+    """gloo's own words when ``Work.wait(timeout)`` passes its timeout (not the process
+    group's: 'Timed out waiting ... for recv operation')."""
+    return "Operation timed out" in str(e)
 
 
 def _issue(pg: dist.ProcessGroup, label: object, fn, *args, **kwargs):

@@ -121,3 +121,11 @@ def destroy(model: Any) -> None:
 
     arrive(model.comm.group, "fz3.destroy", timeout=120.0)
     release(model.comm)
+
+
+def refuse_destroyed(comm: Any, what: str) -> None:
+    """Raise if ``fz3.destroy`` released the model ``comm`` belongs to (local, no collective)."""
+    if comm.heartbeat is not None and comm.heartbeat.stopped:
+        raise RuntimeError(f"{what}: this model was released by fz3.destroy(model): its process "
+                           f"groups and heartbeat are gone. Shard the module again with "
+                           f"fz3.shard to go on")

@@ -48,14 +48,24 @@ def heartbeat_key(rank: int) -> str:
     return f"fz3/heartbeat/{restart_key()}/{rank}"
 
 
+def calls_key(rank: int) -> str:
+    """How many step calls (``value_and_grad``'s, ``apply``, ...) the rank has entered."""
+    return f"fz3/calls/{restart_key()}/{rank}"
+
+
 class Heartbeat:
-    """This process's heartbeat while its owner lives (see [Note: heartbeat])."""
+    """This process's heartbeat while its owner lives (see [Note: heartbeat]). With each beat
+    it also publishes how many step calls this rank has entered (``entered``), so a rank left
+    waiting in a collective can tell which ranks never entered that call (see
+    ``fz3/comm/collectives.py``'s ``wait``)."""
 
     def __init__(self, period_s: float = PERIOD_S) -> None:
         self._stop = threading.Event()
+        self._calls = [0]  # read by the thread: a list it shares, not self
         key = heartbeat_key(dist.get_rank())
         self._thread = threading.Thread(target=_beat,
-                                        args=(default_store(), key, period_s, self._stop),
+                                        args=(default_store(), key, period_s, self._stop,
+                                              self._calls, calls_key(dist.get_rank())),
                                         name=f"fz3-heartbeat-{key}", daemon=True)
         # The thread holds the event, not self: dropping the owner stops the thread. A
         # finalizer also runs at interpreter exit, before daemon threads are frozen: a thread
@@ -66,6 +76,15 @@ class Heartbeat:
     def stop(self) -> None:
         self._halt()
 
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def entered(self) -> None:
+        """This rank entered one more step call (a Python add: free on the hot path; the
+        thread publishes it with its next beat)."""
+        self._calls[0] += 1
+
 
 def _halt(stop: threading.Event, thread: threading.Thread) -> None:
     """Stop the beating thread and wait for it (at most one store call and a moment)."""
@@ -74,10 +93,15 @@ def _halt(stop: threading.Event, thread: threading.Thread) -> None:
         thread.join(timeout=5.0)
 
 
-def _beat(st: dist.Store, key: str, period_s: float, stop: threading.Event) -> None:
+def _beat(st: dist.Store, key: str, period_s: float, stop: threading.Event, calls: list[int],
+          calls_at: str) -> None:
+    published = -1
     while True:
         try:
             st.add(key, 1)
+            if calls[0] != published:
+                published = calls[0]
+                st.set(calls_at, str(published))
         except Exception:  # noqa: BLE001 - the store is gone: nobody is left to read the beat
             return
         if stop.wait(period_s):
@@ -106,6 +130,12 @@ def observe(st: dist.Store, ranks: list[int], window_s: float = WINDOW_S) -> Liv
     last = read(st, rest)
     return Liveness(sorted(alive), sorted(r for r in rest if last[r] is not None),
                     sorted(r for r in rest if last[r] is None))
+
+
+def entered_calls(st: dist.Store, ranks: list[int]) -> dict[int, int | None]:
+    """Each rank's published count of step calls entered (None: none published), fresh
+    within one ``PERIOD_S``."""
+    return {r: int(st.get(calls_key(r))) if st.check([calls_key(r)]) else None for r in ranks}
 
 
 def read(st: dist.Store, ranks: list[int]) -> dict[int, int | None]:

@@ -2,7 +2,7 @@
 ``adapter_config.json``, loadable by ``PeftModel.from_pretrained(base_model, path)``.
 
 ``fz3.hf.export_peft(path, model, params)`` gathers the trained parameters (the LoRA weights:
-small) to rank 0 one unit at a time, as ``fz3.full_state_dict(model, params, buffers=False)``
+small) to rank 0 one unit at a time, as ``fz3.full_state_dict(model, params)``
 does, and rank 0 hands them to PEFT's own ``save_pretrained(path, state_dict=...)`` on fz3's
 skeleton of the PEFT model, which picks the adapter's tensors and names them as PEFT loads
 them. The frozen base weights are not written: they are the pretrained checkpoint's. For
@@ -26,7 +26,7 @@ def export_peft(path: str | os.PathLike, model: ShardedModel, params: Params) ->
         raise TypeError(f"fz3.hf.export_peft takes a model sharded from a PEFT model "
                         f"(get_peft_model(...)); this one is a {type(model.skeleton).__name__}: "
                         f"use fz3.export(path, model, params) for its weights")
-    trained = full_state_dict(model, params, buffers=False)
+    trained = full_state_dict(model, params)
     if trained is None:  # not rank 0
         return []
     model.skeleton.save_pretrained(os.fspath(path), state_dict=trained)

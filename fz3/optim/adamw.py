@@ -19,6 +19,7 @@ import torch
 from torch.optim.adam import adam as _torch_adam
 
 from .base import GradientTransformation, Tree
+from .checks import FIX_STATE, check_like, check_mask
 
 
 # torch >= 2.6 runs AdamW as Adam with decoupled weight decay; older torch has adamw's own
@@ -59,6 +60,7 @@ def adamw(lr: float | Callable[[int], float] = 1e-3, betas: tuple[float, float] 
         if params is None and weight_decay:
             raise ValueError("adamw with weight_decay needs params: "
                              "opt.update(grads, state, params)")
+        _check(grads, state, params)
         count, t, rate = _tick(state, lr)
         leaf = functools.partial(_leaf_update, b1=b1, b2=b2, eps=eps, step_size=rate / (1 - b1**t),
                                  bc2_sqrt=math.sqrt(1 - b2**t), decay=rate * weight_decay)
@@ -73,7 +75,9 @@ def adamw(lr: float | Callable[[int], float] = 1e-3, betas: tuple[float, float] 
     def update_inplace(grads: Tree, state: AdamWState, params: Tree) -> tuple[Tree, AdamWState]:
         """The same step through torch's fused Adam kernel, in place on params and moments:
         one call for the elements weight decay applies to and one for the others (the kernel
-        takes one decay per call), so masked decay costs no pass of its own."""
+        takes one decay per call), so masked decay costs no pass of its own. Every buffer is
+        checked against params first: the kernel trusts their sizes."""
+        _check(grads, state, params)
         count, t, rate = _tick(state, lr)
         ps, treedef = optree.tree_flatten(params)
         leaves = list(zip(ps, *(treedef.flatten_up_to(x) for x in (grads, state.mu, state.nu))))
@@ -90,6 +94,18 @@ def adamw(lr: float | Callable[[int], float] = 1e-3, betas: tuple[float, float] 
                 fused_adamw(p, g, m, v, steps, lr=rate, beta1=b1, beta2=b2,
                             weight_decay=decay, eps=eps)
         return params, AdamWState(count, state.mu, state.nu)
+
+    def _check(grads: Tree, state: AdamWState, params: Tree | None) -> None:
+        if not isinstance(state, AdamWState):
+            raise TypeError(f"the optimizer state is {type(state).__name__}, adamw's is an "
+                            f"AdamWState: {FIX_STATE}")
+        like = params if params is not None else state.mu
+        check_like(like, state.mu, "the optimizer state's first moment (mu)", FIX_STATE)
+        check_like(like, state.nu, "the optimizer state's second moment (nu)", FIX_STATE)
+        check_like(like, grads, "the gradients", "pass the gradients of these params (the step "
+                   "function's grads for this model)")
+        if masks is not None:
+            check_mask(like, masks)
 
     return GradientTransformation(init, update, update_inplace)
 

@@ -8,7 +8,7 @@ from typing import Any, Callable, NamedTuple
 import optree
 import torch
 
-from ..sharding.params import refuse_donated
+from .checks import check_like, refuse_donated_tree
 
 Tree = Any  # a pytree of tensors shaped like fz3.Params
 
@@ -59,8 +59,8 @@ def step(opt: GradientTransformation, grads: Tree, state: Any, params: Tree, *,
     reads and writes each element once and allocates nothing. Do not use the donated
     ``params``/``state`` afterwards; use the returned ones.
     """
-    check_not_donated(params, "params")
-    check_not_donated(state, "the optimizer state")
+    refuse_donated_tree(params, "params")
+    refuse_donated_tree(state, "optimizer state")
     if donate and opt.update_inplace is not None:
         new_params, new_state = opt.update_inplace(grads, state, params)
         return _give_up(params, new_params), _give_up(state, new_state)
@@ -90,14 +90,11 @@ def _give_up(old: Tree, new: Tree) -> Tree:
     return fresh
 
 
-def check_not_donated(tree: Tree, what: str) -> None:
-    """Raise if ``tree`` was given up to ``fz3.optim.step(..., donate=True)``."""
-    for t in optree.tree_leaves(tree):
-        refuse_donated(t, what)
-
-
 def apply_updates(params: Tree, updates: Tree) -> Tree:
     """``params + updates``, leaf by leaf (new tensors; the inputs are untouched)."""
+    refuse_donated_tree(params, "params")
+    check_like(params, updates, "the updates", "pass the updates that opt.update returned for "
+               "these params")
     return optree.tree_map(torch.add, params, updates)
 
 

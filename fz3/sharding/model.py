@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import datetime
 import functools
 import os
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm.arrival import DEFAULT_TIMEOUT_S
 from ..comm.collectives import Comm
 from ..comm.groups import comm_groups
 from ..comm.liveness import Heartbeat
@@ -139,6 +141,7 @@ def shard(
     device: torch.device | str | None = None,
     precision: Precision = Precision(),
     weights: str | os.PathLike | Pretrained | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
 ) -> tuple[ShardedModel, Params]:
     """Shard ``module`` over ``group`` or ``mesh`` (default: the default process group).
     **Collective**: every rank must call it (one small all-gather checks the ranks agree).
@@ -175,6 +178,9 @@ def shard(
         holds is read from it, only the slices this rank owns, so ``module`` may be built on
         the meta device; meta buffers are read or computed too (``fz3/storage/pretrained.py``).
         A PEFT model's base weights are found under the base model's names.
+      timeout: seconds a rank waits in one of the model's collectives (gloo) before it looks
+        for ranks that never entered the step call, and names them
+        (``fz3.CollectiveMismatchError``); see ``fz3/comm/collectives.py``.
 
     Returns ``(model, params)``: the static model and this rank's fp32 shards.
     """
@@ -184,7 +190,9 @@ def shard(
     if len(between) not in (0, len(paths) - 1):
         raise ValueError(f"between has {len(between)} functions for {len(paths)} stacks; pass "
                          f"one per gap ({len(paths) - 1}), None where h passes through")
-    comm, device = _comm(module, group, mesh, device)
+    if not timeout > 0:
+        raise ValueError(f"timeout={timeout!r} must be > 0 seconds")
+    comm, device = _comm(module, group, mesh, device, timeout)
     betweens = [fn for fn in between if fn is not None]
     gap_has_fn = [fn is not None for fn in between] or [False] * (len(paths) - 1)
     split = partition(module, paths, comm.world_size, between=gap_has_fn, assign=assign)
@@ -233,12 +241,13 @@ def _from_checkpoint(weights, module: nn.Module, skeleton: nn.Module, device: to
     return functools.partial(_shards, read=functools.partial(pretrained.piece, source, names))
 
 
-def _comm(module: nn.Module, group, mesh, device) -> tuple[Comm, torch.device]:
+def _comm(module: nn.Module, group, mesh, device, timeout: float) -> tuple[Comm, torch.device]:
     """The groups (``fz3/comm/groups.py``: collective, every row's groups in one order on every
-    rank) and the device."""
+    rank) and the device; waits bounded by ``timeout`` on gloo."""
     groups = comm_groups(group, mesh)
-    comm = Comm(**groups._asdict(), heartbeat=Heartbeat())
-    backend = dist.get_backend(comm.group)
+    backend = dist.get_backend(groups.group)
+    bound = datetime.timedelta(seconds=timeout) if backend == "gloo" else None
+    comm = Comm(**groups._asdict(), heartbeat=Heartbeat(), step_timeout=bound)
     device = torch.device(device) if device is not None else _default_device(module, backend)
     return comm, device
 

@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from ..comm.collectives import all_gather, wait
+from ..comm.groups import refuse_destroyed
 from ..schedule.structure import Role
 from .checks import check_same_on_all_ranks
 from .layout import FlatLayout
@@ -43,6 +44,7 @@ def refreeze(
     the others frozen (names: the original module's). **Collective**: per part and row, one
     all-gather of its trained shard and one of its frozen shard (a unit at a time), and one
     small all-gather to check that every rank chose the same."""
+    refuse_destroyed(model.comm, "fz3.refreeze")
     check_tree(model, params, "params")
     order = {
         n: i for i, (n, _) in enumerate(model.skeleton.named_parameters(remove_duplicate=False))

@@ -27,7 +27,8 @@ from .traced import TracedLayers, layer_runners
 from .executor import execute
 from ..sharding.model import Params, ShardedModel
 from ..schedule.schedule import Policy, Schedule, deferred
-from .front import check_batch, check_params, drain, prepare
+from ..comm.groups import refuse_destroyed
+from .front import check_batch, check_in_sync, check_params, drain, enter, prepare
 
 
 class Accumulate:
@@ -41,14 +42,19 @@ class Accumulate:
         self.model, self.schedule, self.policy, self.compiled = model, schedule, policy, compiled
         self.traced = traced
         self.deferred = deferred(schedule) if policy == "defer" else None
+        self.steps = 0  # calls so far, checked across ranks
 
     def __call__(self, params: Params, micro_batches: Sequence[Any]) -> tuple[torch.Tensor, Params]:
         k = len(micro_batches)
         if k == 0:
             raise ValueError("micro_batches is empty; pass a sequence of k >= 1 batches")
+        refuse_destroyed(self.model.comm, "fz3.accumulate's step")
         check_params(self.model, params)
         for mb in micro_batches:
             check_batch(self.model, mb)
+        enter(self.model)
+        check_in_sync(self.model, self.steps, "fz3.accumulate's step", *micro_batches)
+        self.steps += 1
         comm = self.model.comm
         losses, acc = [], None
         carry: dict[int, torch.Tensor] = {}

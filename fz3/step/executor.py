@@ -38,6 +38,7 @@ from typing import Any, Callable, Generator, NamedTuple
 import torch
 
 from .. import rng
+from ..comm.arrival import CollectiveMismatchError
 from ..comm.collectives import all_gather, all_reduce, reduce_scatter, wait
 from ..schedule.ops import Op, OpKind
 from ..schedule.structure import Role
@@ -91,6 +92,9 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
                     # the frame holds the unit's buffer: not past the next op (a free)
                     frame = None
             return _finish(state)
+    except CollectiveMismatchError:  # ranks are absent: waiting for the rest would hang
+        state.abandon(state.model.comm.abandoned)
+        raise
     finally:
         state.drain(wait)
 

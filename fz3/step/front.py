@@ -15,7 +15,9 @@ import optree
 import torch
 
 from ..compare import fingerprint, first_difference
+from ..comm.collectives import all_gather, wait
 from ..comm.failures import differing_ranks, gather_objects
+from ..comm.groups import refuse_destroyed
 from ..schedule.ops import OpKind
 from ..schedule.schedule import Policy, Schedule, plan, validate
 from ..sharding.model import Params, ShardedModel
@@ -75,10 +77,21 @@ def _covers(schedule: Schedule, model: ShardedModel) -> bool:
     return all(sorted(rows.get(i, [])) == list(range(p.rows)) for i, p in enumerate(model.parts))
 
 
-def check_call(model: ShardedModel, params: Params, batch: Any) -> None:
-    """Params and batch, locally, before any collective."""
+def check_call(model: ShardedModel, params: Params, batch: Any, entry: str = "the step") -> None:
+    """Params and batch, locally, before any collective; then the call is counted
+    (``enter``)."""
+    refuse_destroyed(model.comm, entry)
     check_params(model, params)
     check_batch(model, batch)
+    enter(model)
+
+
+def enter(model: ShardedModel) -> None:
+    """Count one step call on this rank, after its local checks and before its collectives:
+    a rank that raised before here, or never came, has entered fewer calls, and the ranks
+    left waiting name it ([Note: a rank that never comes] in ``fz3/comm/collectives.py``)."""
+    if model.comm.heartbeat is not None:
+        model.comm.heartbeat.entered()
 
 
 def check_params(model: ShardedModel, params: Params) -> None:
@@ -106,27 +119,56 @@ def check_batch(model: ShardedModel, batch: Any) -> None:
         model.check_batch(batch)
 
 
-def check_in_sync(model: ShardedModel, step: int, batch: Any) -> None:
-    """Same step count and same batch shapes/dtypes on every rank. **Collective**: one
-    all-gather (and, on a mismatch, one more to say what differs)."""
-    leaves, spec, paths = _leaves_with_paths(batch)
-    sig = [(p, tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else (p, repr(type(t)))
-           for p, t in zip(paths, leaves)]
-    differ = differing_ranks(model.comm.group, [step, *fingerprint((str(spec), sig))], model.device)
+def check_in_sync(model: ShardedModel, step: int, entry: str, *batches: Any) -> None:
+    """Same step count, and batches of the same structure, shapes and dtypes, none empty, on
+    every rank. **Collective**: one all-gather of a few integers (and, on a mismatch, one
+    more to say what differs); a rank that never comes is named when the wait passes
+    ``fz3.shard``'s ``timeout`` ([Note: a rank that never comes])."""
+    sigs = [_signature(b) for b in batches]
+    mine = torch.tensor([step, *fingerprint(sigs)], dtype=torch.int64, device=model.device)
+    rows = wait(all_gather(model.comm, None, mine, label=f"{entry}'s check that the ranks agree"))
+    rows = rows.view(model.world_size, -1).cpu()
+    differ = [r for r in range(model.world_size) if not torch.equal(rows[r], rows[0])]
+    empty = [i for i, sig in enumerate(sigs) if _is_empty(sig)]
     if not differ:
+        if empty:
+            raise ValueError(f"{entry}: every rank's batch is empty (0 rows): skip it on every "
+                             f"rank (the loss would be NaN, the gradients finite)")
         return
-    everyone = gather_objects(model.comm.group, (step, sig))
+    everyone = gather_objects(model.comm.group, (step, sigs))
     r = differ[0]
     (s0, sig0), (sr, sigr) = everyone[0], everyone[r]
     if s0 != sr:
-        raise RuntimeError(f"ranks {differ} are at another step than rank 0 (rank 0 at call "
-                           f"{s0}, rank {r} at call {sr}): some rank skipped or repeated a step; "
-                           f"every rank must call the step equally often")
-    _, mine, theirs = first_difference(sig0, sigr)
-    raise ValueError(f"ranks {differ} have batches shaped unlike rank 0's: rank 0 has {mine}, "
-                     f"rank {r} has {theirs}. fz3's loss is the mean of per-rank mean losses, the "
-                     f"global mean only when every rank's batch has the same shape: pad or drop "
-                     f"the last batch")
+        raise RuntimeError(f"{entry}: ranks {differ} are at another step than rank 0 (rank 0 "
+                           f"at call {s0}, rank {r} at call {sr}): some rank skipped or repeated "
+                           f"a step; every rank must call the step equally often")
+    shown = "; ".join(f"rank {k}: {_shapes(s)}" for k, (_, s) in enumerate(everyone))
+    hollow = [k for k, (_, s) in enumerate(everyone) if any(_is_empty(x) for x in s)]
+    if hollow:
+        raise ValueError(f"{entry}: ranks {hollow} have an empty batch (0 rows) ({shown}): the "
+                         f"loss would be NaN on every rank while the gradients stay finite; drop "
+                         f"that batch on every rank")
+    raise ValueError(f"{entry}: ranks {differ} have batches shaped unlike rank 0's ({shown}). "
+                     f"fz3's loss is the mean of per-rank mean losses, the global mean only when "
+                     f"every rank's batch has the same shape: pad or drop the last batch, or pass "
+                     f"check_sync=False to allow it")
+
+
+def _signature(batch: Any) -> tuple:
+    """The batch's structure and each tensor's shape and dtype (no values read)."""
+    leaves, spec = optree.tree_flatten(batch, none_is_leaf=True)
+    return (str(spec), *((tuple(t.shape), str(t.dtype).removeprefix("torch."))
+                         if isinstance(t, torch.Tensor) else type(t).__name__ for t in leaves))
+
+
+def _is_empty(sig: tuple) -> bool:
+    return any(isinstance(x, tuple) and x[0] and x[0][0] == 0 for x in sig[1:])
+
+
+def _shapes(sigs: list[tuple]) -> str:
+    def one(x: Any) -> str:
+        return f"{list(x[0])} {x[1]}" if isinstance(x, tuple) else x
+    return " | ".join(", ".join(one(x) for x in sig[1:]) or "no tensors" for sig in sigs)
 
 
 def loss_of(model: ShardedModel, loss: Callable[..., Any] | None, has_aux: bool) -> Loss:

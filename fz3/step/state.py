@@ -181,6 +181,12 @@ class StepState:
         stopped, an error) leaves the collective sequence the same on every rank."""
         for p in self.in_flight():
             wait(p)
+        self.abandon([])
+
+    def abandon(self, keep: list) -> None:
+        """Forget everything in flight without waiting, its buffers kept alive in ``keep``
+        (ranks are absent: nothing in flight will complete)."""
+        keep.extend(self.in_flight())
         self.gathering.clear()
         self.reducing.clear()
         self.replicating.clear()

@@ -23,7 +23,7 @@ class ValueAndGrad:
 
     def __init__(self, model: ShardedModel, schedule: Schedule, *,
                  loss: Callable[..., Any] | None = None, has_aux: bool = False, recorder=None,
-                 check_finite: bool = False, check_sync: bool = False,
+                 check_finite: bool = False, check_sync: bool = True,
                  compiled: CompiledLayers | None = None, graphs: GraphedLayers | None = None,
                  traced: TracedLayers | None = None):
         self.model, self.schedule, self.recorder = model, schedule, recorder
@@ -35,11 +35,11 @@ class ValueAndGrad:
 
     def __call__(self, params: Params, batch: Any, *, loss_scale: float | torch.Tensor = 1.0):
         """``loss_scale`` multiplies the gradients, not the loss (fp16 loss scaling)."""
-        check_call(self.model, params, batch)
+        check_call(self.model, params, batch, "value_and_grad's step")
         if self.graphs is not None:
             self.graphs.check_shapes(batch)
         if self.check_sync:
-            check_in_sync(self.model, self.steps, batch)
+            check_in_sync(self.model, self.steps, "value_and_grad's step", batch)
         self.steps += 1
         gen = execute(self.model, self.schedule, params, batch, self.recorder, loss=self.loss,
                       loss_scale=loss_scale, compiled=self.compiled, graphs=self.graphs,
@@ -52,8 +52,8 @@ class ValueAndGrad:
 
 def value_and_grad(model: ShardedModel, schedule: Schedule | Policy | None = None, *,
                    loss: Callable[..., Any] | None = None, has_aux: bool = False, recorder=None,
-                   check_finite: bool = False, check_sync: bool = False, compile: bool = False,
-                   strict: bool = False, cuda_graphs: bool = False,
+                   check_finite: bool = False, check_sync: bool = True,
+                   compile: bool = False, strict: bool = False, cuda_graphs: bool = False,
                    trace: bool = True) -> ValueAndGrad:
     """``f(params, batch) -> (loss, grads)``: the mean loss over ranks and this rank's shards
     of its gradient, same pytree structure as ``params``.
@@ -67,8 +67,12 @@ def value_and_grad(model: ShardedModel, schedule: Schedule | Policy | None = Non
     ``recorder``: collects every op's timestamps (``fz3.Recorder``). ``check_finite``: raise
     ``fz3.NonFiniteError`` on every rank, naming the first unit and phase where activations
     or gradients stopped being finite (one extra read per activation, one collective per step).
-    ``check_sync`` (debugging): before each step, one all-gather checks that every rank is at
-    the same step with batches of the same shapes and dtypes; raises instead of hanging.
+    ``check_sync`` (default): before each step, one all-gather of a few integers checks that
+    every rank is at the same step with batches of the same shapes and dtypes, none empty;
+    raises on every rank instead of running on (the loss would not be the global mean) or
+    hanging. ``check_sync=False`` lets batches of different shapes run (the loss is then the
+    mean of per-rank means). A rank that never comes is named once a wait passes
+    ``fz3.shard``'s ``timeout`` (gloo), either way.
     Training or eval mode is the model's (``model.eval()`` is a copy in eval mode).
     ``trace`` (default): each stack's layers run as programs traced once from the layer's
     function (``fz3.step.traced``: forward and backward ATen ops called directly, no autograd
@@ -102,7 +106,7 @@ def apply(model: ShardedModel, params: Params, batch: Any, *,
     ``value_and_grad`` step, whose traced and compiled layers are then shared (new ones each
     call would trace and compile again).
     **Collective**: every rank must call it (the schedule is compared across ranks first)."""
-    check_call(model, params, batch)  # local: a bad batch fails here, before any collective
+    check_call(model, params, batch, "fz3.apply")  # local: a bad batch fails here
     sched = prepare(model, schedule, grad=False, entry="apply")
     if isinstance(compile, ValueAndGrad):
         traced, compiled = compile.traced, compile.compiled

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from .. import rng
 from ..comm.arrival import DEFAULT_TIMEOUT_S, arrive
 from ..comm.failures import lost_error
+from ..comm.groups import refuse_destroyed
 from ..sharding.layout import FlatLayout
 from ..sharding.model import Params, ShardedModel
 from ..sharding.params import is_donated
@@ -64,6 +65,7 @@ def save(path: str | os.PathLike, model: ShardedModel, state: Any, *,
     from .dcp_io import ChecksumWriter
 
     path = os.path.normpath(os.fspath(path))
+    refuse_destroyed(model.comm, "fz3.save")
     flat = _flatten(model, state, "")  # refuses a donated tree, before anything is touched
     group, rank0 = _everyone(model), dist.get_rank() == 0
     partial, old = path + ".partial", path + ".old"
@@ -112,6 +114,7 @@ def load(path: str | os.PathLike, model: ShardedModel, template: Any, *, restore
     from .dcp_io import VerifyingReader
 
     path = os.path.normpath(os.fspath(path))
+    refuse_destroyed(model.comm, "fz3.load")
     arrive(_everyone(model), "fz3.load", timeout)
     path = path if os.path.isdir(path) or not os.path.isdir(path + ".old") else path + ".old"
     meta, saved = read_meta(path)

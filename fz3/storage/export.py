@@ -23,6 +23,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from ..comm.arrival import DEFAULT_TIMEOUT_S, arrive
+from ..comm.groups import refuse_destroyed
 from ..sharding.model import Params, ShardedModel
 from ..sharding.params import check_tree
 from .gather import Gathered, own_buffers, unit_shards
@@ -43,6 +44,7 @@ def export(path: str | os.PathLike, model: ShardedModel, params: Params, *,
     that does not within ``timeout`` seconds makes the others raise
     ``fz3.CollectiveMismatchError`` naming it, before ``path`` is created."""
     path = os.path.normpath(os.fspath(path))
+    refuse_destroyed(model.comm, "fz3.export")
     check_tree(model, params, "params")
     arrive(model.comm.group, "fz3.export", timeout)
     fmt = format or ("safetensors" if _has_safetensors() else "torch")

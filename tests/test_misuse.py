@@ -1,0 +1,164 @@
+"""Misuse refused, never a crash or a silent run, in real gloo ranks (each a process of its
+own, so a SIGSEGV inside a kernel is a failed rank, not a lost test run): optimizer state
+that does not fit the params, a step some rank never calls, batches of different shapes or
+empty, a destroyed model, gradients mixed with weights. Each failed on the code before."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+
+import dist
+import fz3
+from fz3.models import shard_gpt
+from fz3.models.gpt import GPTConfig
+from reference import batches, gpt
+
+CFG = GPTConfig(vocab=37, seq=8, dim=36, heads=4, layers=3, tie=True)
+FIX = r"build the state for these params with opt.init\(params\)"
+
+
+def foreign_state_ranks(rank, world):
+    model, params = shard_gpt(gpt(CFG))
+    other, oparams = shard_gpt(gpt(dataclasses.replace(CFG, dim=40)))
+    opt = fz3.optim.adamw(lr=1e-2, weight_decay=0.1)
+    _, grads = fz3.value_and_grad(model)(params, batches(CFG, world)[rank])
+    foreign = opt.init(oparams)
+    want = rf"the optimizer state's first moment \(mu\) part #0 is \[\d+\] float32 on cpu, the params' part #0 is \[\d+\].*{FIX}"
+    for call in (lambda: fz3.optim.step(opt, grads, foreign, params, donate=True),  # was SIGSEGV
+                 lambda: fz3.optim.step(opt, grads, foreign, params),
+                 lambda: opt.update(grads, foreign, params)):
+        with pytest.raises(ValueError, match=want):
+            call()
+    clipped = fz3.optim.chain(fz3.optim.clip_by_global_norm(1.0, model), opt)
+    with pytest.raises(ValueError, match=want):
+        fz3.optim.step(clipped, grads, clipped.init(oparams), params, donate=True)
+    with pytest.raises(ValueError, match=r"the gradients part #0 is .* the params' part #0"):
+        fz3.optim.step(opt, fz3.value_and_grad(other)(oparams, batches(CFG, world)[rank])[1],
+                       opt.init(params), params, donate=True)
+    with pytest.raises(TypeError, match=rf"the optimizer state is tuple, adamw's is an AdamWState: {FIX}"):
+        opt.update(grads, clipped.init(params), params)
+    with pytest.raises(ValueError, match=r"the updates part #0 is .*pass the updates that opt.update returned"):
+        fz3.optim.apply_updates(params, opt.update(fz3.value_and_grad(other)(oparams, batches(CFG, world)[rank])[1],
+                                                   opt.init(oparams), oparams)[0])
+    masked = fz3.optim.adamw(lr=1e-2, weight_decay=0.1, mask=fz3.decay_mask(other))
+    with pytest.raises(ValueError, match=r"the weight-decay mask part #0 is .*does not broadcast"):
+        fz3.optim.step(masked, grads, masked.init(params), params, donate=True)
+    # a donated state, through update (it named neither donate=True nor the state)
+    new_params, new_state = fz3.optim.step(opt, grads, opt.init(params), params, donate=True)
+    with pytest.raises(ValueError, match=r"the optimizer state's first moment \(mu\) was donated to "
+                                         r"fz3.optim.step\(..., donate=True\)"):
+        opt.update(grads, opt.init(params)._replace(mu=params), new_params)
+    # after refreeze the old state no longer fits: it broadcast a [1] shard to [N], or ran the
+    # fused kernel on buffers of other sizes
+    head = lambda n: not n.startswith("blocks.")  # noqa: E731 - the blocks' part changes shape
+    frozen_model, frozen_params = fz3.refreeze(model, new_params, trainable=head)
+    old = new_state  # built for the params before refreeze
+    _, fgrads = fz3.value_and_grad(frozen_model)(frozen_params, batches(CFG, world)[rank])
+    for donate in (False, True):
+        with pytest.raises(ValueError, match=rf"part #\d is \[\d+(, \d+)?\] float32 on cpu, the params' part #\d is .*{FIX}"):
+            fz3.optim.step(opt, fgrads, old, frozen_params, donate=donate)
+    fz3.optim.step(opt, fgrads, opt.init(frozen_params), frozen_params, donate=True)  # the fix works
+    return "ok"
+
+
+def test_optimizer_state_checked_against_the_params():
+    assert dist.run(2, foreign_state_ranks) == ["ok"] * 2
+
+
+def absent_ranks(rank, world):
+    model, params = shard_gpt(gpt(CFG), timeout=3)
+    step = fz3.value_and_grad(model)
+    b = batches(CFG, world)[rank]
+    step(params, b)
+    # rank 1 goes elsewhere while rank 0 steps on shapes already seen (it hung for gloo's 30 min)
+    if rank == 0:
+        t0 = time.monotonic()
+        with pytest.raises(fz3.CollectiveMismatchError, match=r"ranks \[1\] did not enter this step call within 3 s "
+                                                              r"\(step calls entered, by rank: rank 0: 2, rank 1: 1\)") as e:
+            step(params, b)
+        took = time.monotonic() - t0
+        assert e.value.missing == [1] and 3 <= took < 9, (e.value.missing, took)
+    else:
+        time.sleep(12)  # "running other code", alive
+    return "ok"
+
+
+def test_a_step_some_rank_never_calls_names_it():
+    assert dist.run(2, absent_ranks, timeout=120) == ["ok"] * 2
+
+
+def shapes_ranks(rank, world):
+    model, params = shard_gpt(gpt(CFG), timeout=5)
+    step = fz3.value_and_grad(model)
+    full = batches(CFG, world, per_rank=2)[rank]
+    step(params, full)
+    short = tuple(t[:1] for t in full) if rank == 1 else full  # a short last batch on rank 1
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"ranks \[1\] have batches shaped unlike rank 0's \(rank 0: \[2, 8\] int64, "
+                                         r"\[2, 8\] int64; rank 1: \[1, 8\] int64, \[1, 8\] int64\).*pad or drop the "
+                                         r"last batch"):
+        step(params, short)
+    assert time.monotonic() - t0 < 5  # decided as soon as both arrived
+    fz3.value_and_grad(model, check_sync=False)(params, short)  # opted out: runs, as before
+    empty = tuple(t[:0] for t in full) if rank == 0 else full
+    with pytest.raises(ValueError, match=r"ranks \[0\] have an empty batch \(0 rows\).*the loss would be NaN"):
+        step(params, empty)
+    acc = fz3.accumulate(model)
+    acc(params, [full, full])
+    with pytest.raises(ValueError, match=r"ranks \[0\] have an empty batch"):
+        acc(params, [full, empty])
+    loss, grads = step(params, full)  # every rank still in step
+    assert torch.isfinite(loss)
+    return "ok"
+
+
+def test_batches_of_other_shapes_or_empty_raise_on_every_rank():
+    assert dist.run(2, shapes_ranks, timeout=120) == ["ok"] * 2
+
+
+def destroyed_ranks(rank, world, folder):
+    model, params = shard_gpt(gpt(CFG))
+    step = fz3.value_and_grad(model)
+    b = batches(CFG, world)[rank]
+    step(params, b)
+    fz3.destroy(model)
+    for what, call in (("value_and_grad's step", lambda: step(params, b)),
+                       ("fz3.apply", lambda: fz3.apply(model, params, b)),
+                       ("fz3.save", lambda: fz3.save(f"{folder}/ckpt", model, {"params": params})),
+                       ("fz3.export", lambda: fz3.export(f"{folder}/exp", model, params)),
+                       ("fz3.full_state_dict", lambda: fz3.full_state_dict(model, params))):
+        with pytest.raises(RuntimeError, match=rf"{what}: this model was released by fz3.destroy\(model\)"):
+            call()
+    return "ok"
+
+
+def test_a_destroyed_model_refuses_every_call(tmp_path):
+    """A step after fz3.destroy ran and returned results on every rank."""
+    assert dist.run(2, destroyed_ranks, str(tmp_path)) == ["ok"] * 2
+
+
+def grads_only_ranks(rank, world):
+    module = gpt(CFG)
+    for n, p in module.named_parameters():
+        p.requires_grad_(not n.startswith("blocks.0."))
+    trained = {n for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
+    model, params = shard_gpt(module)
+    _, grads = fz3.value_and_grad(model)(params, batches(CFG, world)[rank])
+    got = fz3.full_state_dict(model, grads)
+    whole = fz3.module_state_dict(model, params)
+    with pytest.raises(TypeError, match=r"buffers=False\) is gone.*fz3.module_state_dict\(model, params\)"):
+        fz3.full_state_dict(model, grads, buffers=False)
+    if rank == 0:
+        assert set(got) == trained, sorted(set(got) ^ trained)  # it held frozen weights too
+        fresh = gpt(CFG, seed=3)
+        fresh.load_state_dict(whole, strict=True)
+        assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), module.state_dict().values()))
+    return "ok"
+
+
+def test_gradients_are_never_mixed_with_weights():
+    assert dist.run(2, grads_only_ranks) == ["ok"] * 2
