@@ -93,13 +93,13 @@ def _halt(stop: threading.Event, thread: threading.Thread) -> None:
         thread.join(timeout=5.0)
 
 
-def _beat(st: dist.Store, key: str, period_s: float, stop: threading.Event, calls: list[int],
-          calls_at: str) -> None:
+def _beat(st: dist.Store, key: str, period_s: float, stop: threading.Event,
+          calls: list[int] | None = None, calls_at: str = "") -> None:
     published = -1
     while True:
         try:
             st.add(key, 1)
-            if calls[0] != published:
+            if calls is not None and calls[0] != published:
                 published = calls[0]
                 st.set(calls_at, str(published))
         except Exception:  # noqa: BLE001 - the store is gone: nobody is left to read the beat
