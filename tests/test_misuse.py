@@ -105,11 +105,11 @@ def shapes_ranks(rank, world):
     assert time.monotonic() - t0 < 5  # decided as soon as both arrived
     fz3.value_and_grad(model, check_sync=False)(params, short)  # opted out: runs, as before
     empty = tuple(t[:0] for t in full) if rank == 0 else full
-    with pytest.raises(ValueError, match=r"ranks \[0\] have an empty batch \(0 rows\).*the loss would be NaN"):
+    with pytest.raises(ValueError, match=r"ranks \[0\] have an empty batch \(rank 0: 0 rows\).*the loss would be NaN"):
         step(params, empty)
     acc = fz3.accumulate(model)
     acc(params, [full, full])
-    with pytest.raises(ValueError, match=r"ranks \[0\] have an empty batch"):
+    with pytest.raises(ValueError, match=r"ranks \[0\] have an empty batch \(rank 0: 0 rows\)"):
         acc(params, [full, empty])
     loss, grads = step(params, full)  # every rank still in step
     assert torch.isfinite(loss)
@@ -162,3 +162,26 @@ def grads_only_ranks(rank, world):
 
 def test_gradients_are_never_mixed_with_weights():
     assert dist.run(2, grads_only_ranks) == ["ok"] * 2
+
+
+def unlabelled_ranks(rank, world):
+    from test_hf import batch as hf_batch, build as hf_build
+
+    for family, why in (("llama", r"no labelled token after the first token of each row"),
+                        ("roberta", r"no labelled token: every label is -100")):
+        module = hf_build(family, False)
+        model, params = fz3.shard(module)
+        step = fz3.value_and_grad(model)
+        b = hf_batch(family, rank, module.config.vocab_size)
+        step(params, b)
+        if rank == 1:  # every label -100 (a causal LM's first one too: it is never predicted)
+            b = {**b, "labels": torch.full_like(b["labels"], -100)}
+            if family == "llama":
+                b["labels"][:, 0] = b["input_ids"][:, 0]
+        with pytest.raises(ValueError, match=rf"ranks \[1\] have an empty batch \(rank 1: {why}"):
+            step(params, b)  # NaN loss on every rank, finite gradients: half a step applied
+    return "ok"
+
+
+def test_a_hugging_face_batch_without_labelled_tokens_raises_on_every_rank():
+    assert dist.run(2, unlabelled_ranks) == ["ok"] * 2

@@ -34,7 +34,8 @@ class Adapter(NamedTuple):
     pre: Callable[..., Any]  # (m, batch) -> (h, *extras)
     post: Callable[..., torch.Tensor]  # (m, h, batch) -> scalar loss
     layer: Callable[..., torch.Tensor]  # (block, h, *extras) -> h
-    check_batch: Callable[[Any], None]  # (batch) -> None, or raises naming what it expects
+    # (batch) -> why it has nothing to learn from, or None; raises naming what it expects
+    check_batch: Callable[[Any], str | None]
 
 
 def _positions(ids: torch.Tensor) -> torch.Tensor:
@@ -97,8 +98,8 @@ def _roberta_post(m: nn.Module, h: torch.Tensor, batch: dict) -> torch.Tensor:
     return nn.functional.cross_entropy(scores.view(-1, m.config.vocab_size), labels)
 
 
-def _adapter(name: str, layers: str, pre, post, layer) -> Adapter:
-    return Adapter(layers, pre, post, layer, partial(check_batch, name))
+def _adapter(name: str, layers: str, pre, post, layer, shifted: bool = True) -> Adapter:
+    return Adapter(layers, pre, post, layer, partial(check_batch, name, shifted=shifted))
 
 
 ADAPTERS: dict[str, Adapter] = {
@@ -107,7 +108,7 @@ ADAPTERS: dict[str, Adapter] = {
     "LlamaForCausalLM": _adapter("LlamaForCausalLM", "model.layers", _llama_pre, _llama_post,
                                  _llama_layer),
     "RobertaForMaskedLM": _adapter("RobertaForMaskedLM", "roberta.encoder.layer", _roberta_pre,
-                                   _roberta_post, _roberta_layer),
+                                   _roberta_post, _roberta_layer, shifted=False),
 }
 
 

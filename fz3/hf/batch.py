@@ -18,9 +18,12 @@ REQUIRED = ("input_ids", "labels")
 OPTIONAL = ("attention_mask",)
 
 
-def check_batch(model: str, batch: Any) -> None:
+def check_batch(model: str, batch: Any, shifted: bool = True) -> str | None:
     """Raise TypeError/ValueError, naming ``model`` (the adapter's class name) and ``EXPECTED``,
-    unless ``batch`` is a mapping with exactly the keys, dtypes and equal (B, T) shapes above."""
+    unless ``batch`` is a mapping with exactly the keys, dtypes and equal (B, T) shapes above.
+    Returns why the batch has nothing to learn from (no labelled token: every label -100, or
+    only the first of each row where the labels are ``shifted`` as a causal LM's are), else
+    None; read on the host for CPU batches only (a device batch would cost a sync)."""
     where = f"fz3's {model} adapter takes {EXPECTED}"
     if not isinstance(batch, Mapping):
         raise TypeError(f"{where}; got a {type(batch).__name__}. Name the fields: "
@@ -52,3 +55,13 @@ def check_batch(model: str, batch: Any) -> None:
         if value.shape != shape:
             raise ValueError(f"{where}; batch[{key!r}] has shape {tuple(value.shape)} but "
                              f"input_ids has {tuple(shape)}: they must be equal")
+    labels = batch["labels"]
+    if labels.device.type != "cpu":
+        return None
+    scored = labels[:, 1:] if shifted else labels
+    if bool((scored != -100).any()):
+        return None
+    where = " after the first token of each row (a causal LM predicts the next one)"
+    where = where if shifted else ""
+    return f"no labelled token{where}: every label is -100"
+

@@ -62,7 +62,8 @@ class ShardedModel:
     device: torch.device
     mesh: Any = None  # the DeviceMesh given to fz3.shard, if any (checkpoints use it)
     training: bool = True  # dropout and the like on; set per model copy, never in place
-    check_batch: Callable[[Any], None] | None = None  # the adapter's batch check (local), if any
+    # the adapter's batch check (local), if any: raises, or says why a batch is empty (or None)
+    check_batch: Callable[[Any], str | None] | None = None
     # traced layer programs (``fz3.step.traced``), shared by every step function on this model
     # and its copies; keyed by the binding and layouts they were traced from, and by their
     # joint graph's code (layers traced alike share programs)

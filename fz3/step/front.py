@@ -86,6 +86,15 @@ def check_call(model: ShardedModel, params: Params, batch: Any, entry: str = "th
     enter(model)
 
 
+def empty_reason(model: ShardedModel, batch: Any) -> str | None:
+    """Why ``batch`` has nothing to learn from (0 rows, or the adapter's say: no labelled
+    token), or None. Local."""
+    leaves = optree.tree_leaves(batch)
+    if any(isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == 0 for t in leaves):
+        return "0 rows"
+    return model.check_batch(batch) if model.check_batch is not None else None
+
+
 def enter(model: ShardedModel) -> None:
     """Count one step call on this rank, after its local checks and before its collectives:
     a rank that raised before here, or never came, has entered fewer calls, and the ranks
@@ -120,34 +129,33 @@ def check_batch(model: ShardedModel, batch: Any) -> None:
 
 
 def check_in_sync(model: ShardedModel, step: int, entry: str, *batches: Any) -> None:
-    """Same step count, and batches of the same structure, shapes and dtypes, none empty, on
-    every rank. **Collective**: one all-gather of a few integers (and, on a mismatch, one
-    more to say what differs); a rank that never comes is named when the wait passes
-    ``fz3.shard``'s ``timeout`` ([Note: a rank that never comes])."""
+    """Same step count, and batches of the same structure, shapes and dtypes, none empty
+    (``empty_reason``), on every rank. **Collective**: one all-gather of a few integers (and, on
+    a mismatch, one more to say what differs); a rank that never comes is named when the wait
+    passes ``fz3.shard``'s ``timeout`` ([Note: a rank that never comes])."""
     sigs = [_signature(b) for b in batches]
-    mine = torch.tensor([step, *fingerprint(sigs)], dtype=torch.int64, device=model.device)
+    empty = [why for why in (empty_reason(model, b) for b in batches) if why is not None]
+    mine = torch.tensor([step, bool(empty), *fingerprint(sigs)], dtype=torch.int64,
+                        device=model.device)
     rows = wait(all_gather(model.comm, None, mine, label=f"{entry}'s check that the ranks agree"))
     rows = rows.view(model.world_size, -1).cpu()
     differ = [r for r in range(model.world_size) if not torch.equal(rows[r], rows[0])]
-    empty = [i for i, sig in enumerate(sigs) if _is_empty(sig)]
-    if not differ:
-        if empty:
-            raise ValueError(f"{entry}: every rank's batch is empty (0 rows): skip it on every "
-                             f"rank (the loss would be NaN, the gradients finite)")
+    hollow = [r for r in range(model.world_size) if rows[r, 1]]
+    if not differ and not hollow:
         return
-    everyone = gather_objects(model.comm.group, (step, sigs))
-    r = differ[0]
-    (s0, sig0), (sr, sigr) = everyone[0], everyone[r]
+    everyone = gather_objects(model.comm.group, (step, sigs, empty))
+    r = differ[0] if differ else 0
+    (s0, sig0, _), (sr, sigr, _) = everyone[0], everyone[r]
     if s0 != sr:
         raise RuntimeError(f"{entry}: ranks {differ} are at another step than rank 0 (rank 0 "
                            f"at call {s0}, rank {r} at call {sr}): some rank skipped or repeated "
                            f"a step; every rank must call the step equally often")
-    shown = "; ".join(f"rank {k}: {_shapes(s)}" for k, (_, s) in enumerate(everyone))
-    hollow = [k for k, (_, s) in enumerate(everyone) if any(_is_empty(x) for x in s)]
+    shown = "; ".join(f"rank {k}: {_shapes(s)}" for k, (_, s, _) in enumerate(everyone))
     if hollow:
-        raise ValueError(f"{entry}: ranks {hollow} have an empty batch (0 rows) ({shown}): the "
-                         f"loss would be NaN on every rank while the gradients stay finite; drop "
-                         f"that batch on every rank")
+        why = "; ".join(f"rank {k}: {', '.join(everyone[k][2])}" for k in hollow)
+        raise ValueError(f"{entry}: ranks {hollow} have an empty batch ({why}): the loss would be "
+                         f"NaN on every rank while the gradients stay finite; drop that batch on "
+                         f"every rank")
     raise ValueError(f"{entry}: ranks {differ} have batches shaped unlike rank 0's ({shown}). "
                      f"fz3's loss is the mean of per-rank mean losses, the global mean only when "
                      f"every rank's batch has the same shape: pad or drop the last batch, or pass "
@@ -159,10 +167,6 @@ def _signature(batch: Any) -> tuple:
     leaves, spec = optree.tree_flatten(batch, none_is_leaf=True)
     return (str(spec), *((tuple(t.shape), str(t.dtype).removeprefix("torch."))
                          if isinstance(t, torch.Tensor) else type(t).__name__ for t in leaves))
-
-
-def _is_empty(sig: tuple) -> bool:
-    return any(isinstance(x, tuple) and x[0] and x[0][0] == 0 for x in sig[1:])
 
 
 def _shapes(sigs: list[tuple]) -> str:

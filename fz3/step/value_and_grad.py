@@ -23,14 +23,15 @@ class ValueAndGrad:
 
     def __init__(self, model: ShardedModel, schedule: Schedule, *,
                  loss: Callable[..., Any] | None = None, has_aux: bool = False, recorder=None,
-                 check_finite: bool = False, check_sync: bool = True,
+                 check_finite: bool = False, check_sync: bool | None = None,
                  compiled: CompiledLayers | None = None, graphs: GraphedLayers | None = None,
                  traced: TracedLayers | None = None):
         self.model, self.schedule, self.recorder = model, schedule, recorder
         self.compiled, self.traced = compiled, traced
         self.graphs = graphs
         self.loss = loss_of(model, loss, has_aux)
-        self.check_finite, self.check_sync = check_finite, check_sync
+        self.check_finite = check_finite
+        self.check_sync = model.device.type == "cpu" if check_sync is None else check_sync
         self.steps = 0  # calls so far (checked across ranks with check_sync)
 
     def __call__(self, params: Params, batch: Any, *, loss_scale: float | torch.Tensor = 1.0):
@@ -52,7 +53,7 @@ class ValueAndGrad:
 
 def value_and_grad(model: ShardedModel, schedule: Schedule | Policy | None = None, *,
                    loss: Callable[..., Any] | None = None, has_aux: bool = False, recorder=None,
-                   check_finite: bool = False, check_sync: bool = True,
+                   check_finite: bool = False, check_sync: bool | None = None,
                    compile: bool = False, strict: bool = False, cuda_graphs: bool = False,
                    trace: bool = True) -> ValueAndGrad:
     """``f(params, batch) -> (loss, grads)``: the mean loss over ranks and this rank's shards
@@ -67,12 +68,14 @@ def value_and_grad(model: ShardedModel, schedule: Schedule | Policy | None = Non
     ``recorder``: collects every op's timestamps (``fz3.Recorder``). ``check_finite``: raise
     ``fz3.NonFiniteError`` on every rank, naming the first unit and phase where activations
     or gradients stopped being finite (one extra read per activation, one collective per step).
-    ``check_sync`` (default): before each step, one all-gather of a few integers checks that
-    every rank is at the same step with batches of the same shapes and dtypes, none empty;
-    raises on every rank instead of running on (the loss would not be the global mean) or
-    hanging. ``check_sync=False`` lets batches of different shapes run (the loss is then the
-    mean of per-rank means). A rank that never comes is named once a wait passes
-    ``fz3.shard``'s ``timeout`` (gloo), either way.
+    ``check_sync`` (default: on for CPU models): before each step, one all-gather of a few
+    integers checks that every rank is at the same step with batches of the same shapes and
+    dtypes, none empty (0 rows, or no labelled token for a Hugging Face adapter); raises on
+    every rank instead of running on (the loss would not be the global mean) or hanging.
+    ``check_sync=False`` lets batches of different shapes run (the loss is then the mean of
+    per-rank means). On CUDA it is off unless asked for: reading its result syncs the device
+    once a step (not yet measured on a GPU). A rank that never comes is named once a wait
+    passes ``fz3.shard``'s ``timeout`` (gloo), either way.
     Training or eval mode is the model's (``model.eval()`` is a copy in eval mode).
     ``trace`` (default): each stack's layers run as programs traced once from the layer's
     function (``fz3.step.traced``: forward and backward ATen ops called directly, no autograd
