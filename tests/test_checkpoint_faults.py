@@ -223,6 +223,7 @@ def disk_full_ranks(rank, world, folder):
         got = fz3.load(path, model, {"params": params, "step": 0})
         assert got["step"] == 1 and _same(got["params"], params)
         assert sorted(os.listdir(folder)) == ["ckpt"], os.listdir(folder)  # no .partial left
+        _barrier(model)  # every rank has looked before rank 0 makes anything new
     # The data write fails on rank 1 only, then on every rank.
     for failing in ([1], [0, 1]):
         bomb = _FailWhilePickled(errno.ENOSPC) if rank in failing else 0
@@ -377,6 +378,21 @@ def old_format_ranks(rank, world, folder):
     model, params = shard_gpt(gpt(CFG))
     path = os.path.join(folder, "old")
     fz3.save(path, model, {"params": params, "step": 5})
+    _barrier(model)
+    meta_file = os.path.join(path, "fz3.json")
+    with open(meta_file) as f:
+        text = f.read()
+    _barrier(model)
+    if rank == 0:  # one flipped bit in a key: "crc32" -> "crc33" (it had turned the check off)
+        with open(meta_file, "w") as f:
+            f.write(text.replace('"crc32"', '"crc33"'))
+    _barrier(model)
+    with pytest.raises(fz3.CheckpointDamagedError, match=r"has one of 'crc32' and 'checksums' without the other"):
+        fz3.load(path, model, {"params": params, "step": 0})
+    _barrier(model)
+    if rank == 0:
+        with open(meta_file, "w") as f:
+            f.write(text)
     _barrier(model)
     if rank == 0:  # as fz3 wrote it before checksums: no checksums, no crc of itself
         meta_file = os.path.join(path, "fz3.json")

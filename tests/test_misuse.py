@@ -82,6 +82,9 @@ def absent_ranks(rank, world):
             step(params, b)
         took = time.monotonic() - t0
         assert e.value.missing == [1] and 3 <= took < 9, (e.value.missing, took)
+        # its collectives no longer pair up with rank 1's: the model refuses to go on
+        with pytest.raises(RuntimeError, match=r"this model gave up \d+ collectives when ranks were found absent"):
+            step(params, b)
     else:
         time.sleep(12)  # "running other code", alive
     return "ok"

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from ..compare import fingerprint
 from .compat import default_store
 from .failures import RankLostError
-from .liveness import PERIOD_S, WINDOW_S, entered_calls, observe, restart_key
+from .liveness import PERIOD_S, WINDOW_S, entered_calls, gave_up_key, observe, restart_key
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -141,24 +141,36 @@ def _act(decision: str, what: str, timeout: float, st: dist.Store) -> None:
         f"0 (timeout= sets how long ranks may be apart)", missing)
 
 
-def absent_error(group: dist.ProcessGroup | None, what: object,
-                 waited_s: float) -> CollectiveMismatchError | None:
-    """After waiting ``waited_s`` in a collective of ``what``: the error naming the ranks that
-    entered fewer step calls than the others (they are elsewhere), or None when every rank is
-    in the same call. Reads the counts once every rank's heartbeat has published its own."""
+def absent_error(group: dist.ProcessGroup | None, what: object, waited_s: float,
+                 model: int) -> CollectiveMismatchError | None:
+    """After waiting ``waited_s`` in a collective of ``what`` (of the process's ``model``-th
+    model): the error naming the ranks that entered fewer step calls than this one (they are
+    elsewhere), more (they went on without it), or that gave up this model's collectives; None
+    when every rank is in the same call. Reads the counts once every rank's heartbeat has
+    published its own. A rank that raises here says so in the store first, so ranks still
+    waiting with it learn it at their own timeout instead of waiting on."""
     ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    me, st = dist.get_rank(), default_store()
+    gave_up = [r for r in ranks if r != me and st.check([gave_up_key(r, model)])]
     time.sleep(2 * PERIOD_S)
-    calls = entered_calls(default_store(), ranks)
-    known = [c for c in calls.values() if c is not None]
-    if not known:
+    calls = entered_calls(st, ranks, model)
+    mine = calls.get(me)
+    if mine is None:
         return None
-    top = max(known)
-    behind = sorted(r for r, c in calls.items() if c is not None and c < top)
-    if not behind:
+    behind = sorted(r for r, c in calls.items() if c is not None and c < mine)
+    ahead = sorted(r for r, c in calls.items() if c is not None and c > mine)
+    if not (behind or ahead or gave_up):
         return None
     shown = ", ".join(f"rank {r}: {calls[r]}" for r in ranks)
+    if behind:
+        say = f"ranks {behind} did not enter this step call within {waited_s:g} s"
+    elif ahead:
+        say = (f"ranks {ahead} entered more step calls than rank {me} and did not come to "
+               f"this collective within {waited_s:g} s (they went on after an error?)")
+    else:
+        say = f"ranks {gave_up} gave up this model's collectives (they named absent ranks)"
+    st.set(gave_up_key(me, model), say)
     return CollectiveMismatchError(
-        f"{what}: ranks {behind} did not enter this step call within {waited_s:g} s (step calls "
-        f"entered, by rank: {shown}): they are running other code. Every rank must make "
-        f"the same fz3 calls in the same order (fz3.shard(timeout=) sets how long ranks may be "
-        f"apart)", behind)
+        f"{what}: {say} (step calls entered, by rank: {shown}): they are running other code. "
+        f"Every rank must make the same fz3 calls in the same order (fz3.shard(timeout=) sets "
+        f"how long ranks may be apart)", behind or ahead or gave_up)

@@ -85,6 +85,8 @@ class Pending(NamedTuple):
     group: dist.ProcessGroup | None = None  # for naming a lost rank if it fails
     label: object = None  # what it is, str()-ed only on failure (the executor passes its Op)
     timeout: datetime.timedelta | None = None  # the comm's step_timeout
+    model: int = 0  # the process's model number (its heartbeat's), for naming absent ranks
+    abandoned: list | None = None  # the comm's list it joins if absent ranks end its wait
 
 
 # [Note: a group of one rank]
@@ -109,7 +111,8 @@ def all_gather(comm: Comm, out: torch.Tensor | None, shard: torch.Tensor,
     if out is None:
         out = shard.new_empty(comm.world_size * shard.numel())
     work = _issue(comm.group, label, all_gather_into, out, shard, group=comm.group, async_op=True)
-    return Pending(work, out, shard, comm.group, label, comm.step_timeout)
+    return Pending(work, out, shard, comm.group, label, comm.step_timeout, _model(comm),
+                   comm.abandoned)
 
 
 def reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor,
@@ -120,7 +123,8 @@ def reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor,
         return Pending(None, out.copy_(full), full, comm.reduce_group, label)
     work = _issue(comm.reduce_group, label, reduce_scatter_into, out, full, op=dist.ReduceOp.SUM,
                   group=comm.reduce_group, async_op=True)
-    return Pending(work, out, full, comm.reduce_group, label, comm.step_timeout)
+    return Pending(work, out, full, comm.reduce_group, label, comm.step_timeout, _model(comm),
+                   comm.abandoned)
 
 
 def all_reduce(comm: Comm, t: torch.Tensor, *, group: dist.ProcessGroup | None = None,
@@ -133,7 +137,8 @@ def all_reduce(comm: Comm, t: torch.Tensor, *, group: dist.ProcessGroup | None =
         return Pending(None, t, None, group, label)
     work = _issue(group, label, dist.all_reduce, t, op=dist.ReduceOp.SUM, group=group,
                   async_op=True)
-    return Pending(work, t, None, group, label, comm.step_timeout)
+    return Pending(work, t, None, group, label, comm.step_timeout, _model(comm),
+                   comm.abandoned)
 
 
 def wait(p: Pending) -> torch.Tensor:
@@ -154,9 +159,15 @@ def wait(p: Pending) -> torch.Tensor:
         except RuntimeError as e:
             if p.timeout is None or not _timed_out(e):
                 raise lost_error(p.group, p.label, e) from e
-        absent = absent_error(p.group, p.label, p.timeout.total_seconds())
+        absent = absent_error(p.group, p.label, p.timeout.total_seconds(), p.model)
         if absent is not None:
+            if p.abandoned is not None:
+                p.abandoned.append(p)  # gloo may still write into its buffers: keep them
             raise absent
+
+
+def _model(comm: Comm) -> int:
+    return comm.heartbeat.model if comm.heartbeat is not None else 0
 
 
 def _timed_out(e: RuntimeError) -> bool:

@@ -129,3 +129,8 @@ def refuse_destroyed(comm: Any, what: str) -> None:
         raise RuntimeError(f"{what}: this model was released by fz3.destroy(model): its process "
                            f"groups and heartbeat are gone. Shard the module again with "
                            f"fz3.shard to go on")
+    if comm.abandoned:
+        raise RuntimeError(f"{what}: this model gave up {len(comm.abandoned)} collectives when "
+                           f"ranks were found absent (fz3.CollectiveMismatchError): its process "
+                           f"group no longer pairs the ranks' collectives. Restart the job, or "
+                           f"fz3.destroy it and shard the module again")

@@ -48,9 +48,15 @@ def heartbeat_key(rank: int) -> str:
     return f"fz3/heartbeat/{restart_key()}/{rank}"
 
 
-def calls_key(rank: int) -> str:
-    """How many step calls (``value_and_grad``'s, ``apply``, ...) the rank has entered."""
-    return f"fz3/calls/{restart_key()}/{rank}"
+def calls_key(rank: int, model: int) -> str:
+    """How many step calls (``value_and_grad``'s, ``apply``, ...) the rank has entered on its
+    ``model``-th sharded model (numbered in ``fz3.shard`` order, the same on every rank)."""
+    return f"fz3/calls/{restart_key()}/{rank}/{model}"
+
+
+def gave_up_key(rank: int, model: int) -> str:
+    """Set when the rank stopped waiting in a collective of that model (absent ranks)."""
+    return f"fz3/gave_up/{restart_key()}/{rank}/{model}"
 
 
 class Heartbeat:
@@ -63,9 +69,11 @@ class Heartbeat:
         self._stop = threading.Event()
         self._calls = [0]  # read by the thread: a list it shares, not self
         key = heartbeat_key(dist.get_rank())
+        # this process's models, numbered in creation order (the same on every rank)
+        self.model = default_store().add(f"fz3/models/{restart_key()}/{dist.get_rank()}", 1)
         self._thread = threading.Thread(target=_beat,
                                         args=(default_store(), key, period_s, self._stop,
-                                              self._calls, calls_key(dist.get_rank())),
+                                              self._calls, calls_key(dist.get_rank(), self.model)),
                                         name=f"fz3-heartbeat-{key}", daemon=True)
         # The thread holds the event, not self: dropping the owner stops the thread. A
         # finalizer also runs at interpreter exit, before daemon threads are frozen: a thread
@@ -132,10 +140,11 @@ def observe(st: dist.Store, ranks: list[int], window_s: float = WINDOW_S) -> Liv
                     sorted(r for r in rest if last[r] is None))
 
 
-def entered_calls(st: dist.Store, ranks: list[int]) -> dict[int, int | None]:
-    """Each rank's published count of step calls entered (None: none published), fresh
-    within one ``PERIOD_S``."""
-    return {r: int(st.get(calls_key(r))) if st.check([calls_key(r)]) else None for r in ranks}
+def entered_calls(st: dist.Store, ranks: list[int], model: int) -> dict[int, int | None]:
+    """Each rank's published count of step calls entered on ``model`` (None: none published),
+    fresh within one ``PERIOD_S``."""
+    keys = {r: calls_key(r, model) for r in ranks}
+    return {r: int(st.get(k)) if st.check([k]) else None for r, k in keys.items()}
 
 
 def read(st: dist.Store, ranks: list[int]) -> dict[int, int | None]:

@@ -35,7 +35,8 @@ class Accumulate:
     """``f(params, micro_batches) -> (mean loss, grads)``."""
 
     def __init__(self, model: ShardedModel, schedule: Schedule, policy: Literal["reduce", "defer"],
-                 compiled: CompiledLayers | None = None, traced: TracedLayers | None = None):
+                 compiled: CompiledLayers | None = None, traced: TracedLayers | None = None,
+                 check_sync: bool = True):
         if policy not in ("reduce", "defer"):
             raise ValueError(f"policy={policy!r}: use 'reduce' (sum reduced shards) or 'defer' "
                              f"(reduce once)")
@@ -43,6 +44,7 @@ class Accumulate:
         self.traced = traced
         self.deferred = deferred(schedule) if policy == "defer" else None
         self.steps = 0  # calls so far, checked across ranks
+        self.check_sync = check_sync
 
     def __call__(self, params: Params, micro_batches: Sequence[Any]) -> tuple[torch.Tensor, Params]:
         k = len(micro_batches)
@@ -53,7 +55,7 @@ class Accumulate:
         for mb in micro_batches:
             check_batch(self.model, mb)
         enter(self.model)
-        if self.model.device.type == "cpu":  # as value_and_grad's check_sync default
+        if self.check_sync:
             check_in_sync(self.model, self.steps, "fz3.accumulate's step", *micro_batches)
         self.steps += 1
         comm = self.model.comm
@@ -84,11 +86,14 @@ class Accumulate:
 
 def accumulate(model: ShardedModel, schedule: Schedule | Policy | None = None, *,
                policy: Literal["reduce", "defer"] = "reduce", compile: bool = False,
-               strict: bool = False, trace: bool = True) -> Accumulate:
+               strict: bool = False, trace: bool = True,
+               check_sync: bool | None = None) -> Accumulate:
     """A step over k micro-batches: ``f(params, [batch_1, ..., batch_k]) -> (loss, grads)``;
-    ``trace``/``compile``/``strict`` as in ``fz3.value_and_grad``.
+    ``trace``/``compile``/``strict``/``check_sync`` as in ``fz3.value_and_grad`` (the check
+    covers every micro-batch).
     **Collective**: the schedule is compared across ranks here; every rank must call it."""
     check_compile_options(model, compile, strict, False)
     traced, compiled = layer_runners(model, trace=trace, compile=compile, strict=strict)
+    sync = model.device.type == "cpu" if check_sync is None else check_sync
     return Accumulate(model, prepare(model, schedule, grad=True, entry="accumulate"), policy,
-                      compiled, traced)
+                      compiled, traced, sync)

@@ -16,7 +16,7 @@ import torch
 
 from ..compare import fingerprint, first_difference
 from ..comm.collectives import all_gather, wait
-from ..comm.failures import differing_ranks, gather_objects
+from ..comm.failures import gather_objects
 from ..comm.groups import refuse_destroyed
 from ..schedule.ops import OpKind
 from ..schedule.schedule import Policy, Schedule, plan, validate
@@ -31,7 +31,7 @@ def prepare(model: ShardedModel, schedule: Schedule | Policy | None, *, grad: bo
     hand-made ``Schedule`` validated, refused if it holds ``accumulate`` ops, then compared
     across ranks. **Collective**: one small all-gather over the sharding group."""
     sched = check_schedule(model, schedule, grad=grad, entry=entry)
-    differ = differing_ranks(model.comm.group, list(sched.fingerprint()), model.device)
+    differ, _ = differing(model, list(sched.fingerprint()), f"{entry}'s schedule check")
     if differ:
         raise ValueError(f"ranks {differ} planned a different schedule than rank 0 for {entry} "
                          f"(policy, layers per unit or a hand-made schedule differ); every rank "
@@ -135,11 +135,8 @@ def check_in_sync(model: ShardedModel, step: int, entry: str, *batches: Any) -> 
     passes ``fz3.shard``'s ``timeout`` ([Note: a rank that never comes])."""
     sigs = [_signature(b) for b in batches]
     empty = [why for why in (empty_reason(model, b) for b in batches) if why is not None]
-    mine = torch.tensor([step, bool(empty), *fingerprint(sigs)], dtype=torch.int64,
-                        device=model.device)
-    rows = wait(all_gather(model.comm, None, mine, label=f"{entry}'s check that the ranks agree"))
-    rows = rows.view(model.world_size, -1).cpu()
-    differ = [r for r in range(model.world_size) if not torch.equal(rows[r], rows[0])]
+    differ, rows = differing(model, [step, bool(empty), *fingerprint(sigs)],
+                             f"{entry}'s check that the ranks agree")
     hollow = [r for r in range(model.world_size) if rows[r, 1]]
     if not differ and not hollow:
         return
@@ -160,6 +157,16 @@ def check_in_sync(model: ShardedModel, step: int, entry: str, *batches: Any) -> 
                      f"fz3's loss is the mean of per-rank mean losses, the global mean only when "
                      f"every rank's batch has the same shape: pad or drop the last batch, or pass "
                      f"check_sync=False to allow it")
+
+
+def differing(model: ShardedModel, values: list[int], label: str) -> tuple[list[int], torch.Tensor]:
+    """One all-gather of ``values`` (equal length on every rank) over the sharding group: the
+    ranks whose values differ from rank 0's, and every rank's row. **Collective**; its wait
+    names a rank that never comes ([Note: a rank that never comes])."""
+    mine = torch.tensor(values, dtype=torch.int64, device=model.device)
+    rows = wait(all_gather(model.comm, None, mine, label=label))
+    rows = rows.view(model.world_size, -1).cpu()
+    return [r for r in range(model.world_size) if not torch.equal(rows[r], rows[0])], rows
 
 
 def _signature(batch: Any) -> tuple:

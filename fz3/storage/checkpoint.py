@@ -67,7 +67,9 @@ def save(path: str | os.PathLike, model: ShardedModel, state: Any, *,
     path = os.path.normpath(os.fspath(path))
     refuse_destroyed(model.comm, "fz3.save")
     flat = _flatten(model, state, "")  # refuses a donated tree, before anything is touched
-    group, rank0 = _everyone(model), dist.get_rank() == 0
+    group = _everyone(model)
+    # DCP's coordinator: rank 0 of the group
+    rank0 = dist.get_rank(group) == 0 if group is not None else dist.get_rank() == 0
     partial, old = path + ".partial", path + ".old"
     if rank0:  # a stale partial (an interrupted save); arrive is the barrier
         shutil.rmtree(partial, ignore_errors=True)
@@ -84,12 +86,15 @@ def save(path: str | os.PathLike, model: ShardedModel, state: Any, *,
     except (Exception, CheckpointException) as e:
         failure = save_failure(group, path, "writing the data", e)
         drop_partial()
-        raise failure from None
+        raise failure from e
     # [Note: committing a save]: fz3.json, then the swap, each agreed by every rank
     keys = [k for k in flat if not k.startswith("rng.")]
 
     def write_meta() -> None:
-        meta = {**describe(model, keys), "checksums": checksums_of(partial, writer.checksums or [])}
+        if writer.checksums is None:
+            raise RuntimeError("DCP's coordinator recorded no checksums on this rank (fz3 took "
+                               "another rank for the coordinator): a bug, please report it")
+        meta = {**describe(model, keys), "checksums": checksums_of(partial, writer.checksums)}
         write_durably(os.path.join(partial, META), meta_text(meta))
         fsync_dir(partial)
 
@@ -132,7 +137,7 @@ def load(path: str | os.PathLike, model: ShardedModel, template: Any, *, restore
     try:
         dcp.load(flat, storage_reader=reader, process_group=_everyone(model))
     except (Exception, CheckpointException) as e:  # DCP raises every rank's failure on all of them
-        raise _load_failure(model, path, e) from None
+        raise _load_failure(model, path, e) from e
     if with_rng:
         rng.restore(rng.unpack(flat.pop(rng_key), model.device), model.device)
     return _unflatten(model, template, flat, "")
@@ -170,11 +175,11 @@ def _flatten(model: ShardedModel, x: Any, key: str, for_load: bool = False) -> d
 
 
 def _refuse_donated(model: ShardedModel, x: Any, key: str) -> None:
-    if isinstance(x, Params):
-        tensors = [(f"{key}{p.name}", t) for p, t in zip(model.parts, x.parts)]
-    else:
-        tensors = [(key.rstrip(".") or "state", x)]
-    for name, t in tensors:
+    """Params-shaped trees only (params, moments): a shard is never empty there, while a
+    plain empty tensor elsewhere in the state is a legitimate value."""
+    if not isinstance(x, Params):
+        return
+    for name, t in ((f"{key}{p.name}", t) for p, t in zip(model.parts, x.parts)):
         if is_donated(t):
             raise ValueError(f"fz3.save: state[{name!r}] was donated to fz3.optim.step(..., "
                              f"donate=True), which updated its buffers in place and returned new "

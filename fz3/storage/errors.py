@@ -69,6 +69,8 @@ def save_failure(group: dist.ProcessGroup | None, path: str, phase: str,
     the same error everywhere); anything else is a collective that broke, where the ranks'
     heartbeats say who is gone (``RankLostError``)."""
     failed = failures_of(e)
+    if failed is None and not _is_transport(e):
+        return e if isinstance(e, Exception) else RuntimeError(str(e))  # a local error: itself
     if failed is None or all(_is_transport(x) for x in failed.values()):
         return lost_error(group or dist.group.WORLD, f"fz3.save({path!r}) ({phase})", e)
     mine = {r: x for r, x in failed.items() if not _is_transport(x)}

@@ -101,6 +101,10 @@ def read_meta(path: str) -> tuple[dict, Any]:
 def _check_metadata_sums(path: str, meta: dict) -> None:
     """``fz3.json`` and ``.metadata`` are the bytes the save wrote (when it recorded sums)."""
     rest = {k: v for k, v in meta.items() if k != "crc32"}
+    if ("crc32" in meta) != ("checksums" in meta):  # one flipped bit in a key's name
+        raise CheckpointDamagedError(f"checkpoint {path} is damaged: {os.path.join(path, META)} "
+                                     f"has one of 'crc32' and 'checksums' without the other",
+                                     path)
     if "crc32" in meta and _self_crc(rest) != meta["crc32"]:
         raise CheckpointDamagedError(f"checkpoint {path} is damaged: {os.path.join(path, META)} "
                                      f"changed after the save (its crc32 does not match)", path)
@@ -145,6 +149,8 @@ def verify_checkpoint(path: str) -> CheckpointReport:
     naming every damaged item (file, byte range, key) and ``FileNotFoundError`` if there is no
     checkpoint; a checkpoint saved before checksums gives ``verified=False`` and one log line."""
     path = os.path.normpath(os.fspath(path))
+    if not os.path.isdir(path) and os.path.isdir(path + ".old"):  # as load: a crash mid-swap
+        path += ".old"
     meta, saved = read_meta(path)
     spans = {(info.relative_path, info.offset, info.length): index.fqn
              for index, info in saved.storage_data.items()}
