@@ -269,11 +269,19 @@ def test_save_failures_end_every_rank_fast_with_the_cause(tmp_path):
     assert dist.run(2, disk_full_ranks, str(tmp_path), timeout=180) == ["ok"] * 2
 
 
-def tmpfs_ranks(rank, world, folder, phase):
+def _first_save(folder, phase):
+    """The model, its params and the checkpoint path; the good checkpoint (step 1) saved in
+    phase "first"."""
     model, params = shard_gpt(gpt(CFG))
     path = os.path.join(folder, "ckpt")
     if phase == "first":
         fz3.save(path, model, {"params": params, "step": 1})
+    return model, params, path
+
+
+def tmpfs_ranks(rank, world, folder, phase):
+    model, params, path = _first_save(folder, phase)
+    if phase == "first":
         return "ok"
     if phase == "full":
         bigger = {"params": params, "step": 2, "extra": torch.zeros(4 << 20, dtype=torch.uint8)}
@@ -312,10 +320,8 @@ class _DieWhilePickled:
 
 
 def killed_ranks(rank, world, folder, phase):
-    model, params = shard_gpt(gpt(CFG))
-    path = os.path.join(folder, "ckpt")
+    model, params, path = _first_save(folder, phase)
     if phase == "first":
-        fz3.save(path, model, {"params": params, "step": 1})
         return "ok"
     if phase == "kill":
         state = {"params": fz3.Params(tuple(t + 1 for t in params.parts)), "step": 2,

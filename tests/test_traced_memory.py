@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+import optree
 import pytest
 import torch
 from torch import nn
@@ -77,9 +78,10 @@ def _layer(name: str):
 
 
 def _stored(tensors, skip: set[int]) -> dict[int, tuple[int, tuple]]:
-    """``{storage: (bytes, shape)}`` of the tensors whose storage is not in ``skip``."""
+    """``{storage: (bytes, shape)}`` of the tensors (in any nesting of tuples) whose storage is
+    not in ``skip``."""
     out = {}
-    for t in tensors:
+    for t in optree.tree_leaves(list(tensors)):
         if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in skip:
             out[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), tuple(t.shape))
     return out
@@ -97,6 +99,7 @@ def traced_residuals(block: nn.Module, h: torch.Tensor, extras) -> tuple[dict, t
     row = torch.cat([p.detach().reshape(-1) for p in block.parameters()])
     programs = joint.trace(layer, [row, h, *extras], False, [])
     out, *residuals = programs.forward(row, h, *extras)
+    assert all(isinstance(t, torch.Tensor) for t in residuals), [type(t) for t in residuals]
     skip = {row.untyped_storage().data_ptr(), h.untyped_storage().data_ptr()}
     return _stored(residuals, skip), out
 

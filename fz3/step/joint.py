@@ -211,6 +211,10 @@ def _forward_side(joint: fx.Graph, out: fx.Node, g: fx.Node) -> set[fx.Node]:
             if _writes_into(node, side) or _draws_random(node):
                 side |= _ancestors([node], stop=lambda m: False)
                 grew = True
+    # an output of a forward op with several (layer norm's mean and rstd): picked out where
+    # the op runs, so a residual is always a tensor, never the op's whole tuple
+    side |= {n for n in joint.nodes if n.target is operator.getitem and n.args[0] in side
+             and n not in depends_on_g}
     return side
 
 
