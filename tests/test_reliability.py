@@ -103,9 +103,16 @@ def dying_ranks(rank, world):
         first = (str(e), e.lost, time.monotonic() - t0)
     try:  # the agreement check a new step function starts with names the dead rank too
         fz3.value_and_grad(model)
-        return "agreed?!"
+        out = "agreed?!"
     except fz3.RankLostError as e:
-        return (*first, str(e), e.lost)
+        out = (*first, str(e), e.lost)
+    # A survivor that returns stops its heartbeat: the other may still be judging liveness
+    # (a wait drained after the first error looks again), so both stay until both are done.
+    from fz3.comm.compat import default_store
+
+    default_store().set(f"test/dying/done/{rank}", "1")
+    default_store().wait([f"test/dying/done/{r}" for r in (0, 2)])
+    return out
 
 
 def test_dead_rank_is_named_in_bounded_time():
