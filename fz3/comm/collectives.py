@@ -84,9 +84,7 @@ class Pending(NamedTuple):
     keep: torch.Tensor | None
     group: dist.ProcessGroup | None = None  # for naming a lost rank if it fails
     label: object = None  # what it is, str()-ed only on failure (the executor passes its Op)
-    timeout: datetime.timedelta | None = None  # the comm's step_timeout
-    model: int = 0  # the process's model number (its heartbeat's), for naming absent ranks
-    abandoned: list | None = None  # the comm's list it joins if absent ranks end its wait
+    comm: Comm | None = None  # its model's: what bounds a wait, whom to name if ranks never come
 
 
 # [Note: a group of one rank]
@@ -111,8 +109,7 @@ def all_gather(comm: Comm, out: torch.Tensor | None, shard: torch.Tensor,
     if out is None:
         out = shard.new_empty(comm.world_size * shard.numel())
     work = _issue(comm.group, label, all_gather_into, out, shard, group=comm.group, async_op=True)
-    return Pending(work, out, shard, comm.group, label, comm.step_timeout, _model(comm),
-                   comm.abandoned)
+    return Pending(work, out, shard, comm.group, label, comm)
 
 
 def reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor,
@@ -123,8 +120,7 @@ def reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor,
         return Pending(None, out.copy_(full), full, comm.reduce_group, label)
     work = _issue(comm.reduce_group, label, reduce_scatter_into, out, full, op=dist.ReduceOp.SUM,
                   group=comm.reduce_group, async_op=True)
-    return Pending(work, out, full, comm.reduce_group, label, comm.step_timeout, _model(comm),
-                   comm.abandoned)
+    return Pending(work, out, full, comm.reduce_group, label, comm)
 
 
 def all_reduce(comm: Comm, t: torch.Tensor, *, group: dist.ProcessGroup | None = None,
@@ -137,8 +133,7 @@ def all_reduce(comm: Comm, t: torch.Tensor, *, group: dist.ProcessGroup | None =
         return Pending(None, t, None, group, label)
     work = _issue(group, label, dist.all_reduce, t, op=dist.ReduceOp.SUM, group=group,
                   async_op=True)
-    return Pending(work, t, None, group, label, comm.step_timeout, _model(comm),
-                   comm.abandoned)
+    return Pending(work, t, None, group, label, comm)
 
 
 def wait(p: Pending) -> torch.Tensor:
@@ -146,28 +141,36 @@ def wait(p: Pending) -> torch.Tensor:
 
     A failure (a peer died, or hung past the process group's timeout) raises
     ``fz3.RankLostError`` naming the ranks that are gone; a rank that never entered this call
-    ``fz3.CollectiveMismatchError`` after ``p.timeout`` ([Note: a rank that never comes])."""
+    ``fz3.CollectiveMismatchError`` once the comm's ``step_timeout`` passed ([Note: a rank
+    that never comes])."""
     if p.work is None:
         return p.out
+    bound = p.comm.step_timeout if p.comm is not None else None
     while True:
         try:
-            if p.timeout is None:
+            if bound is None:
                 p.work.wait()
             else:
-                p.work.wait(p.timeout)
+                p.work.wait(bound)
             return p.out
         except RuntimeError as e:
-            if p.timeout is None or not _timed_out(e):
+            if bound is None or not _timed_out(e):
                 raise lost_error(p.group, p.label, e) from e
-        absent = absent_error(p.group, p.label, p.timeout.total_seconds(), p.model)
+        model = p.comm.heartbeat.model if p.comm.heartbeat is not None else 0
+        absent = absent_error(p.group, p.label, bound.total_seconds(), model)
         if absent is not None:
-            if p.abandoned is not None:
-                p.abandoned.append(p)  # gloo may still write into its buffers: keep them
+            p.comm.abandoned.append(p)  # gloo may still write into its buffers: keep them
             raise absent
 
 
-def _model(comm: Comm) -> int:
-    return comm.heartbeat.model if comm.heartbeat is not None else 0
+def differing_ranks(comm: Comm, values: list[int], device: torch.device,
+                    label: str) -> tuple[list[int], torch.Tensor]:
+    """One all-gather of ``values`` (equal length on every rank) over ``comm.group``: the
+    ranks whose values differ from rank 0's, and every rank's row (CPU). **Collective**; a
+    rank that is gone is named (``RankLostError``), one that never comes too (``wait``)."""
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    rows = wait(all_gather(comm, None, mine, label=label)).view(comm.world_size, -1).cpu()
+    return [r for r in range(comm.world_size) if not torch.equal(rows[r], rows[0])], rows
 
 
 def _timed_out(e: RuntimeError) -> bool:

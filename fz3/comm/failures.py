@@ -3,16 +3,16 @@
 A ZeRO-3 step is a fixed sequence of collectives on every rank; a rank that takes another
 path (another model, another schedule, another step count, a different batch) or dies
 leaves the others waiting in a collective that never completes. fz3 checks what it can up
-front with one small all-gather, and when a collective does fail, reads the ranks'
-heartbeats in the rendezvous store to name the ones that are gone (``liveness.py``).
+front with one small all-gather (``collectives.differing_ranks``), and when a collective does
+fail, reads the ranks' heartbeats in the rendezvous store to name the ones that are gone
+(``liveness.py``).
 """
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
-from .compat import all_gather_into, default_store
+from .compat import default_store
 from .liveness import WINDOW_S, Liveness, observe
 
 
@@ -25,21 +25,6 @@ class RankLostError(RuntimeError):
         super().__init__(message)
         self.lost = lost
         self.unconfirmed = unconfirmed or []
-
-
-def differing_ranks(group: dist.ProcessGroup, values: list[int], device: torch.device) -> list[int]:
-    """One all-gather of ``values`` (equal length on every rank): the ranks whose values
-    differ from rank 0's. A rank that is gone is named (``RankLostError``), as in any
-    collective of ``fz3.comm``."""
-    mine = torch.tensor(values, dtype=torch.int64, device=device)
-    world = dist.get_world_size(group)
-    everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
-    try:
-        all_gather_into(everyone, mine, group=group)
-    except RuntimeError as e:
-        raise lost_error(group, "the check that every rank agrees", e) from e
-    rows = everyone.view(world, -1).cpu()
-    return [r for r in range(world) if not torch.equal(rows[r], rows[0])]
 
 
 def gather_objects(group: dist.ProcessGroup, obj: object) -> list[object]:

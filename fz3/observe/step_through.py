@@ -71,7 +71,7 @@ def step_through(model: ShardedModel, params: Params, batch: Any,
     ``fz3.CollectiveMismatchError`` within ``timeout`` seconds, naming the ranks that did not
     stop, instead of waiting for them forever.
     """
-    check_call(model, params, batch, "fz3.step_through")  # local: before any collective
+    check_call(model, params, batch, entry="fz3.step_through")  # local, before any collective
     sched = prepare(model, schedule, grad=True, entry="step_through")
     gen = execute(model, sched, params, batch, recorder)
     try:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..comm.collectives import Comm
-from ..comm.failures import differing_ranks, gather_objects
+from ..comm.collectives import Comm, differing_ranks
+from ..comm.failures import gather_objects
 from ..compare import fingerprint, first_difference
 from ..schedule.structure import Role
 
@@ -71,7 +71,7 @@ def check_same_on_all_ranks(comm: Comm, parts, device: torch.device) -> None:
             mine += [(f"{part.path}.*.{s.name}" if part.role is Role.STACK else s.name,
                       s.shape, str(s.dtype), *(("frozen",) if frozen else ()))
                      for s in getattr(layout, "slots", ())]
-    differ = differing_ranks(comm.group, list(fingerprint(mine)), device)
+    differ, _ = differing_ranks(comm, list(fingerprint(mine)), device, "fz3.shard's model check")
     if not differ:
         return
     everyone = gather_objects(comm.group, mine)

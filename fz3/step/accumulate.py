@@ -27,8 +27,7 @@ from .traced import TracedLayers, layer_runners
 from .executor import execute
 from ..sharding.model import Params, ShardedModel
 from ..schedule.schedule import Policy, Schedule, deferred
-from ..comm.groups import refuse_destroyed
-from .front import check_batch, check_in_sync, check_params, drain, enter, prepare
+from .front import check_call, check_in_sync, drain, prepare
 
 
 class Accumulate:
@@ -50,13 +49,9 @@ class Accumulate:
         k = len(micro_batches)
         if k == 0:
             raise ValueError("micro_batches is empty; pass a sequence of k >= 1 batches")
-        refuse_destroyed(self.model.comm, "fz3.accumulate's step")
-        check_params(self.model, params)
-        for mb in micro_batches:
-            check_batch(self.model, mb)
-        enter(self.model)
+        empty = check_call(self.model, params, *micro_batches, entry="fz3.accumulate's step")
         if self.check_sync:
-            check_in_sync(self.model, self.steps, "fz3.accumulate's step", *micro_batches)
+            check_in_sync(self.model, self.steps, "fz3.accumulate's step", micro_batches, empty)
         self.steps += 1
         comm = self.model.comm
         losses, acc = [], None

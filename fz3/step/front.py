@@ -9,13 +9,13 @@ every rank, instead of hanging inside a collective later.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Generator
+from typing import Any, Callable, Generator, Sequence
 
 import optree
 import torch
 
 from ..compare import fingerprint, first_difference
-from ..comm.collectives import all_gather, wait
+from ..comm.collectives import differing_ranks
 from ..comm.failures import gather_objects
 from ..comm.groups import refuse_destroyed
 from ..schedule.ops import OpKind
@@ -31,7 +31,8 @@ def prepare(model: ShardedModel, schedule: Schedule | Policy | None, *, grad: bo
     hand-made ``Schedule`` validated, refused if it holds ``accumulate`` ops, then compared
     across ranks. **Collective**: one small all-gather over the sharding group."""
     sched = check_schedule(model, schedule, grad=grad, entry=entry)
-    differ, _ = differing(model, list(sched.fingerprint()), f"{entry}'s schedule check")
+    differ, _ = differing_ranks(model.comm, list(sched.fingerprint()), model.device,
+                                f"{entry}'s schedule check")
     if differ:
         raise ValueError(f"ranks {differ} planned a different schedule than rank 0 for {entry} "
                          f"(policy, layers per unit or a hand-made schedule differ); every rank "
@@ -77,22 +78,16 @@ def _covers(schedule: Schedule, model: ShardedModel) -> bool:
     return all(sorted(rows.get(i, [])) == list(range(p.rows)) for i, p in enumerate(model.parts))
 
 
-def check_call(model: ShardedModel, params: Params, batch: Any, entry: str = "the step") -> None:
-    """Params and batch, locally, before any collective; then the call is counted
-    (``enter``)."""
+def check_call(model: ShardedModel, params: Params, *batches: Any,
+               entry: str = "the step") -> list[str]:
+    """Params and batches, locally, before any collective; then the call is counted
+    (``enter``). Returns why batches have nothing to learn from (``check_batch``), for
+    ``check_in_sync`` to say on every rank."""
     refuse_destroyed(model.comm, entry)
     check_params(model, params)
-    check_batch(model, batch)
+    empty = [why for why in (check_batch(model, b) for b in batches) if why is not None]
     enter(model)
-
-
-def empty_reason(model: ShardedModel, batch: Any) -> str | None:
-    """Why ``batch`` has nothing to learn from (0 rows, or the adapter's say: no labelled
-    token), or None. Local."""
-    leaves = optree.tree_leaves(batch)
-    if any(isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == 0 for t in leaves):
-        return "0 rows"
-    return model.check_batch(batch) if model.check_batch is not None else None
+    return empty
 
 
 def enter(model: ShardedModel) -> None:
@@ -114,9 +109,10 @@ def check_params(model: ShardedModel, params: Params) -> None:
                              f"e.g. optree.tree_map(torch.Tensor.contiguous, params)")
 
 
-def check_batch(model: ShardedModel, batch: Any) -> None:
+def check_batch(model: ShardedModel, batch: Any) -> str | None:
     """Every tensor in the batch lives on the model's device, and the model's adapter (if
-    any) accepts it."""
+    any) accepts it. Returns why the batch has nothing to learn from (0 rows, or the adapter's
+    say: no labelled token), else None."""
     leaves = optree.tree_leaves(batch, none_is_leaf=True)
     for i, t in enumerate(leaves):
         if isinstance(t, torch.Tensor) and t.device != model.device:
@@ -124,19 +120,21 @@ def check_batch(model: ShardedModel, batch: Any) -> None:
             raise TypeError(f"batch{path} is on {t.device}, the model on {model.device}: move the "
                             f"batch to {model.device} (e.g. batch = optree.tree_map(lambda t: "
                             f"t.to('{model.device}'), batch))")
-    if model.check_batch is not None:
-        model.check_batch(batch)
+    if any(isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == 0 for t in leaves):
+        return "0 rows"
+    return model.check_batch(batch) if model.check_batch is not None else None
 
 
-def check_in_sync(model: ShardedModel, step: int, entry: str, *batches: Any) -> None:
+def check_in_sync(model: ShardedModel, step: int, entry: str, batches: Sequence[Any],
+                  empty: list[str]) -> None:
     """Same step count, and batches of the same structure, shapes and dtypes, none empty
-    (``empty_reason``), on every rank. **Collective**: one all-gather of a few integers (and, on
-    a mismatch, one more to say what differs); a rank that never comes is named when the wait
-    passes ``fz3.shard``'s ``timeout`` ([Note: a rank that never comes])."""
+    (``empty``: this rank's reasons, from ``check_call``), on every rank. **Collective**: one
+    all-gather of a few integers (and, on a mismatch, one more to say what differs); a rank
+    that never comes is named when the wait passes ``fz3.shard``'s ``timeout`` ([Note: a rank
+    that never comes])."""
     sigs = [_signature(b) for b in batches]
-    empty = [why for why in (empty_reason(model, b) for b in batches) if why is not None]
-    differ, rows = differing(model, [step, bool(empty), *fingerprint(sigs)],
-                             f"{entry}'s check that the ranks agree")
+    differ, rows = differing_ranks(model.comm, [step, bool(empty), *fingerprint(sigs)],
+                                   model.device, f"{entry}'s check that the ranks agree")
     hollow = [r for r in range(model.world_size) if rows[r, 1]]
     if not differ and not hollow:
         return
@@ -157,16 +155,6 @@ def check_in_sync(model: ShardedModel, step: int, entry: str, *batches: Any) -> 
                      f"fz3's loss is the mean of per-rank mean losses, the global mean only when "
                      f"every rank's batch has the same shape: pad or drop the last batch, or pass "
                      f"check_sync=False to allow it")
-
-
-def differing(model: ShardedModel, values: list[int], label: str) -> tuple[list[int], torch.Tensor]:
-    """One all-gather of ``values`` (equal length on every rank) over the sharding group: the
-    ranks whose values differ from rank 0's, and every rank's row. **Collective**; its wait
-    names a rank that never comes ([Note: a rank that never comes])."""
-    mine = torch.tensor(values, dtype=torch.int64, device=model.device)
-    rows = wait(all_gather(model.comm, None, mine, label=label))
-    rows = rows.view(model.world_size, -1).cpu()
-    return [r for r in range(model.world_size) if not torch.equal(rows[r], rows[0])], rows
 
 
 def _signature(batch: Any) -> tuple:

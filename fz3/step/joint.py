@@ -6,20 +6,8 @@ A layer of a stack is a pure function ``f(row, frozen_row, h, *extras) -> h``, s
 derivative can be traced ahead of time instead: ``make_fx`` of ``f`` followed by
 ``torch.autograd.grad`` records the forward and the backward ATen ops of one call in a single
 joint graph, with fake tensors (a tensor's value read on the host, a data-dependent branch,
-fails the trace; nothing is computed, no RNG is drawn). The graph is cut by dataflow:
-
-- forward: the ancestors of the layer's output ``h``, with any op that writes into one of
-  them (or a view of one) or draws random numbers, as eager autograd runs them;
-- backward: the rest: what depends on the cotangent ``g``, and the parts of derivative
-  formulas that need no cotangent (``pow``'s ``2 * x``, ``rsqrt``'s ``-0.5 * y**3``), which
-  autograd too computes in backward from what it saved; also the views of the parameter rows
-  it reads (recomputed from the re-gathered row, so no residual aliases a gathered buffer
-  that ``free`` releases), and constants only it uses (a padding's zero gradient).
-
-The forward nodes the backward reads are the residuals, kept between the two as a tuple of
-tensors: at most what autograd saves for the same layer (``tests/test_traced_memory.py``;
-cutting at "depends on ``g``" instead, as before, kept each RMSNorm's cotangent-free factors
-too: 10-13% more per Llama-family layer).
+fails the trace; nothing is computed, no RNG is drawn). ``fz3.step.partition`` cuts it into a
+forward and a backward program by dataflow (a layer keeps at most what autograd saves).
 
 Both halves become Python functions (``fz3.step.codegen``), or go to inductor
 (``fz3.step.traced``).
@@ -29,15 +17,15 @@ same order, so results are bitwise equal to it (``tests/test_traced.py``).
 
 from __future__ import annotations
 
-import operator
 from typing import Callable, NamedTuple, Sequence
 
 import torch
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .codegen import (CONSTANT_FACTORIES, TraceError, codegen, constant_factories, fast_ops,
-                      one_call_flatten, one_call_views)
+from .codegen import (TraceError, codegen, constant_factories, fast_ops, one_call_flatten,
+                      one_call_views)
+from .partition import partition, written_args
 
 Layer = Callable[..., torch.Tensor]  # (row, frozen_row | None, h, *extras) -> h
 
@@ -141,104 +129,6 @@ def programs(joint: Joint) -> Programs:
     return Programs(forward, backward, infer, graphs, s1 + s2 + s3, aliases)
 
 
-def partition(joint: fx.Graph, params: range, grads: int) -> tuple[fx.Graph, fx.Graph]:
-    """Split a joint graph (inputs ``(*inputs, g)``, outputs ``(out, *grads)``) into forward
-    ``(*inputs) -> (out, *residuals)`` and backward ``(*param inputs, *residuals, g) -> grads``.
-    ``params``: the positions of the parameter rows, whose views the backward recomputes."""
-    places = [n for n in joint.nodes if n.op == "placeholder"]
-    out_node = next(n for n in joint.nodes if n.op == "output")
-    out, *grad_nodes = out_node.args[0]
-    assert len(grad_nodes) == grads
-    rows = {places[i] for i in params}
-    forward_side = _forward_side(joint, out, places[-1])
-    backward_side = {n for n in joint.nodes if n.op == "call_function" and n not in forward_side}
-    backward_side.add(places[-1])
-    for node in joint.nodes:
-        ins = node.all_input_nodes
-        if (node.op == "call_function" and ins and all(a in rows for a in ins)
-                and _is_view(node)):
-            rows.add(node)  # a view of a parameter row: recomputed where it is needed
-    # a constant (the zeros of a padding's gradient) is made again where needed, not kept as a
-    # residual, unless an op writes into it: that write happened in the forward
-    rows.update(n for n in joint.nodes if n.op == "call_function" and not n.all_input_nodes
-                and n.target in CONSTANT_FACTORIES and not _written(n))
-    # the backward recomputes what depends on g, the row views and those constants;
-    # everything else it reads (forward values, h, extras) is a residual
-    computed = backward_side | rows
-    needed = _ancestors(grad_nodes, stop=lambda m: m not in computed)
-    residuals = [m for m in joint.nodes if m in needed and m not in computed]
-
-    fwd, env = fx.Graph(), {}
-    for p in places[:-1]:
-        env[p] = _placeholder(fwd, p.name, p)
-    for node in joint.nodes:
-        if node.op == "call_function" and node in forward_side:
-            env[node] = fwd.node_copy(node, env.__getitem__)
-    fwd.output((env[out], *(env[m] for m in residuals)))
-    fwd.eliminate_dead_code()
-
-    bwd, benv = fx.Graph(), {}
-    for i in params:
-        benv[places[i]] = _placeholder(bwd, places[i].name, places[i])
-    for m in residuals:
-        benv[m] = _placeholder(bwd, "saved_" + m.name, m)
-    benv[places[-1]] = _placeholder(bwd, "g", places[-1])
-    for node in joint.nodes:
-        if node.op == "call_function" and node in needed and node not in benv:
-            benv[node] = bwd.node_copy(node, benv.__getitem__)
-    bwd.output(tuple(benv[m] for m in grad_nodes))
-    bwd.eliminate_dead_code()
-    return fwd, bwd
-
-
-def _forward_side(joint: fx.Graph, out: fx.Node, g: fx.Node) -> set[fx.Node]:
-    """What the forward computes: the ancestors of the layer's output, with every op that
-    writes into one of them or draws random numbers (where eager autograd runs them, in the
-    forward), and their ancestors. The rest of the joint graph is the backward's, so a part
-    of a derivative formula that needs no cotangent (``pow``'s ``2 * x``) is computed there
-    from what the forward keeps, as autograd does, instead of being kept itself."""
-    side = _ancestors([out], stop=lambda m: False)
-    depends_on_g = {g}
-    for node in joint.nodes:
-        if any(a in depends_on_g for a in node.all_input_nodes):
-            depends_on_g.add(node)
-    grew = True
-    while grew:
-        grew = False
-        for node in joint.nodes:
-            if node in side or node in depends_on_g or node.op != "call_function":
-                continue
-            if _writes_into(node, side) or _draws_random(node):
-                side |= _ancestors([node], stop=lambda m: False)
-                grew = True
-    # an output of a forward op with several (layer norm's mean and rstd): picked out where
-    # the op runs, so a residual is always a tensor, never the op's whole tuple
-    side |= {n for n in joint.nodes if n.target is operator.getitem and n.args[0] in side
-             and n not in depends_on_g}
-    return side
-
-
-def _writes_into(node: fx.Node, tensors: set[fx.Node]) -> bool:
-    """Whether ``node`` writes into one of ``tensors`` or a view of one."""
-    if not isinstance(node.target, torch._ops.OpOverload):
-        return False
-    for i, arg in enumerate(node.target._schema.arguments):
-        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-        if not (isinstance(value, fx.Node) and arg.alias_info is not None
-                and arg.alias_info.is_write):
-            continue
-        while value not in tensors and _is_view(value) and value.args:
-            value = value.args[0]  # the tensor it is a view of
-        if value in tensors:
-            return True
-    return False
-
-
-def _draws_random(node: fx.Node) -> bool:
-    return (isinstance(node.target, torch._ops.OpOverload)
-            and torch.Tag.nondeterministic_seeded in node.target.tags)
-
-
 def _residuals_alias_params(forward: fx.Graph, params: int) -> bool:
     """Whether a residual of ``forward`` may share storage with a parameter row (its fake
     values know their storages; unknown counts as yes)."""
@@ -257,65 +147,13 @@ def _residuals_alias_params(forward: fx.Graph, params: int) -> bool:
     return any(t is r for t in saved for r in rows)
 
 
-def _placeholder(graph: fx.Graph, name: str, like: fx.Node) -> fx.Node:
-    """An input standing for ``like``, with its recorded (fake) value (``fast_ops`` traces
-    with it)."""
-    node = graph.placeholder(name)
-    node.meta["val"] = like.meta.get("val")
-    return node
-
-
-def _ancestors(roots: Sequence[fx.Node], stop: Callable[[fx.Node], bool]) -> set[fx.Node]:
-    """``roots`` and the nodes they read, not looking past a node for which ``stop`` holds
-    (a residual: it is read, not recomputed)."""
-    seen: set[fx.Node] = set()
-    todo = list(roots)
-    while todo:
-        m = todo.pop()
-        if m in seen:
-            continue
-        seen.add(m)
-        if not stop(m):
-            todo.extend(m.all_input_nodes)
-    return seen
-
-
-def _is_view(node: fx.Node) -> bool:
-    if node.target is operator.getitem:
-        return True
-    return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
-
-
-def _written(node: fx.Node) -> bool:
-    """Whether an op writes into ``node``'s tensor or a view of it."""
-    todo, seen = [node], set()
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        for user in n.users:
-            if isinstance(user.target, torch._ops.OpOverload):
-                for i, arg in enumerate(user.target._schema.arguments):
-                    value = (user.args[i] if i < len(user.args) else
-                             user.kwargs.get(arg.name))
-                    if value is n and arg.alias_info is not None and arg.alias_info.is_write:
-                        return True
-            if _is_view(user):
-                todo.append(user)
-    return False
-
-
 def _refuse_input_mutation(graph: fx.Graph) -> None:
     """An op writing into one of the layer's inputs (``h.add_(...)``) would write into fz3's
     buffers or the previous layer's output: such a layer runs through autograd."""
     inputs = {n for n in graph.nodes if n.op == "placeholder"}
     for node in graph.nodes:
-        if not isinstance(node.target, torch._ops.OpOverload):
-            continue
-        for arg, value in zip(node.target._schema.arguments, node.args):
-            if arg.alias_info is not None and arg.alias_info.is_write and value in inputs:
-                raise TraceError(f"it writes into its input in place ({node.target})")
+        if any(value in inputs for value in written_args(node)):
+            raise TraceError(f"it writes into its input in place ({node.target})")
 
 
 def _refuse_tensor_constants(graph: fx.Graph) -> None:

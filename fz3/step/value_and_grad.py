@@ -36,11 +36,11 @@ class ValueAndGrad:
 
     def __call__(self, params: Params, batch: Any, *, loss_scale: float | torch.Tensor = 1.0):
         """``loss_scale`` multiplies the gradients, not the loss (fp16 loss scaling)."""
-        check_call(self.model, params, batch, "value_and_grad's step")
+        empty = check_call(self.model, params, batch, entry="value_and_grad's step")
         if self.graphs is not None:
             self.graphs.check_shapes(batch)
         if self.check_sync:
-            check_in_sync(self.model, self.steps, "value_and_grad's step", batch)
+            check_in_sync(self.model, self.steps, "value_and_grad's step", [batch], empty)
         self.steps += 1
         gen = execute(self.model, self.schedule, params, batch, self.recorder, loss=self.loss,
                       loss_scale=loss_scale, compiled=self.compiled, graphs=self.graphs,
@@ -109,7 +109,7 @@ def apply(model: ShardedModel, params: Params, batch: Any, *,
     ``value_and_grad`` step, whose traced and compiled layers are then shared (new ones each
     call would trace and compile again).
     **Collective**: every rank must call it (the schedule is compared across ranks first)."""
-    check_call(model, params, batch, "fz3.apply")  # local: a bad batch fails here
+    check_call(model, params, batch, entry="fz3.apply")  # local: a bad batch fails here
     sched = prepare(model, schedule, grad=False, entry="apply")
     if isinstance(compile, ValueAndGrad):
         traced, compiled = compile.traced, compile.compiled
