@@ -21,6 +21,7 @@ import dist
 import fz3
 from fz3.models import shard_gpt
 from fz3.models.gpt import GPTConfig
+from fz3.step import joint
 from reference import LayerNet, batches, gpt, layer_post, layer_pre
 
 CFG = GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=4, dropout=0.2)
@@ -46,8 +47,8 @@ def traced_ranks(rank, world):
         assert torch.equal(after, torch.rand(1)), policy
         assert torch.equal(loss, want_loss) and _same(grads, want), policy
         # it ran traced: every layer shares one group, and nothing fell back
-        assert step.traced.failed == {} and step.traced.groups[model.part_index("blocks")] == \
-            [0] * CFG.layers, (policy, step.traced.failed)
+        assert step.traced.failed == {} and step.traced.groups[model.part_index("blocks")].own \
+            == [0] * CFG.layers, (policy, step.traced.failed)
         assert stack not in step.traced.failed
     torch.manual_seed(2)
     got = fz3.apply(model.eval(), params, bs[rank])
@@ -171,14 +172,18 @@ def fallback_ranks(rank, world):
                 assert failed is None, (name, failed)
             else:
                 assert failed is not None and re.search(why, failed), (name, failed)
-        if name == "indexed":  # traced per layer; their code differs, so do their programs
-            assert step.traced.groups[model.part_index("layers")] == [0, 1, 2]
-            assert len({id(p) for p in model.traces.values()}) == 3
-        if name == "tagged":
-            assert step.traced.groups[model.part_index("layers")] == [0, 1, 2]
-            assert len({id(p) for p in model.traces.values()}) == 1
+        programs = {id(p) for p in model.traces.values() if isinstance(p, joint.Programs)}
+        traces = [k for k in model.traces if k[0] != "joint"]  # one per trace made
+        if name == "indexed":  # its trace reads the index: traced per layer (after one try
+            # with the index hidden); their code differs, so do their programs
+            assert step.traced.groups[model.part_index("layers")].own == [0, 1, 2]
+            assert len(programs) == 3 and len(traces) == 4, (programs, traces)
+        if name == "tagged":  # one trace, with the tag hidden, for all three
+            assert step.traced.groups[model.part_index("layers")].own == [0, 1, 2]
+            assert step.traced.groups[model.part_index("layers")].alike == [0, 0, 0]
+            assert len(programs) == 1 and len(traces) == 1, (programs, traces)
         if name == "plain":
-            assert step.traced.groups[model.part_index("layers")] == [0, 0, 0]
+            assert step.traced.groups[model.part_index("layers")].own == [0, 0, 0]
     # one step function, h of two shapes: traced once per shape, each step equal
     model, params = fz3.shard(LayerNet([Lin() for _ in range(3)]), "layers", layer_pre, layer_post)
     step = fz3.value_and_grad(model)
@@ -229,3 +234,100 @@ def test_python_bindings_only_where_they_dispatch_the_same_op():
     grad_row, grad_h = programs.backward([w.reshape(-1), *residuals, g])
     assert torch.equal(out, want) and torch.equal(grad_h, hl.grad)
     assert torch.equal(grad_row, wl.grad.reshape(-1))
+
+
+# A layer that writes into its input (issue 23): plain PyTorch allows it (h is the previous
+# layer's output there); fz3 keeps a unit's input to recompute from, or differentiates it as a
+# leaf, so such a layer is given a copy. Reference: plain autograd on the unsharded module.
+
+
+class Halves(Lin):
+    def forward(self, h):
+        h.mul_(0.5)
+        return h + torch.tanh(self.lin(h))
+
+
+class ThroughAView(Lin):
+    """Writes through a view of its input, after reading it (by an op that keeps nothing: in
+    plain PyTorch too a write into a tensor autograd saved fails its backward)."""
+
+    def forward(self, h):
+        total = h.sum(-1, keepdim=True)
+        h[..., :2] *= 2
+        return h + torch.tanh(self.lin(h)) + total
+
+
+class Later(Lin):
+    """Writes into its input after its first ``calls`` calls (counted in a list it appends
+    to: state no trace or first call can see)."""
+
+    def __init__(self, calls):
+        super().__init__()
+        self.calls, self.after = [], calls
+
+    def forward(self, h):
+        self.calls.append(1)
+        if len(self.calls) > self.after:
+            h.mul_(2)
+        return h + self.lin(h)
+
+
+def _plain(net, b):
+    """Loss and gradients of plain autograd on the unsharded ``LayerNet``."""
+    import copy
+
+    m = copy.deepcopy(net)
+    h = layer_pre(m, b)
+    for layer in m.layers:
+        h = layer(h)
+    loss = layer_post(m, h, b)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in m.named_parameters()}
+
+
+def writes_input_ranks(rank, world):
+    from reference import assert_close, concat
+
+    g = torch.Generator().manual_seed(0)
+    bs = [(torch.randint(0, 11, (2, 5), generator=g), torch.randint(0, 11, (2, 5), generator=g))
+          for _ in range(world)]
+    policies = (fz3.Policy(), fz3.Policy(activations="save"), fz3.Policy(layers_per_unit=2),
+                fz3.Policy(activations="save", layers_per_unit=2))
+    for kind in (Halves, ThroughAView):
+        torch.manual_seed(0)
+        net = LayerNet([kind() for _ in range(4)])
+        want_loss, want = _plain(net, concat(bs))
+        model, params = fz3.shard(net, "layers", layer_pre, layer_post)
+        for policy in policies:
+            for trace in (True, False):
+                what = (kind.__name__, trace, str(policy))
+                step = fz3.value_and_grad(model, policy, trace=trace)
+                for _ in range(2):  # the first call learns it writes, the second knows
+                    loss, grads = step(params, bs[rank])
+                    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+                    full = fz3.full_state_dict(model, grads)  # collective; rank 0 gets it
+                    if full is not None:
+                        assert_close(full, want, what=str(what))
+                if trace:  # traced: its program writes into a copy of h, made in the forward
+                    assert step.traced.failed == {}, (what, step.traced.failed)
+                    traced_loss, traced_grads = loss, grads
+                else:  # the same ops, bit for bit
+                    assert torch.equal(loss, traced_loss) and _same(grads, traced_grads), what
+        for trace in (True, False):  # forward only (no grad): the mean of the ranks' losses
+            got = fz3.apply(model.eval(), params, bs[rank], trace=trace)
+            torch.testing.assert_close(got, want_loss, rtol=1e-5, atol=1e-6)
+    # a layer that starts writing on a later call is named, not silently wrong: in a forward
+    # without gradient (recompute's, whose backward calls each layer again) and with one
+    for calls, policy in ((2, fz3.Policy()), (1, fz3.Policy(activations="save"))):
+        model, params = fz3.shard(LayerNet([Later(calls) for _ in range(2)]), "layers",
+                                  layer_pre, layer_post)
+        step = fz3.value_and_grad(model, policy, trace=False)
+        step(params, bs[rank])
+        with pytest.raises(RuntimeError, match=r"layers\.0 wrote into its input h in place on "
+                                               r"this call, but not on its first"):
+            step(params, bs[rank])
+    return "ok"
+
+
+def test_a_layer_writing_into_its_input_gives_plain_pytorchs_results():
+    assert dist.run(2, writes_input_ranks, timeout=300) == ["ok"] * 2

@@ -127,3 +127,52 @@ def test_traced_layers_keep_no_more_than_autograd(name):
     extra = sorted((Counter(traced.values()) - Counter(eager.values())).elements())
     assert mine <= theirs, (f"{name}: traced residuals {mine} B > autograd's saved tensors "
                             f"{theirs} B; kept beyond autograd (bytes, shape): {extra}")
+
+
+# The memory plan measures the engine that runs (issue 23): a traced layer by its programs
+# (its residuals read from the trace), one run through autograd by autograd's graph.
+
+
+def _llama():
+    import transformers as tf
+
+    torch.manual_seed(0)
+    return tf.LlamaForCausalLM(tf.LlamaConfig(
+        vocab_size=97, hidden_size=D, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2))
+
+
+def plan_vs_live_ranks(rank, world):
+    import fz3
+    from fz3.observe.live_bytes import LiveBytes
+
+    out = []
+    ids = torch.randint(3, 97, (4, 64), generator=torch.Generator().manual_seed(rank))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    for dtype in (torch.float32, torch.bfloat16):
+        model, params = fz3.shard(_llama(), precision=fz3.Precision(dtype, torch.float32))
+        for policy in (fz3.Policy(), fz3.Policy(activations="save")):
+            sched = fz3.plan(model, policy)
+            for trace in (True, False):
+                plan = fz3.memory_plan(model, sched, batch, trace=trace)
+                step = fz3.value_and_grad(model, sched, trace=trace)
+                step(params, batch)  # warm: nothing cached on the first call is counted
+                with LiveBytes() as live:
+                    step(params, batch)
+                    torch.distributed.barrier()  # gloo lets its last tensors go
+                predicted = plan.peak - plan.params - plan.optimizer
+                what = (str(dtype), policy.activations, trace, predicted, live.peak)
+                # 0.954-1.005 here (bf16 lowest: a prefetched unit's cast shard, the
+                # gather's input, is not counted); measured by the other engine, the traced
+                # recompute plan is 5.5% over (autograd's layer peaks): this fails
+                assert abs(predicted / live.peak - 1) <= 0.05, what
+                assert trace is False or step.traced.failed == {}, step.traced.failed
+                out.append(what)
+    return out
+
+
+def test_memory_plan_measures_the_engine_that_runs():
+    import dist
+
+    assert len(dist.run(2, plan_vs_live_ranks, timeout=300)[0]) == 8

@@ -69,7 +69,7 @@ class Workload(NamedTuple):
         cnt = OpCounter()
         tokens = [0]
 
-        def measure(i, run, params, inputs):
+        def measure(i, run, params, inputs, layer):
             with cnt.phase(f"fwd{i}"):
                 out = run()
             h = out[0] if isinstance(out, tuple) else out

@@ -7,25 +7,41 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..schedule.structure import Role
 from ..sharding import compute
 from ..sharding.model import ShardedModel
+from ..step.traced import TracedLayers
 from .live_bytes import LiveBytes
 
-# measure(part index, run, params, inputs) -> run()'s output: ``run`` computes the part (one
-# layer of a stack); ``params`` and ``inputs`` (h, none for pre) are the leaves it depends on.
-Measure = Callable[[int, Callable[[], Any], list[torch.Tensor], list[torch.Tensor]], Any]
+class LayerInputs(NamedTuple):
+    """What a stack's first layer runs on at plan time, as traced programs take it."""
+
+    row: torch.Tensor  # its (padded,) parameter row, zeros in the compute dtype
+    frozen_row: torch.Tensor | None
+    h: torch.Tensor  # detached
+    extras: tuple  # the producing unit's extras as it made them (with gradient where they carry it)
+
+
+# measure(part index, run, params, inputs, layer) -> run()'s output: ``run`` computes the part
+# (one layer of a stack); ``params`` and ``inputs`` (h, none for pre) are the leaves it depends
+# on; ``layer``: a stack's, what its layer runs on (None for other parts).
+Measure = Callable[[int, Callable[[], Any], list[torch.Tensor], list[torch.Tensor],
+                    LayerInputs | None], Any]
 
 
 class PartActivations(NamedTuple):
     """Bytes, for one rank's batch."""
 
-    input: int  # one row's input h (what recompute keeps for a layer)
+    # the h it runs on: a layer's (what recompute keeps), post's (alive through the loss op;
+    # no unit keeps it), 0 for pre and between
+    input: int
     graph: int  # what autograd keeps for one row: pre/between keep it, a layer keeps it when
     # saved and rebuilds it when recomputed, post holds it during the loss op
     forward: int = 0  # peak bytes a row's forward allocates without a graph (temporaries, output)
     train: int = 0  # peak bytes a row's forward with its graph and then its backward allocate
+    kept: int = 0  # peak bytes a row's forward with its graph allocates (the graph included)
 
 
 def walk_parts(model: ShardedModel, batch: Any, measure: Measure) -> list[int]:
@@ -57,32 +73,41 @@ def walk_parts(model: ShardedModel, batch: Any, measure: Measure) -> list[int]:
         bound, leaves = tensors(i)
         if part.role is Role.PRE:
             h, extras = measure(i, lambda: compute.run_stage(fn, bound, (batch,), part.name),
-                                leaves, [])
+                                leaves, [], None)
         elif part.role is Role.BETWEEN:
             h, extras = measure(i, lambda: compute.run_stage(fn, bound, (x, batch), part.name),
-                                leaves, [x])
+                                leaves, [x], None)
         elif part.role is Role.STACK and part.rows:
             ex = tuple(e.detach() if isinstance(e, torch.Tensor) else e for e in extras)
-            measure(i, lambda: compute.run_layers(fn[:1], [bound], x, ex, part.path, part.first),
-                    leaves, [x])
+            measure(i, lambda: compute.run_layers(fn[:1], [bound], x, ex, part.path, part.first,
+                                                  model.writes_input),
+                    leaves, [x], LayerInputs(trained[i], frozen[i], h, extras))
         elif part.role is Role.POST:
-            measure(i, lambda: compute.run_loss(fn, False, bound, x, batch, "post"), leaves, [x])
+            measure(i, lambda: compute.run_loss(fn, False, bound, x, batch, "post"), leaves, [x],
+                    None)
         h = None if h is None else h.detach()
     return inputs
 
 
-def activation_sizes(model: ShardedModel, batch: Any) -> tuple[PartActivations, ...]:
+def activation_sizes(model: ShardedModel, batch: Any,
+                     traced: TracedLayers | None = None) -> tuple[PartActivations, ...]:
     """Per part, in order: the storages autograd saves running it, each counted once,
-    parameters excluded; and the peak bytes its forward allocates, without a graph and with
-    one followed by the backward, tracked by ``LiveBytes``."""
-    graphs, forwards, trains = ([0] * len(model.parts), [0] * len(model.parts),
-                                [0] * len(model.parts))
+    parameters excluded; and the peak bytes its forward allocates, without a graph, with one,
+    and with one followed by the backward, tracked by ``LiveBytes``. ``traced``: the engine
+    runs the stacks' layers as its programs, so a layer it traces is measured by them instead
+    (``traced_sizes``); one that falls back is measured through autograd, as it runs."""
+    sizes: list[tuple[int, int, int, int]] = [(0, 0, 0, 0)] * len(model.parts)
 
     def measure(i: int, run: Callable[[], Any], params: list[torch.Tensor],
-                inputs: list[torch.Tensor]) -> Any:
+                inputs: list[torch.Tensor], layer: LayerInputs | None) -> Any:
+        if traced is not None and layer is not None:
+            got = traced_sizes(traced, i, layer)
+            if got is not None:
+                sizes[i] = got
+                return None
         with torch.no_grad(), LiveBytes() as live:
             run()
-        forwards[i] = live.peak
+        forward = live.peak
         exclude = {t.untyped_storage().data_ptr() for t in params}
         seen: dict[int, int] = {}
 
@@ -95,14 +120,62 @@ def activation_sizes(model: ShardedModel, batch: Any) -> tuple[PartActivations, 
         with LiveBytes() as live:
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = run()
+            kept = live.mark()
             h = out[0] if isinstance(out, tuple) else out
             wrt = [t for t in (*params, *inputs) if t.requires_grad]
             if h.requires_grad and wrt:
                 torch.autograd.grad(h, wrt, torch.ones_like(h), allow_unused=True)
-        graphs[i], trains[i] = sum(seen.values()), live.peak
+        sizes[i] = (forward, sum(seen.values()), kept, live.peak)
         return out
 
     inputs = walk_parts(model, batch, measure)
-    return tuple(PartActivations(inputs[i] if p.role is Role.STACK else 0, graphs[i], forwards[i],
-                                 trains[i])
-                 for i, p in enumerate(model.parts))
+    return tuple(PartActivations(inputs[i] if p.role in (Role.STACK, Role.POST) else 0,
+                                 graph, forward, train, kept)
+                 for i, (p, (forward, graph, kept, train)) in enumerate(zip(model.parts, sizes)))
+
+
+def traced_sizes(traced: TracedLayers, i: int,
+                 layer: LayerInputs) -> tuple[int, int, int, int] | None:
+    """A traced layer's ``(forward, graph, kept, train)`` bytes (``PartActivations``), or None
+    if it runs through autograd: ``graph`` is its residuals' storages, each counted once, the
+    parameter rows' excluded, read from the fake tensors of its trace (nothing computed);
+    ``forward``, ``kept`` and ``train`` the peaks of its inference program, of its forward
+    program, and of that followed by its backward, run on zeros. The programs are the step's
+    own: traced here, they are kept in the model (``ShardedModel.traces``) for every step
+    function on it."""
+    positions = compute.differentiable(layer.extras)
+    extras = traced.extras(compute.detach_extras(layer.extras, positions, grad=False), positions)
+    got = traced.layers(i, 0, 1, layer.h, extras)
+    if got is None:
+        return None
+    programs = got.programs[0]
+    params = [layer.row] if layer.frozen_row is None else [layer.row, layer.frozen_row]
+    inputs = [*params, layer.h, *extras.tensors]
+    with torch.no_grad(), LiveBytes() as live:
+        programs.inference(*inputs)
+    forward = live.peak
+    with torch.no_grad(), LiveBytes() as live:
+        out, *residuals = programs.forward(*inputs)
+        kept = live.mark()
+        # the executor holds the cotangent (the step's, for its frame) through the backward,
+        # and hands the residuals over in the list alone (freed inside after their last use)
+        g = torch.ones_like(out)
+        box = [*params, *residuals, g]
+        del residuals
+        programs.backward(box)
+    return forward, residual_bytes(programs.graphs[0], len(params)), kept, live.peak
+
+
+def residual_bytes(forward: torch.fx.Graph, params: int) -> int:
+    """The bytes of a forward program's residuals (its outputs after h), from the trace's fake
+    values: each storage once, the first ``params`` inputs' (parameter rows) excluded."""
+    places = [n for n in forward.nodes if n.op == "placeholder"]
+    rows = {StorageWeakRef(n.meta["val"].untyped_storage()) for n in places[:params]}
+    out = next(n for n in forward.nodes if n.op == "output")
+    seen: dict[StorageWeakRef, int] = {}
+    for node in out.args[0][1:]:
+        storage = node.meta["val"].untyped_storage()
+        key = StorageWeakRef(storage)
+        if key not in rows:
+            seen[key] = storage.nbytes()
+    return sum(seen.values())

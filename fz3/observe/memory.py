@@ -5,7 +5,8 @@ copies: 2 for AdamW). Transient, op by op, from the one memory model
 (``fz3.schedule.footprint``): gathered parameter buffers, unreduced flat gradients, layer
 inputs kept for recompute (these three are the executor's own buffers; it reports the same
 numbers through ``fz3.Recorder``) and autograd graphs kept by ``forward_save`` units and by
-``pre`` (measured once on the given batch, ``fz3.observe.activations``).
+``pre`` (measured once on the given batch, ``fz3.observe.activations``; for traced layers,
+their programs' residuals).
 
 Not counted: the allocator's slack and rounding, kernels' workspaces, and whatever the
 user's code holds.
@@ -20,7 +21,9 @@ import torch
 from ..schedule.footprint import footprint
 from ..schedule.ops import Op, OpKind
 from ..schedule.schedule import Schedule
+from ..schedule.structure import Role
 from ..sharding.model import ShardedModel
+from ..step.traced import TracedLayers
 from .activations import PartActivations, activation_sizes
 
 MiB = 2**20
@@ -101,13 +104,18 @@ class ModelSizes:
 
     def during(self, op: Op) -> int:
         """What lives only inside ``op`` beyond what the totals after it hold, measured on one
-        row: a forward's temporaries; for a backward (and the loss op) its graphs, kept or
-        recomputed (``kept`` counts a kept graph only up to the op), and working set, or the
-        per-parameter gradients waiting for the join into one flat gradient."""
+        row: a forward's temporaries (beyond its graph, if it keeps one); for a backward (and
+        the loss op) its graphs, kept or recomputed (``kept`` counts a kept graph only up to
+        the op), and working set, or the per-parameter gradients waiting for the join into
+        one flat gradient; for the loss op its input too."""
         unit = self.schedule.units[op.unit]
         act, k = self.act[unit.part], len(unit.rows)
         if op.kind in (OpKind.FORWARD, OpKind.FORWARD_SAVE):
-            return act.forward
+            # a forward that keeps its graph (forward_save; pre's and between's with
+            # gradients): its temporaries beyond the graph, which the totals after it hold
+            keeps = op.kind is OpKind.FORWARD_SAVE or (self.schedule.grad
+                                                       and unit.role is not Role.STACK)
+            return max(act.kept - act.graph, 0) if keeps else act.forward
         if op.kind not in (OpKind.BACKWARD, OpKind.LOSS):
             return 0
         # Peak inside: the graphs (k of them) and the backward's working set, before the join;
@@ -115,17 +123,24 @@ class ModelSizes:
         # the totals after the op already hold.
         before_join = (act.train + (k - 1) * act.graph - self.unreduced(op.unit)
                        - sum(self.unreduced(r) for r in self.creates.get(op, ())))
+        if op.kind is OpKind.LOSS:  # its input, the last layer's output, which no unit keeps
+            before_join += act.input
         return max(before_join, k * self.model.parts[unit.part].layout.padded * self.csize)
 
 
 def memory_plan(model: ShardedModel, schedule: Schedule, batch: Any, *,
-                optimizer_states: int = 2) -> MemoryPlan:
+                optimizer_states: int = 2, trace: bool = True) -> MemoryPlan:
     """Predict this rank's memory for ``schedule`` on batches shaped like ``batch``.
 
     Within an op it also counts what lives only during it (``ModelSizes.during``), measured
     on one row of each part: temporaries, graphs, per-parameter gradients before the join.
+    ``trace``: the engine the step runs (``fz3.value_and_grad``'s ``trace``, on by default):
+    a layer it traces is measured by its programs, its kept "graph" being its residuals,
+    known from the trace (``fz3.observe.activations.traced_sizes``; the programs are kept
+    for the step); ``trace=False``, and a layer that cannot be traced, by autograd.
     """
-    sizes = ModelSizes(model, schedule, activation_sizes(model, batch))
+    traced = TracedLayers(model) if trace else None
+    sizes = ModelSizes(model, schedule, activation_sizes(model, batch, traced))
     per_op = footprint(schedule, sizes)
     shard_bytes = sum(p.rows * p.layout.shard_numel for p in model.parts) * 4
     frozen_bytes = sum(t.numel() * t.element_size() for t in model.frozen if t is not None)

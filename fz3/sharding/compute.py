@@ -10,7 +10,7 @@ the unit's flat gradient comes out of autograd whole (no per-parameter leaves, n
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -103,16 +103,55 @@ class LayerName(NamedTuple):
 
 
 def run_layers(bindings: Sequence[Binding], rows: Sequence[Sequence[torch.Tensor]],
-               h: torch.Tensor, extras: Extras, path: str, first: int) -> torch.Tensor:
+               h: torch.Tensor, extras: Extras, path: str, first: int,
+               writes: dict) -> torch.Tensor:
     """Run consecutive layers (one binding and one tensor list each) on ``h``; they are layers
-    ``first, first + 1, ...`` of the stack at ``path`` (for error messages)."""
+    ``first, first + 1, ...`` of the stack at ``path`` (for error messages). The first is
+    ``guarded`` by ``writes``: the later ones' inputs are the earlier ones' outputs."""
     for j, (binding, tensors) in enumerate(zip(bindings, rows)):
         name = LayerName(path, first + j)
-        h = call(binding, tensors, (h, *extras), name)
+        if j == 0:
+            h = guarded(writes, binding, h, name,
+                        lambda x: call(binding, tensors, (x, *extras), name))
+        else:
+            h = call(binding, tensors, (h, *extras), name)
         if not isinstance(h, torch.Tensor):
             raise TypeError(f"{name} returned {type(h).__name__}, not a tensor; pass "
                             f"call_layer=lambda layer, h, *extra: layer(h, *extra)[0] to fz3.shard")
     return h
+
+
+def guarded(writes: dict, binding: Binding, h: torch.Tensor, name: object,
+            run: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``run(h)``, the first layer of a unit on its input ``h``, which the executor keeps (to
+    recompute from) or differentiates (an autograd leaf, which no op may write into). A layer
+    that writes into its input (``h.mul_(0.5)``, fine in plain PyTorch, where ``h`` is the
+    previous layer's output) gets a copy, as does one not seen before (its first call: one
+    copy, whose version counter says whether it was written); ``writes`` records which
+    (``ShardedModel.writes_input``). Every other call: one dict lookup and a version check."""
+    known = writes.get(binding)
+    given = h if known is False else h.clone()
+    version = given._version
+    try:
+        out = run(given)
+    except RuntimeError as e:
+        if known is False and "in-place" in str(e) and "leaf Variable" in str(e):
+            raise RuntimeError(_written(name)) from e
+        raise
+    if given._version != version:
+        if known is False:
+            raise RuntimeError(_written(name))
+        writes[binding] = True
+    elif known is None:
+        writes[binding] = False
+    return out
+
+
+def _written(name: object) -> str:
+    return (f"{name} wrote into its input h in place on this call, but not on its first: fz3 "
+            f"copies the input only of layers seen writing into it, and this one's input (kept "
+            f"for recompute or differentiated) is no longer what it was. Write into a copy "
+            f"(h = h.mul(0.5), or h = h.clone() first), or do it on every call")
 
 
 def layer_grad(grad: torch.Tensor, world: int, *, by_layer: bool) -> torch.Tensor:

@@ -68,6 +68,9 @@ class ShardedModel:
     # and its copies; keyed by the binding and layouts they were traced from, and by their
     # joint graph's code (layers traced alike share programs)
     traces: dict = field(default_factory=dict, repr=False)
+    # layer binding -> whether it writes into its input h in place, learned at its first call
+    # through autograd (``fz3.sharding.compute.guarded``); shared like ``traces``
+    writes_input: dict = field(default_factory=dict, repr=False)
 
     @property
     def structure(self) -> tuple[PartShape, ...]:

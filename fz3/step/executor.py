@@ -206,9 +206,10 @@ def _loss(s: StepState, op: Op, index: int) -> Frame:
     u = op.unit
     fn, has_aux = s.loss_fn
     name = "post" if fn is s.model.post else "the loss function"
-    grad = None
+    grad, h_in = None, s.h
     if s.schedule.grad:
         leaves, h = grad_leaves(s, u), s.h.detach().requires_grad_()
+        s.h = None  # the last layer's output: no op after the loss reads it (its frame's only)
         with torch.enable_grad():
             loss, aux = compute.run_loss(fn, has_aux, call_tensors(s, u, leaves), h, s.batch, name)
         # Seed 1/ranks: the reduces are sums over ranks, the loss a mean.
@@ -223,7 +224,7 @@ def _loss(s: StepState, op: Op, index: int) -> Frame:
     s.loss, s.aux = loss.detach(), detached(aux)
     s.loss_mean = all_reduce(s.model.comm, s.loss.float() / _ranks(s), group=s.model.comm.group,
                              label="the loss's mean")
-    return frame_of(s, op, index, s.h, loss, grad)
+    return frame_of(s, op, index, h_in, loss, grad)
 
 
 def _backward(s: StepState, op: Op, index: int) -> Frame:
@@ -240,8 +241,9 @@ def _backward_layers(s: StepState, op: Op, index: int) -> Frame:
         residuals = saved.residuals
         if residuals is None:  # recompute, replaying the forward's RNG
             rng.restore(saved.rng, model.device)
-            _, residuals = run_traced(s, u, layers, saved.x,
-                                      s.traced_extras[saved.producer].tensors, keep=True)
+            # (not ``_, residuals = ...``: a name would hold the recomputed output meanwhile)
+            residuals = run_traced(s, u, layers, saved.x,
+                                   s.traced_extras[saved.producer].tensors, keep=True)[1]
         g_params, g_x, g_extras = backward_traced(s, u, layers, residuals, s.grad_h)
         g = (g_params, g_x, *g_extras)
     else:

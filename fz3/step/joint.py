@@ -25,7 +25,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from .codegen import (TraceError, codegen, constant_factories, fast_ops, one_call_flatten,
                       one_call_views)
-from .partition import partition, written_args
+from .partition import partition, written, written_args
 
 Layer = Callable[..., torch.Tensor]  # (row, frozen_row | None, h, *extras) -> h
 
@@ -86,7 +86,10 @@ def joint_trace(layer: Layer, inputs: Sequence[torch.Tensor], frozen: bool,
         # autograd (functorch decomposes some backwards, silu's for one, into other ops)
         ins = [x.detach().requires_grad_() if i in wrt else x for i, x in enumerate(xs[:n])]
         with torch.enable_grad():
-            out = call(*ins)
+            # h through a copy: a layer that writes into its input (``h.mul_(0.5)``) writes
+            # into the copy, as into the previous layer's output in plain PyTorch; a copy
+            # nothing writes into is folded away after the trace (``_fold_input_copy``)
+            out = call(*ins[:first], ins[first].clone(), *ins[first + 1:])
             grads = torch.autograd.grad(out, [ins[i] for i in wrt], xs[n], allow_unused=True)
         return (out.detach(), *(torch.zeros_like(ins[i]) if g is None else g
                                 for i, g in zip(wrt, grads)))
@@ -99,6 +102,7 @@ def joint_trace(layer: Layer, inputs: Sequence[torch.Tensor], frozen: bool,
     except Exception as e:  # noqa: BLE001 - tracing fails in many ways; each means: fall back
         first_line = str(e).splitlines()[0][:300] if str(e) else ""
         raise TraceError(f"{type(e).__name__}: {first_line}") from e
+    _fold_input_copy(joint_gm.graph, first)
     _refuse_input_mutation(joint_gm.graph)
     _refuse_tensor_constants(joint_gm.graph)
     return Joint(joint_gm.graph, joint_gm.code, first, len(wrt))
@@ -147,9 +151,27 @@ def _residuals_alias_params(forward: fx.Graph, params: int) -> bool:
     return any(t is r for t in saved for r in rows)
 
 
+def _fold_input_copy(graph: fx.Graph, first: int) -> None:
+    """The trace's copy of h (``joint_trace``) stays only if an op writes into it or a view of
+    it; otherwise its readers read h (the graph's code, printed before, still names it:
+    layers alike print alike either way)."""
+    h = [n for n in graph.nodes if n.op == "placeholder"][first]
+    seen = [h]
+    for node in graph.nodes:
+        if node.target is torch.ops.aten.detach.default and node.args[0] in seen:
+            seen.append(node)
+        elif node.target is torch.ops.aten.clone.default and node.args[0] in seen:
+            if not written(node):
+                node.replace_all_uses_with(node.args[0])
+                graph.erase_node(node)
+            return
+
+
 def _refuse_input_mutation(graph: fx.Graph) -> None:
-    """An op writing into one of the layer's inputs (``h.add_(...)``) would write into fz3's
-    buffers or the previous layer's output: such a layer runs through autograd."""
+    """An op writing into one of the program's inputs (an extra, ``count.add_(1)``, or a
+    parameter row; h is copied first when written, ``_fold_input_copy``) would write into
+    fz3's buffers or a pre unit's outputs at every replay: such a layer runs through
+    autograd."""
     inputs = {n for n in graph.nodes if n.op == "placeholder"}
     for node in graph.nodes:
         if any(value in inputs for value in written_args(node)):

@@ -1,10 +1,27 @@
-"""Which layers of a stack may share traced programs: those whose modules hold the same
-Python state (``fz3.step.traced``). ``groups`` numbers them; ``_state`` is the comparable key
-of what a layer's code reads besides its parameters and inputs."""
+"""Which layers of a stack may share traced programs (``fz3.step.traced``).
+
+Layers whose modules hold the same Python state (every attribute that is not a parameter, a
+submodule or an empty hook table) run the same code with the same constants: ``Groups.own``
+numbers them. Layers that differ only in plain values (HF's ``layer_idx``: ``Groups.varying``)
+share programs too if the trace of one of them never reads those values: ``Groups.alike``
+numbers such layers, and ``hidden`` is how that is found out, in one trace (see
+[Note: hidden attributes]).
+
+[Note: hidden attributes]
+While the first layer of an ``alike`` group is traced, each varying attribute of its modules
+holds an ``Unread`` instead of its value, restored afterwards (the skeleton is fz3's own, as
+are the parameters a ``Binding`` puts into it per call). Every use of an ``Unread`` (truth,
+comparison, arithmetic, indexing, hashing, formatting, attribute access) raises, so a trace
+that completes computed nothing from those values: every layer of the group would trace to
+the same graph, and shares its programs. A trace that fails so is made again per ``own``
+group, as before (HF's ``layer_idx`` is read only by a KV cache, which training does not
+pass). Not seen: ``is`` and ``type()`` of the value, which no layer code we know branches on.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -13,39 +30,98 @@ from ..sharding.parts import Part
 from .codegen import TraceError
 
 
-def groups(bindings: Sequence[Binding], part: Part, failed: dict[str, str]) -> list[int]:
-    """Layer -> group: layers in one group hold the same Python state. Records in ``failed``
-    a part whose layers hold state a trace cannot see (buffers, hooks, shared reads)."""
-    keys: dict[tuple, int] = {}
-    out = []
+class Groups(NamedTuple):
+    own: list[int]  # layer -> group: the same Python state
+    alike: list[int]  # layer -> group: the same Python state but for ``varying``
+    # (module path, attribute) of plain values that differ between the stack's layers
+    varying: tuple[tuple[str, str], ...]
+
+
+def groups(bindings: Sequence[Binding], part: Part, failed: dict[str, str]) -> Groups:
+    """The stack's ``Groups``. Records in ``failed`` a part whose layers hold state a trace
+    cannot see (buffers, hooks, shared reads)."""
+    states = []
     for layer, binding in enumerate(bindings):
         try:
-            key = _state(binding)
+            states.append(_state(binding))
         except TraceError as e:
             failed[part.name] = f"layer {part.path}.{part.first + layer} cannot be traced: {e}"
-            return []
-        out.append(keys.setdefault(key, len(keys)))
+            return Groups([], [], ())
     if part.reads:
         failed[part.name] = f"{part.name} reads shared parameters"
-    return out
+    varying = tuple(sorted({key for s in states for key, value in s[2].items()
+                            if _plain(value) and any(t[2].get(key, _MISSING) != value
+                                                     for t in states)}))
+    own: dict[tuple, int] = {}
+    alike: dict[tuple, int] = {}
+    out_own, out_alike = [], []
+    for fn, modules, attrs in states:
+        items = sorted(attrs.items(), key=lambda kv: kv[0])
+        out_own.append(own.setdefault((fn, modules, tuple(items)), len(own)))
+        rest = tuple(kv for kv in items if kv[0] not in varying)
+        out_alike.append(alike.setdefault((fn, modules, rest, tuple(k for k, _ in items)),
+                                          len(alike)))
+    return Groups(out_own, out_alike, varying)
 
 
-def _state(binding: Binding) -> tuple:
-    """What a layer's code can read besides its parameters and inputs, as a comparable key."""
-    items: list[Any] = [id(binding.module.fn)]
+@contextlib.contextmanager
+def hidden(binding: Binding, varying: Sequence[tuple[str, str]]) -> Iterator[None]:
+    """The layer's ``varying`` attributes as ``Unread`` while inside; restored after."""
+    saved = []
+    try:
+        for path, name in varying:
+            module = binding.module.m.get_submodule(path)
+            saved.append((module, name, module.__dict__[name]))
+            module.__dict__[name] = Unread(f"{path}.{name}" if path else name)
+        yield
+    finally:
+        for module, name, value in saved:
+            module.__dict__[name] = value
+
+
+class Unread:
+    """An attribute's stand-in that no use of may succeed ([Note: hidden attributes])."""
+
+    __slots__ = ("_name",)
+
+    def __init__(self, name: str):
+        object.__setattr__(self, "_name", name)
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise TraceError(f"it reads {object.__getattribute__(self, '_name')}, whose value "
+                         f"differs between layers")
+
+    def __getattr__(self, name: str) -> Any:
+        return self._refuse()
+
+
+for _dunder in ("bool index int float complex eq ne lt le gt ge hash str repr format len iter "
+                "next contains getitem setitem call add radd sub rsub mul rmul truediv "
+                "rtruediv floordiv rfloordiv mod rmod pow rpow neg pos abs and rand or ror xor "
+                "rxor lshift rlshift rshift rrshift invert round trunc floor ceil matmul "
+                "rmatmul divmod rdivmod enter exit fspath").split():
+    setattr(Unread, f"__{_dunder}__", Unread._refuse)
+
+_MISSING = object()
+
+
+def _state(binding: Binding) -> tuple[int, tuple, dict]:
+    """What a layer's code can read besides its parameters and inputs: its function, its
+    modules' paths and types, and their attributes (``(path, name) -> value``, or its id
+    where the value is not plain)."""
+    modules, attrs = [], {}
     for path, module in binding.module.m.named_modules():
         if any(b is not None for b in module._buffers.values()):
             raise TraceError(f"{path or 'it'} has buffers (state a trace would freeze)")
-        state = []
         for k, v in vars(module).items():
             if k in _MODULE_OWN:  # nn.Module's own tables: only hooks matter to a trace
                 if v and "hook" in k and ("forward" in k or "backward" in k) and \
                         not isinstance(v, bool):
                     raise TraceError(f"{path or 'it'} has hooks ({k}), which a trace would skip")
                 continue
-            state.append((k, v if _plain(v) else ("id", id(v))))
-        items.append((path, type(module), tuple(state)))
-    return tuple(items)
+            attrs[path, k] = v if _plain(v) else ("id", id(v))
+        modules.append((path, type(module)))
+    return id(binding.module.fn), tuple(modules), attrs
 
 
 _MODULE_OWN = frozenset(vars(torch.nn.Module()))

@@ -46,7 +46,7 @@ def partition(joint: fx.Graph, params: range, grads: int) -> tuple[fx.Graph, fx.
     # a constant (the zeros of a padding's gradient) is made again where needed, not kept as a
     # residual, unless an op writes into it: that write happened in the forward
     rows.update(n for n in joint.nodes if n.op == "call_function" and not n.all_input_nodes
-                and n.target in CONSTANT_FACTORIES and not _written(n))
+                and n.target in CONSTANT_FACTORIES and not written(n))
     # the backward recomputes what depends on g, the row views and those constants;
     # everything else it reads (forward values, h, extras) is a residual
     computed = backward_side | rows
@@ -147,7 +147,7 @@ def _is_view(node: fx.Node) -> bool:
     return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
 
 
-def _written(node: fx.Node) -> bool:
+def written(node: fx.Node) -> bool:
     """Whether an op writes into ``node``'s tensor or a view of it."""
     todo, seen = [node], set()
     while todo:

@@ -5,10 +5,13 @@ file decides which layers share them and when they are made:
 
 - Layers share programs when their modules hold the same Python state (every attribute that
   is not a parameter, a submodule or an empty hook table: ``layer_idx``, a sliding window, a
-  function): those run the same code with the same constants. A layer whose state differs
-  (HF's ``layer_idx``) is traced on its own, and shares the programs of an earlier layer
-  whose joint graph reads the same (its printed code: ops and argument values; only the
-  trace itself is paid again, a quarter of the cost).
+  function): those run the same code with the same constants. Layers that differ only in
+  plain values their trace never reads (HF's ``layer_idx``, read only by a KV cache) share
+  them too, found in one trace (``fz3.step.layer_groups``, [Note: hidden attributes]): the
+  first step costs one trace per stack, whatever its depth. A layer whose trace does read
+  such a value is traced on its own, and shares the programs of an earlier layer whose
+  joint graph reads the same (its printed code: ops and argument values; only the trace
+  itself is paid again).
 - Programs are traced at a unit's first forward for each input signature (shapes and dtypes
   of h and the tensor extras, the values of the other extras, train or eval mode) and kept
   in the model (``ShardedModel.traces``): other step functions on it do not trace again.
@@ -17,7 +20,8 @@ file decides which layers share them and when they are made:
   layers that share programs share the compilation.
 
 A layer that cannot be traced (it reads a tensor's value on the host, branches on data,
-writes into its input, makes a tensor from Python values, has buffers or hooks) runs as
+writes into an extra or a parameter row, makes a tensor from Python values, has buffers or
+hooks; one that writes into h writes into a copy, ``fz3.step.joint``) runs as
 before: through autograd eager, or through ``torch.compile`` (``fz3.step.compiled``) with
 ``compile``. ``failed`` says why; with ``compile`` the fallback warns if it cannot compile
 it either (``strict``: raises).
@@ -39,7 +43,7 @@ from ..sharding.parts import Part
 from ..sharding.compute import LayerName
 from .compiled import CompiledLayers
 from .joint import Programs, TraceError, joint_trace, programs
-from .layer_groups import groups
+from .layer_groups import Groups, groups, hidden
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +78,7 @@ class TracedLayers:
         self.model, self.compile = model, compile
         # the dynamo path for layers that cannot be traced, with compile
         self.fallback = CompiledLayers(model.parts, strict=strict) if compile else None
-        self.groups: dict[int, list[int]] = {}  # stack part -> layer -> group
+        self.groups: dict[int, Groups] = {}  # stack part -> which layers share programs
         self.failed: dict[str, str] = {}  # part name -> why its layers run through autograd
         self.compiles = 0  # inductor compilations so far
         self._programs: dict[tuple, Programs | None] = {}  # (part, group, signature) ->
@@ -133,20 +137,35 @@ class TracedLayers:
 
     def _layers(self, part_index: int, part: Part, first: int, stop: int, h: torch.Tensor,
                 extras: Extras, signature: tuple) -> Layers | None:
-        groups = self.groups[part_index]
         programs = []
         for layer in range(first, stop):
-            key = (part_index, groups[layer], signature)
-            if key not in self._programs:
-                self._programs[key] = self._trace(part_index, part, layer, h, extras, signature)
-            got = self._programs[key]
+            got = self._group(part_index, part, layer, h, extras, signature)
             if got is None:
                 return None
             programs.append(got)
         return Layers(tuple(programs), any(p.aliases_params for p in programs))
 
-    def _trace(self, i: int, part: Part, layer: int, h: torch.Tensor, extras: Extras,
+    def _group(self, i: int, part: Part, layer: int, h: torch.Tensor, extras: Extras,
                signature: tuple) -> Programs | None:
+        """The programs ``layer`` shares: its ``alike`` group's, traced once with the varying
+        values hidden, or (that trace read one) its ``own`` group's."""
+        groups = self.groups[i]
+        if groups.varying:
+            alike = (i, "alike", groups.alike[layer], signature)
+            if alike not in self._programs:
+                self._programs[alike] = self._trace(i, part, layer, h, extras, signature,
+                                                    hide=groups.varying)
+            if self._programs[alike] is not None:
+                return self._programs[alike]
+        own = (i, groups.own[layer], signature)
+        if own not in self._programs:
+            self._programs[own] = self._trace(i, part, layer, h, extras, signature)
+        return self._programs[own]
+
+    def _trace(self, i: int, part: Part, layer: int, h: torch.Tensor, extras: Extras,
+               signature: tuple, hide: tuple = ()) -> Programs | None:
+        """``layer``'s programs (None: it cannot be traced, or, with ``hide``, its trace read
+        one of those attributes: the part does not fail for that)."""
         binding = self.model.functions[i][layer]
         name = LayerName(part.path, part.first + layer)
         frozen = part.frozen is not None
@@ -156,13 +175,17 @@ class TracedLayers:
                                   device=self.model.device) if frozen else None)
         inputs = [row, *([frozen_row] if frozen else []), h, *extras.tensors]
         # traced once per model: every step function on it (and its copies) reuses them
-        key = (binding, part.layout, part.frozen, signature)
+        key = (binding, part.layout, part.frozen, signature, hide)
         if key not in self.model.traces:
-            self.model.traces[key] = self._programs_of(binding, part, extras, inputs, frozen,
-                                                       signature)
+            with hidden(binding, hide):
+                self.model.traces[key] = self._programs_of(binding, part, extras, inputs,
+                                                           frozen, signature)
         programs = self.model.traces[key]
         if isinstance(programs, TraceError):
-            self._fail(i, part, f"{name} cannot be traced: {programs}")
+            if hide:
+                log.debug("fz3: %s's layers trace apart: %s", part.name, programs)
+            else:
+                self._fail(i, part, f"{name} cannot be traced: {programs}")
             return None
         if self.compile:
             programs = self._compiled(programs)

@@ -73,14 +73,20 @@ def run_layers(s: StepState, u: int, buffer: torch.Tensor, x, extras) -> torch.T
     fns = s.model.functions[unit.part][first:unit.rows.stop]
     if s.graphs is not None and frozen is None:
         return s.graphs(unit.part, u, fns[0], buffer[0], x, extras)
+    writes = s.model.writes_input
     if s.compiled is not None:
         for j, row in enumerate(_rows(buffer)):
-            x = s.compiled(unit.part, part, fns[j], row, None if frozen is None else frozen[j], x,
-                           extras, compute.LayerName(part.path, part.first + first + j))
+            name = compute.LayerName(part.path, part.first + first + j)
+
+            def layer(h: torch.Tensor, j: int = j, row: torch.Tensor = row) -> torch.Tensor:
+                return s.compiled(unit.part, part, fns[j], row,
+                                  None if frozen is None else frozen[j], h, extras, name)
+
+            x = compute.guarded(writes, fns[0], x, name, layer) if j == 0 else layer(x)
         return x
     rows = [part.layout.views(row) + ([] if frozen is None else part.frozen.views(frozen[j]))
             for j, row in enumerate(_rows(buffer))]
-    return compute.run_layers(fns, rows, x, extras, part.path, part.first + first)
+    return compute.run_layers(fns, rows, x, extras, part.path, part.first + first, writes)
 
 
 def traced_layers(s: StepState, u: int, x: torch.Tensor):
