@@ -312,9 +312,8 @@ def run_part(part: str, device: torch.device, env: dict, args, t_start: float) -
     import gpu_parts
 
     if part == "speed":
-        graphs = gpu_parts.graphs_equal(device)
         rows = gpu_parts.speed(device, args.quick, t_start + args.budget_s)
-        result, ok = dict(graphs=graphs, speed=rows), graphs.get("ok", True)
+        result, ok = dict(speed=rows), True
         print(gpu_parts.table(rows))
     elif part == "memory":
         rows = gpu_parts.memory(device, args.quick)

@@ -4,9 +4,9 @@
   512, micro-batch 8) and a 1.3B GPT (24 layers, hidden 2048, seq 2048, micro-batch 4), bf16
   compute with fp32 master weights, fused AdamW everywhere: plain eager, plain with compiled
   blocks, plain + AC, FSDP2 (per block, compiled blocks, + AC) and fz3 (save, recompute,
-  compiled, CUDA graphs). Per system: ms/step, the host's time to issue the step, the GPU's
+  compiled). Per system: ms/step, the host's time to issue the step, the GPU's
   busy time (the sum of kernel time from ``torch.profiler``: the limit of a host-bound
-  step), peak memory, tokens/s and MFU. ``cuda_graphs`` is first checked against eager.
+  step), peak memory, tokens/s and MFU.
 - ``memory``: peak CUDA memory (issue 13) on the 1.3B GPT for plain, FSDP2 and fz3 with
   activations kept and recomputed, and ``fz3.memory_plan`` against
   ``torch.cuda.max_memory_allocated`` (within 10%).
@@ -49,7 +49,6 @@ def _systems(cfg: GPTConfig, device: torch.device, big: bool) -> list[tuple[str,
         ("plain + AC", lambda: systems.plain(cfg, device, dtype=bf, ac=True)),
         ("fz3 recompute", fz(policy=fz3.Policy())),
         ("fz3 recompute compiled", fz(policy=fz3.Policy(), compile=True)),
-        ("fz3 recompute cuda graphs", fz(policy=fz3.Policy(), cuda_graphs=True)),
         ("FSDP2 + AC", lambda: systems.fsdp2(cfg, device, dtype=bf, ac=True)),
     ]
     if big:  # compiling every peer on the 1.3B model does not fit the part's time: fz3's own rows stay
@@ -102,24 +101,6 @@ def _run(model_name: str, name: str, make, cfg: GPTConfig, micro: int, device: t
           f"{row['peak_gib']:5.1f} GiB  loss {row['loss']:.4f}", flush=True)
     del step
     return row
-
-
-def graphs_equal(device: torch.device) -> dict:
-    """``cuda_graphs=True`` against eager (fp32, the same kernels replayed): loss and gradients."""
-    if device.type != "cuda":
-        return dict(skipped="cuda_graphs needs a GPU")
-    cfg = GPTConfig(vocab=128, seq=32, dim=64, heads=4, layers=4)
-    model, params = shard_gpt(systems.build(cfg, device), device=device)
-    batch = systems.rank_batch(cfg, 4, 0, 0, device)
-    eager_loss, eager = fz3.value_and_grad(model)(params, batch)
-    step = fz3.value_and_grad(model, cuda_graphs=True)
-    for _ in range(2):  # capture, then replay
-        loss, grads = step(params, batch)
-    rel = max(float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(grads.parts, eager.parts))
-    out = dict(loss_rel=abs(float(loss) - float(eager_loss)) / abs(float(eager_loss)), grad_rel_norm=rel)
-    out["ok"] = out["loss_rel"] <= 1e-5 and rel <= 1e-5
-    print("cuda graphs vs eager " + str(out), flush=True)
-    return out
 
 
 def memory(device: torch.device, quick: bool) -> list[dict]:

@@ -43,8 +43,6 @@ def systems():
         "fz3 recompute": ("fz3", {"policy": {}}),
         "fz3 whole stack": ("fz3", {"whole": whole}),
         "fz3 save compiled": ("fz3", {"policy": {"activations": "save"}, "compile": True}),
-        "fz3 save compiled (not traced)": ("fz3", {"policy": {"activations": "save"}, "compile": True,
-                                                  "trace": False}),
         "fz3 recompute compiled": ("fz3", {"policy": {}, "compile": True}),
         "fz3 whole stack compiled": ("fz3", {"whole": whole, "compile": True}),
     }

@@ -21,7 +21,7 @@ from .sharding.model import Params, ShardedModel, shard
 from .sharding.precision import Precision
 from .sharding.refreeze import refreeze
 from .step.accumulate import Accumulate, accumulate
-from .step.compiled import CompileError
+from .step.traced import CompileError
 from .step.state import Frame, Result
 from .step.finite import NonFiniteError
 from .step.record import Event, Recorder

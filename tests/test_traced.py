@@ -200,10 +200,6 @@ def fallback_ranks(rank, world):
     want_loss, want = fz3.value_and_grad(model, trace=False)(params, b)
     assert torch.equal(loss, want_loss) and _same(grads, want)
     assert re.search(r"writes into its input in place \(aten\.add_", step.traced.failed["layers"])
-    # strict: neither traced nor compiled by torch.compile (the fallback) is an error
-    with pytest.raises(fz3.CompileError, match=r"(?s)layer layers\.0 \(layers\) cannot be compiled"):
-        model, params = fz3.shard(LayerNet([ReadsHost() for _ in range(2)]), "layers", layer_pre, layer_post)
-        fz3.value_and_grad(model, compile=True, strict=True)(params, b)
     return "ok"
 
 

@@ -22,8 +22,7 @@ import optree
 import torch
 
 from ..comm.collectives import all_reduce, wait
-from .compiled import CompiledLayers, check_compile_options
-from .traced import TracedLayers, layer_runners
+from .traced import TracedLayers, layer_runner
 from .executor import execute
 from ..sharding.model import Params, ShardedModel
 from ..schedule.schedule import Policy, Schedule, deferred
@@ -34,13 +33,11 @@ class Accumulate:
     """``f(params, micro_batches) -> (mean loss, grads)``."""
 
     def __init__(self, model: ShardedModel, schedule: Schedule, policy: Literal["reduce", "defer"],
-                 compiled: CompiledLayers | None = None, traced: TracedLayers | None = None,
-                 check_sync: bool = True):
+                 traced: TracedLayers | None = None, check_sync: bool = True):
         if policy not in ("reduce", "defer"):
             raise ValueError(f"policy={policy!r}: use 'reduce' (sum reduced shards) or 'defer' "
                              f"(reduce once)")
-        self.model, self.schedule, self.policy, self.compiled = model, schedule, policy, compiled
-        self.traced = traced
+        self.model, self.schedule, self.policy, self.traced = model, schedule, policy, traced
         self.deferred = deferred(schedule) if policy == "defer" else None
         self.steps = 0  # calls so far, checked across ranks
         self.check_sync = check_sync
@@ -63,7 +60,7 @@ class Accumulate:
             # across replicas once, below (FSDP2 keeps a partial reduce output the same way).
             result = drain(execute(self.model, sched, params, mb, loss_scale=1.0 / k,
                                    carry=carry, reduce_replicas=self.policy == "defer",
-                                   compiled=self.compiled, traced=self.traced, frames=False))
+                                   traced=self.traced, frames=False))
             losses.append(result.loss)
             if self.policy == "reduce":  # acc holds buffers this function received and owns
                 acc = (result.grads if acc is None
@@ -87,8 +84,7 @@ def accumulate(model: ShardedModel, schedule: Schedule | Policy | None = None, *
     ``trace``/``compile``/``strict``/``check_sync`` as in ``fz3.value_and_grad`` (the check
     covers every micro-batch).
     **Collective**: the schedule is compared across ranks here; every rank must call it."""
-    check_compile_options(model, compile, strict, False)
-    traced, compiled = layer_runners(model, trace=trace, compile=compile, strict=strict)
+    traced = layer_runner(model, trace=trace, compile=compile, strict=strict)
     sync = model.device.type == "cpu" if check_sync is None else check_sync
     return Accumulate(model, prepare(model, schedule, grad=True, entry="accumulate"), policy,
-                      compiled, traced, sync)
+                      traced, sync)

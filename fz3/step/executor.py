@@ -45,17 +45,16 @@ from ..schedule.structure import Role
 from ..schedule.schedule import Schedule
 from ..sharding import compute
 from ..sharding.model import Params, ShardedModel
+from .engine import Produced
 from .state import Frame, Loss, Reducing, Result, Saved, StepState, regrow, release
-from .unit_io import (add_gradients, backward_traced, call_tensors, detached, frame_of,
-                      gather_pieces, grad_leaves, or_zeros, result_shard, run_layers, run_traced,
-                      traced_layers)
+from .unit_io import (add_gradients, call_tensors, detached, frame_of, gather_pieces,
+                      grad_leaves, layer_engine, or_zeros, pieces, result_shard)
 
 
 def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any, recorder=None,
             *, loss: Loss | None = None, loss_scale: float | torch.Tensor = 1.0,
             carry: dict[int, torch.Tensor] | None = None, reduce_replicas: bool = True,
-            compiled=None, graphs=None, traced=None,
-            frames: bool = True) -> Generator[Frame, None, Result]:
+            traced=None, frames: bool = True) -> Generator[Frame, None, Result]:
     """Run ``schedule`` on ``batch``. ``loss``: the function the ``loss`` op runs (default:
     the model's ``post``). ``loss_scale`` multiplies the backward's seed (fp16 loss scaling;
     1/k for k accumulated micro-batches). ``carry``: unsharded flat gradients accumulated by
@@ -63,13 +62,10 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
     (hybrid sharding): sum the gradient shards across replicas (False: the caller does it
     once for several micro-batches). ``recorder``: a ``fz3.Recorder``, or None (no cost).
     ``traced``: a ``fz3.step.traced.TracedLayers`` whose programs run the layers (without the
-    autograd engine), or None; ``compiled``: a ``fz3.step.compiled.CompiledLayers`` for layers
-    that are not traced, or None (eager); ``graphs``: a ``fz3.step.graphs.GraphedLayers`` to
-    replay them with (CUDA). ``frames=False``: no ``Frame`` is made or yielded (a caller that
-    only drains the step)."""
+    autograd engine), or None (autograd: ``fz3.step.engine``). ``frames=False``: no ``Frame``
+    is made or yielded (a caller that only drains the step)."""
     state = StepState(model, schedule, params, batch, loss or Loss(model.post), loss_scale,
-                      carry, reduce_replicas, compiled=compiled, graphs=graphs,
-                      traced=traced, frames=frames)
+                      carry, reduce_replicas, traced=traced, frames=frames)
     if recorder is not None:
         recorder.begin_step(schedule, model.device)
     # With a profiler running (torch.profiler), each op is a named range in its trace; without
@@ -110,9 +106,6 @@ def _gather(s: StepState, op: Op, index: int) -> None:
         if len(unit.rows) == 1 and key in s.released:
             # back into the storage a live graph saved views of
             out = regrow(s.released[key].buffer).view(-1)
-        elif s.graphs is not None and unit.role is Role.STACK and not frozen:
-            # a fixed address: the ring
-            out = s.graphs.slot(unit.part, u)
         else:  # a new buffer; one rank's: the shard itself (see fz3/comm)
             out = None
         flat = shard if shard.dim() == 1 else shard.reshape(-1)
@@ -167,38 +160,28 @@ def _forward_stage(s: StepState, op: Op, index: int) -> Frame:
                                       args, unit.name)
     positions = compute.differentiable(extras)
     if grad:
-        s.saved[u] = Saved(True, x, (h, extras), leaves, (), None)
-    s.producer, s.grad_positions[u] = u, positions
-    s.h = h.detach()
-    s.extras[u] = compute.detach_extras(extras, positions, grad=False)
-    return frame_of(s, op, index, s.batch if unit.role is Role.PRE else x, (s.h, *s.extras[u]),
-                    None)
+        s.saved[u] = Saved(x=x, out=(h, extras), leaves=tuple(leaves))
+    s.h, s.producer = h.detach(), u
+    produced = s.produced[u] = Produced(compute.detach_extras(extras, positions, grad=False),
+                                        positions)
+    return frame_of(s, op, index, s.batch if unit.role is Role.PRE else x,
+                    (s.h, *produced.extras), None)
 
 
 def _forward_layers(s: StepState, op: Op, index: int) -> Frame:
-    u, x = op.unit, s.h
-    layers = traced_layers(s, u, x)
-    save = op.kind == OpKind.FORWARD_SAVE
-    if layers is not None:  # no graph: the traced programs keep residuals (save) or nothing
-        before = rng.capture(s.model.device) if s.schedule.grad and not save else None
-        s.h, residuals = run_traced(s, u, layers, x, s.traced_extras[s.producer].tensors,
-                                    keep=save)
-        if s.schedule.grad:
-            s.saved[u] = Saved(save, x, None, [], (), before, s.producer, layers, residuals)
-    elif save:
-        extras, positions = s.extras.get(s.producer, ()), s.grad_positions.get(s.producer, [])
-        leaf, x_leaf = compute.leaf(s.gathered[u, False]), x.detach().requires_grad_()
-        leaf_extras = compute.detach_extras(extras, positions, grad=True)
-        with torch.enable_grad():
-            out = run_layers(s, u, leaf, x_leaf, leaf_extras)
-        s.saved[u] = Saved(True, x_leaf, out, [leaf], leaf_extras, None, s.producer)
-        s.h = out.detach()
+    """A layer unit through the layer protocol (``fz3.step.engine``): ``forward_save`` keeps
+    its residuals; ``forward`` keeps its input and RNG state, to run ``forward`` again in
+    backward (recompute)."""
+    u, x, producer = op.unit, s.h, s.producer
+    engine, extras = layer_engine(s, u, x), s.produced[producer]
+    if op.kind == OpKind.FORWARD_SAVE:
+        s.h, residuals = engine.forward(pieces(s, u), x, extras)
+        s.saved[u] = Saved(x=x, producer=producer, engine=engine, residuals=residuals)
     else:
         before = rng.capture(s.model.device) if s.schedule.grad else None
-        with torch.no_grad():
-            s.h = run_layers(s, u, s.gathered[u, False], x, s.extras.get(s.producer, ()))
+        s.h = engine.inference(pieces(s, u), x, extras)
         if s.schedule.grad:
-            s.saved[u] = Saved(False, x, None, [], (), before, s.producer)
+            s.saved[u] = Saved(x=x, producer=producer, engine=engine, rng=before)
     return frame_of(s, op, index, x, s.h, None)
 
 
@@ -235,26 +218,21 @@ def _backward(s: StepState, op: Op, index: int) -> Frame:
 def _backward_layers(s: StepState, op: Op, index: int) -> Frame:
     u, model = op.unit, s.model
     saved = s.saved.pop(u)
-    positions = s.grad_positions.get(saved.producer, [])
-    layers = saved.traced
-    if layers is not None:
-        residuals = saved.residuals
-        if residuals is None:  # recompute, replaying the forward's RNG
-            rng.restore(saved.rng, model.device)
-            # (not ``_, residuals = ...``: a name would hold the recomputed output meanwhile)
-            residuals = run_traced(s, u, layers, saved.x,
-                                   s.traced_extras[saved.producer].tensors, keep=True)[1]
-        g_params, g_x, g_extras = backward_traced(s, u, layers, residuals, s.grad_h)
-        g = (g_params, g_x, *g_extras)
-    else:
-        g = _autograd_backward(s, u, saved, positions, s.extras.get(saved.producer, ()))
-    grad_out, s.grad_h = s.grad_h, or_zeros(g[1], saved.x)
-    if positions:
-        summed = s.grad_extras.setdefault(saved.producer, {})
-        for j, ge in zip(positions, g[2:]):
-            if ge is not None:
-                summed[j] = ge if j not in summed else summed[j] + ge
-    g_buffer = or_zeros(g[0], s.gathered[u, False])
+    engine, extras, memory = saved.engine, s.produced[saved.producer], pieces(s, u)
+    residuals = saved.residuals
+    if residuals is None:  # recompute, replaying the forward's RNG
+        # Nothing after the loss draws but recompute, which sets its own state; _finish
+        # leaves the RNG as plain autograd would (rng_after), so none is kept here.
+        rng.restore(saved.rng, model.device)
+        # (not ``_, residuals = ...``: a name would hold the recomputed output meanwhile)
+        residuals = engine.forward(memory, saved.x, extras)[1]
+    g_buffer, g_x, g_extras = engine.backward(memory, residuals, s.grad_h, extras)
+    del residuals
+    grad_out, s.grad_h = s.grad_h, or_zeros(g_x, saved.x)
+    for j, ge in zip(extras.positions, g_extras):
+        if ge is not None:
+            extras.grads[j] = ge if j not in extras.grads else extras.grads[j] + ge
+    g_buffer = or_zeros(g_buffer, s.gathered[u, False])
     by_layer = s.schedule.reduce == "all_reduce"
     if len(s.schedule.units[u].rows) == 1 and not by_layer:  # kept flat: (world*n,)
         flat = g_buffer if g_buffer.dim() == 1 else g_buffer.view(-1)
@@ -266,34 +244,12 @@ def _backward_layers(s: StepState, op: Op, index: int) -> Frame:
     return frame_of(s, op, index, grad_out, s.grad_h, s.unreduced[u])
 
 
-def _autograd_backward(s: StepState, u: int, saved: Saved, positions: list[int],
-                       extras: tuple) -> tuple:
-    """(grad of the unit's (k, padded) buffer, of its input, of each differentiable extra)
-    through autograd: from the forward's graph, or a recomputed one."""
-    if saved.graph:
-        out, (leaf,), x_leaf, extras = saved.out, saved.leaves, saved.x, saved.extras
-    else:  # recompute from the saved input, replaying the forward's RNG
-        leaf, x_leaf = compute.leaf(s.gathered[u, False]), saved.x.detach().requires_grad_()
-        extras = compute.detach_extras(extras, positions, grad=True)
-        # Nothing after the loss draws but recompute, which sets its own state; _finish
-        # leaves the RNG as plain autograd would (rng_after), so none is kept here.
-        rng.restore(saved.rng, s.model.device)
-        with torch.enable_grad():
-            out = run_layers(s, u, leaf, x_leaf, extras)
-    g = torch.autograd.grad(out, [leaf, x_leaf, *(extras[j] for j in positions)], s.grad_h,
-                            allow_unused=True)
-    if s.graphs is not None:
-        # a replayed graph's gradients are its static buffers: the next replay overwrites
-        g = tuple(None if t is None else t.clone() for t in g)
-    return g
-
-
 def _backward_stage(s: StepState, op: Op, index: int) -> Frame:
     u = op.unit
-    saved = s.saved.pop(u)
-    (h, extras), leaves = saved.out, saved.leaves
-    summed = s.grad_extras.pop(u, {})
-    outputs = [(h, s.grad_h)] + [(extras[j], summed.get(j)) for j in s.grad_positions[u]]
+    saved, produced = s.saved.pop(u), s.produced[u]
+    (h, extras), leaves = saved.out, list(saved.leaves)
+    summed = produced.grads
+    outputs = [(h, s.grad_h)] + [(extras[j], summed.get(j)) for j in produced.positions]
     outputs = [(t, g) for t, g in outputs if t.requires_grad and g is not None]
     between = s.schedule.units[u].role is Role.BETWEEN
     wrt = [*leaves, saved.x] if between else leaves
@@ -308,13 +264,11 @@ def _backward_stage(s: StepState, op: Op, index: int) -> Frame:
 
 def _free(s: StepState, op: Op, index: int) -> None:
     u = op.unit
-    if s.graphs is not None:
-        s.graphs.release(s.schedule.units[u].part, u)
     saved = s.saved.get(u)
     s.rows.pop(u, None)
     # traced layers whose residuals view none of the buffer do not hold it
     graph = saved is not None and saved.graph
-    held = (graph and (saved.traced is None or saved.traced.holds_buffer)
+    held = (graph and (saved.engine is None or saved.engine.holds_buffer)
             or _held_by_a_reader(s, u))
     for key in ((u, False), (u, True)):
         buf = s.gathered.pop(key, None)

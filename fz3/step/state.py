@@ -19,6 +19,7 @@ from ..schedule.ops import Op, OpKind
 from ..schedule.schedule import Schedule
 from ..sharding.binding import Binding
 from ..sharding.model import Params, ShardedModel
+from .engine import Produced
 
 
 class Frame(NamedTuple):
@@ -52,22 +53,21 @@ class Loss(NamedTuple):
 
 
 class Saved(NamedTuple):
-    """What a unit's forward kept for its backward."""
+    """What a unit's forward kept for its backward (built by keyword)."""
 
-    graph: bool  # True: out/leaves hold the forward graph; False: recompute from x with rng
-    x: Any  # the unit's input: h (its autograd leaf for a graph), or the batch for pre
-    out: Any  # graph only: the unit's output
-    # graph only: the leaves aliasing its trained buffer (then those of parts it reads)
-    leaves: list
-    # layers, graph only: the extras they were called with (leaves where differentiable)
-    extras: tuple
-    rng: RngState | None  # recompute only: the RNG state before the forward (dropout repeats)
-    producer: int = -1  # layers: the unit (pre or between) whose extras they were called with
-    # traced layers (``fz3.step.traced``): their programs (a ``Layers``), and with a graph
-    # (save) each layer's residuals in layer order instead of an autograd graph (a list the
-    # backward empties, freeing each residual after its last use)
-    traced: Any = None
-    residuals: list | None = None
+    x: Any  # the unit's input: h, or the batch for pre (a layer unit recomputes from it)
+    producer: int = -1  # layers: the pre or between unit whose extras they took
+    engine: Any = None  # layers: what runs them (``fz3.step.engine``'s protocol)
+    # layers: what their forward kept (a ``forward_save``); None: recomputed from x and rng
+    residuals: Any = None
+    rng: RngState | None = None  # recompute: the RNG state before the forward (dropout)
+    out: Any = None  # pre and between: their outputs (h, extras), the ends of their graph
+    leaves: tuple = ()  # pre and between: leaves aliasing their trained buffers (and reads')
+
+    @property
+    def graph(self) -> bool:
+        """Whether it keeps a graph or residuals (not only its input)."""
+        return self.residuals is not None or self.out is not None
 
 
 class Released(NamedTuple):
@@ -94,9 +94,7 @@ class StepState:
     loss_scale: float | torch.Tensor = 1.0  # multiplies the backward's seed (fp16 scaling, 1/k)
     carry: dict[int, torch.Tensor] | None = None  # flat gradients accumulated across micro-batches
     reduces_replicas: bool = True  # hybrid: sum the shard across replicas at each wait_reduce
-    compiled: Any = None  # fz3.step.compiled.CompiledLayers: layers run compiled; None: eager
     traced: Any = None  # fz3.step.traced.TracedLayers: layers run as traced programs; None: not
-    graphs: Any = None  # fz3.step.graphs.GraphedLayers: layers replayed as CUDA graphs; None: not
     frames: bool = True  # False: compute ops make no Frame (nobody looks at them)
 
     # parameters, by (unit, frozen?): a unit's trained and frozen parameters are gathered apart
@@ -120,14 +118,8 @@ class StepState:
     # the activation flowing forward, and its gradient flowing back
     h: torch.Tensor | None = None
     producer: int = -1  # the last pre or between unit run: its extras go to the layers after it
-    extras: dict[int, tuple] = field(default_factory=dict)  # by producer: its extra outputs
-    # by producer: its extras as traced programs take them (``fz3.step.traced.Extras``)
-    traced_extras: dict[int, Any] = field(default_factory=dict)
-    # by producer: extras with grad
-    grad_positions: dict[int, list[int]] = field(default_factory=dict)
+    produced: dict[int, Produced] = field(default_factory=dict)  # by producer: its extras
     grad_h: torch.Tensor | None = None
-    # by producer, summed
-    grad_extras: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
     # the loss
     loss: torch.Tensor | None = None  # this rank's
     aux: Any = None

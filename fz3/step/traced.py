@@ -21,10 +21,10 @@ file decides which layers share them and when they are made:
 
 A layer that cannot be traced (it reads a tensor's value on the host, branches on data,
 writes into an extra or a parameter row, makes a tensor from Python values, has buffers or
-hooks; one that writes into h writes into a copy, ``fz3.step.joint``) runs as
-before: through autograd eager, or through ``torch.compile`` (``fz3.step.compiled``) with
-``compile``. ``failed`` says why; with ``compile`` the fallback warns if it cannot compile
-it either (``strict``: raises).
+hooks; one that writes into h writes into a copy, ``fz3.step.joint``) runs through autograd
+(``fz3.step.engine.AutogradLayers``), with one INFO line, and with ``compile`` one warning
+too; ``failed`` says why. A program inductor fails to compile runs as Python, with a
+warning, or raises ``CompileError`` with ``strict``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from ..sharding.binding import Binding
 from ..sharding.model import ShardedModel
 from ..sharding.parts import Part
 from ..sharding.compute import LayerName
-from .compiled import CompiledLayers
+from .engine import Pieces, Produced
 from .joint import Programs, TraceError, joint_trace, programs
 from .layer_groups import Groups, groups, hidden
 
@@ -49,11 +49,45 @@ log = logging.getLogger(__name__)
 
 
 class Layers(NamedTuple):
-    """The programs of a unit's layers."""
+    """The programs of a unit's layers: the layer protocol (``fz3.step.engine``) over them.
+    No autograd here: the programs get gathered buffers, detached activations and detached
+    extras, none of which requires grad, so nothing records a graph."""
 
     programs: tuple[Programs, ...]  # one per layer of the unit
     # a residual may view the gathered buffer: ``free`` keeps its storage object (released)
     holds_buffer: bool
+
+    def forward(self, pieces: Pieces, h: torch.Tensor, extras: Produced) -> tuple:
+        """``(h, residuals)``: residuals a list, one tuple per layer, in layer order."""
+        tensors, frozen, residuals = extras.traced.tensors, pieces.frozen, []
+        for j, (programs, row) in enumerate(zip(self.programs, pieces.rows)):
+            out = programs.forward(*((row,) if frozen is None else (row, frozen[j])), h,
+                                   *tensors)
+            h = out[0]
+            residuals.append(out[1:])
+        return h, residuals
+
+    def inference(self, pieces: Pieces, h: torch.Tensor, extras: Produced) -> torch.Tensor:
+        tensors, frozen = extras.traced.tensors, pieces.frozen
+        for j, (programs, row) in enumerate(zip(self.programs, pieces.rows)):
+            h = programs.inference(*((row,) if frozen is None else (row, frozen[j])), h,
+                                   *tensors)[0]
+        return h
+
+    def backward(self, pieces: Pieces, residuals: list, g: torch.Tensor,
+                 extras: Produced) -> tuple:
+        """Last layer first; the buffer's gradient is ``(padded,)`` for one layer, ``(k,
+        padded)`` for k. Empties ``residuals``: each is freed inside its program after its
+        last use."""
+        rows, frozen, k = pieces.rows, pieces.frozen, len(self.programs)
+        grads: list = [None] * k
+        summed: list = []
+        for j in reversed(range(k)):
+            params = [rows[j]] if frozen is None else [rows[j], frozen[j]]
+            out = self.programs[j].backward([*params, *residuals.pop(), g])
+            grads[j], g = out[0], out[1]
+            summed = list(out[2:]) if not summed else [a + b for a, b in zip(summed, out[2:])]
+        return (grads[0] if k == 1 else torch.stack(grads)), g, summed
 
 
 class Extras(NamedTuple):
@@ -69,15 +103,17 @@ class Extras(NamedTuple):
     key: int  # ``consts``' number in this ``TracedLayers`` (a cheap per-layer lookup)
 
 
+class CompileError(RuntimeError):
+    """``compile=True, strict=True`` and a traced program inductor cannot compile."""
+
+
 class TracedLayers:
     """The stacks of ``model`` as traced programs (see the module docstring). ``compile``:
-    programs compiled by inductor; ``strict``: passed to the ``torch.compile`` fallback (a
-    layer that can be neither traced nor compiled raises ``fz3.CompileError``)."""
+    programs compiled by inductor; ``strict``: a program inductor fails on raises
+    ``fz3.CompileError`` (otherwise it runs as Python, with a warning)."""
 
     def __init__(self, model: ShardedModel, *, compile: bool = False, strict: bool = False):
-        self.model, self.compile = model, compile
-        # the dynamo path for layers that cannot be traced, with compile
-        self.fallback = CompiledLayers(model.parts, strict=strict) if compile else None
+        self.model, self.compile, self.strict = model, compile, strict
         self.groups: dict[int, Groups] = {}  # stack part -> which layers share programs
         self.failed: dict[str, str] = {}  # part name -> why its layers run through autograd
         self.compiles = 0  # inductor compilations so far
@@ -217,49 +253,69 @@ class TracedLayers:
         return self.model.traces[alike]
 
     def _fail(self, part_index: int, part: Part, why: str) -> None:
-        """Its layers run through autograd, or ``torch.compile`` with ``compile`` (which warns,
-        or raises with ``strict``, if it cannot compile them either): all of them, also those
-        of its units found traced before."""
+        """Its layers run through autograd: all of them, also those of its units found traced
+        before. One INFO line; with ``compile``, one warning too (they are not compiled)."""
         self.failed[part.name] = why
         self._units = {k: v for k, v in self._units.items() if k[0] != part_index}
         log.info("fz3: %s; its layers run through autograd", why)
+        if self.compile:
+            warnings.warn(f"fz3: {why}; its layers run through autograd, not compiled",
+                          stacklevel=6)
 
     def _compiled(self, programs: Programs) -> Programs:
         fwd, bwd, inf = programs.graphs
-        return programs._replace(forward=_Inductor(self, fwd),
-                                 backward=_Inductor(self, bwd, boxed=True),
-                                 inference=_Inductor(self, inf))
+        return programs._replace(forward=_Inductor(self, fwd, programs.forward),
+                                 backward=_Inductor(self, bwd, programs.backward, boxed=True),
+                                 inference=_Inductor(self, inf, programs.inference))
 
-    def kernel(self, graph: torch.fx.Graph, args: tuple) -> Callable[..., Any]:
+    def kernel(self, graph: torch.fx.Graph, args: tuple,
+               python: Callable[..., Any]) -> Callable[..., Any]:
         """Inductor's compilation of ``graph`` for ``args``, shared by every layer whose
-        programs are these (layers traced alike share their programs: one compilation)."""
+        programs are these (layers traced alike share their programs: one compilation). One
+        inductor fails on raises ``CompileError`` with ``strict``; otherwise it warns and
+        the program runs as ``python``."""
         key = (graph, tuple((tuple(a.shape), a.stride(), a.dtype) for a in args))
         if key not in self._kernels:
             from torch._inductor import compile as inductor_compile
 
             self.compiles += 1
             module = torch.fx.GraphModule({}, graph)
-            self._kernels[key] = inductor_compile(module, list(args),
-                                                  options={"cpp_wrapper": True})
+            try:
+                self._kernels[key] = inductor_compile(module, list(args),
+                                                      options={"cpp_wrapper": True})
+            except Exception as e:  # noqa: BLE001 - inductor fails in many ways; each is reported
+                first = str(e).splitlines()[0][:200] if str(e) else ""
+                why = f"inductor cannot compile a traced layer program: {type(e).__name__}: {first}"
+                if self.strict:
+                    raise CompileError(f"fz3: {why}. Pass compile=False, or strict=False to run "
+                                       f"it as Python") from e
+                warnings.warn(f"fz3: {why}; it runs as Python (strict=True raises)",
+                              stacklevel=6)
+                self._kernels[key] = python
         return self._kernels[key]
 
 
-def layer_runners(model: ShardedModel, *, trace: bool, compile: bool,
-                  strict: bool) -> tuple[TracedLayers | None, CompiledLayers | None]:
-    """What runs the layers: traced programs (and ``torch.compile`` for the layers that cannot
-    be traced, with ``compile``), or ``torch.compile`` alone, or neither (eager)."""
-    if trace:
-        traced = TracedLayers(model, compile=compile, strict=strict)
-        return traced, traced.fallback
-    return None, CompiledLayers(model.parts, strict=strict) if compile else None
+def layer_runner(model: ShardedModel, *, trace: bool, compile: bool,
+                 strict: bool) -> TracedLayers | None:
+    """What runs the layers: traced programs (compiled by inductor with ``compile``), or None:
+    autograd. Local: ``compile`` and ``strict`` without ``trace`` are refused."""
+    if compile and not trace:
+        raise ValueError("compile=True compiles the traced layer programs: pass trace=True "
+                         "(the default), or compile=False with trace=False")
+    if strict and not compile:
+        raise ValueError("strict=True asks compile=True to raise instead of running a program "
+                         "inductor cannot compile as Python; pass compile=True with it")
+    return TracedLayers(model, compile=compile, strict=strict) if trace else None
 
 
 class _Inductor:
     """A traced graph, compiled by inductor at its first call (its arguments are the example:
-    compiling runs nothing, so no RNG is drawn)."""
+    compiling runs nothing, so no RNG is drawn); ``python``, the same program as Python."""
 
-    def __init__(self, owner: TracedLayers, graph: torch.fx.Graph, boxed: bool = False):
-        self.owner, self.graph, self.boxed, self.fn = owner, graph, boxed, None
+    def __init__(self, owner: TracedLayers, graph: torch.fx.Graph, python: Callable[..., Any],
+                 boxed: bool = False):
+        self.owner, self.graph, self.python, self.boxed = owner, graph, python, boxed
+        self.fn: Callable[..., Any] | None = None
 
     def __call__(self, *args: Any) -> Any:
         if self.boxed:  # the program's convention: one list (its residuals live to the end here)
@@ -267,8 +323,11 @@ class _Inductor:
             args = tuple(box)
             box.clear()
         if self.fn is None:
-            self.fn = self.owner.kernel(self.graph, args)
+            self.fn = self.owner.kernel(self.graph, args, self._python)
         return self.fn(*args)
+
+    def _python(self, *args: Any) -> Any:
+        return self.python(list(args)) if self.boxed else self.python(*args)
 
 
 def _layer(binding: Binding, part: Part, specs: list) -> Callable[..., torch.Tensor]:

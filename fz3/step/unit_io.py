@@ -16,6 +16,7 @@ import torch
 from ..schedule.ops import Op
 from ..schedule.structure import Role
 from ..sharding import compute
+from .engine import AutogradLayers, Pieces
 from .state import Frame, StepState
 
 
@@ -64,94 +65,27 @@ def call_tensors(s: StepState, u: int, leaves: list[torch.Tensor] | None) -> lis
     return out
 
 
-def run_layers(s: StepState, u: int, buffer: torch.Tensor, x, extras) -> torch.Tensor:
-    """A unit of k layers on ``x``, their parameters views of ``buffer`` (k, padded)."""
+def pieces(s: StepState, u: int) -> Pieces:
+    """A layer unit's gathered memory (``fz3.step.engine.Pieces``)."""
+    return Pieces(s.gathered[u, False], s.rows[u], s.gathered.get((u, True)))
+
+
+def layer_engine(s: StepState, u: int, x: torch.Tensor):
+    """What runs a layer unit on ``x`` and its producer's extras (``fz3.step.engine``'s
+    protocol): its traced programs (``fz3.step.traced.Layers``), or, for layers that cannot
+    be traced and with ``trace=False``, autograd. On the per-layer path: once traced, a dict
+    lookup."""
     unit = s.schedule.units[u]
+    if s.traced is not None:
+        produced = s.produced[s.producer]
+        if produced.traced is None:  # at the first layer that reads them in this step
+            produced.traced = s.traced.extras(produced.extras, produced.positions)
+        layers = s.traced.layers(unit.part, unit.rows.start, unit.rows.stop, x, produced.traced)
+        if layers is not None:
+            return layers
     part = s.model.parts[unit.part]
-    frozen = s.gathered.get((u, True))
-    first = unit.rows.start
-    fns = s.model.functions[unit.part][first:unit.rows.stop]
-    if s.graphs is not None and frozen is None:
-        return s.graphs(unit.part, u, fns[0], buffer[0], x, extras)
-    writes = s.model.writes_input
-    if s.compiled is not None:
-        for j, row in enumerate(_rows(buffer)):
-            name = compute.LayerName(part.path, part.first + first + j)
-
-            def layer(h: torch.Tensor, j: int = j, row: torch.Tensor = row) -> torch.Tensor:
-                return s.compiled(unit.part, part, fns[j], row,
-                                  None if frozen is None else frozen[j], h, extras, name)
-
-            x = compute.guarded(writes, fns[0], x, name, layer) if j == 0 else layer(x)
-        return x
-    rows = [part.layout.views(row) + ([] if frozen is None else part.frozen.views(frozen[j]))
-            for j, row in enumerate(_rows(buffer))]
-    return compute.run_layers(fns, rows, x, extras, part.path, part.first + first, writes)
-
-
-def traced_layers(s: StepState, u: int, x: torch.Tensor):
-    """The traced programs of a layer unit on ``x`` and its producer's extras
-    (``fz3.step.traced.Layers``), or None: it runs through autograd (or ``compiled``,
-    ``graphs``)."""
-    if s.traced is None or s.graphs is not None:
-        return None
-    unit = s.schedule.units[u]
-    return s.traced.layers(unit.part, unit.rows.start, unit.rows.stop, x,
-                           traced_extras(s, s.producer))
-
-
-def traced_extras(s: StepState, producer: int):
-    """The extras of ``producer`` (a pre or between unit) as traced programs take them
-    (``fz3.step.traced.Extras``), made at the first layer that reads them in this step."""
-    extras = s.traced_extras.get(producer)
-    if extras is None:
-        extras = s.traced_extras[producer] = s.traced.extras(
-            s.extras.get(producer, ()), s.grad_positions.get(producer, []))
-    return extras
-
-
-def run_traced(s: StepState, u: int, layers, x: torch.Tensor, extras: tuple, *,
-               keep: bool) -> tuple[torch.Tensor, list | None]:
-    """A unit's layers as traced programs on ``x`` and the extras' tensors: ``(h, each layer's
-    residuals)`` with ``keep`` (their forward programs), ``(h, None)`` without (their
-    inference programs)."""
-    frozen = s.gathered.get((u, True))
-    # No autograd here: the programs get gathered buffers, detached activations and detached
-    # extras (``StepState.extras``), none of which requires grad, so nothing records a graph.
-    residuals = []
-    for j, (programs, row) in enumerate(zip(layers.programs, s.rows[u])):
-        params = (row,) if frozen is None else (row, frozen[j])
-        if keep:
-            out = programs.forward(*params, x, *extras)
-            x = out[0]
-            residuals.append(out[1:])
-        else:
-            x = programs.inference(*params, x, *extras)[0]
-    return x, (residuals if keep else None)
-
-
-def backward_traced(s: StepState, u: int, layers, residuals: list,
-                    grad_h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list]:
-    """A unit's layers' backward programs, last layer first: the gradient of its buffer
-    (``(padded,)`` for one layer, ``(k, padded)`` for k), of its input, and of each
-    differentiable extra (summed over layers). Empties ``residuals``: each is freed inside
-    its program after its last use."""
-    rows, frozen = s.rows[u], s.gathered.get((u, True))
-    k = len(layers.programs)
-    grads: list = [None] * k
-    extras: list = []
-    for j in reversed(range(k)):  # no autograd (see run_traced)
-        params = [rows[j]] if frozen is None else [rows[j], frozen[j]]
-        out = layers.programs[j].backward([*params, *residuals.pop(), grad_h])
-        grads[j], grad_h = out[0], out[1]
-        extras = list(out[2:]) if not extras else [a + b for a, b in zip(extras, out[2:])]
-    return (grads[0] if k == 1 else torch.stack(grads)), grad_h, extras
-
-
-def _rows(buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The rows of a (k, padded) buffer (an autograd leaf: rows are views of it); one row as a
-    view, whose backward is free (unbind's stacks the rows' gradients into a new buffer)."""
-    return (buffer.view(-1),) if buffer.shape[0] == 1 else buffer.unbind(0)
+    return AutogradLayers(s.model.functions[unit.part][unit.rows.start:unit.rows.stop], part,
+                          unit.rows.start, s.model.writes_input)
 
 
 def add_gradients(s: StepState, u: int, grads, leaves: list[torch.Tensor]) -> torch.Tensor:

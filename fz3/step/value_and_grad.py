@@ -9,10 +9,8 @@ import torch
 
 from ..schedule.schedule import Policy, Schedule
 from ..sharding.model import Params, ShardedModel
-from .compiled import CompiledLayers, check_compile_options
-from .traced import TracedLayers, layer_runners
+from .traced import TracedLayers, layer_runner
 from .executor import execute
-from .graphs import GraphedLayers
 from .finite import drain_checking_finite
 from .front import check_call, check_in_sync, drain, loss_of, prepare
 
@@ -24,11 +22,9 @@ class ValueAndGrad:
     def __init__(self, model: ShardedModel, schedule: Schedule, *,
                  loss: Callable[..., Any] | None = None, has_aux: bool = False, recorder=None,
                  check_finite: bool = False, check_sync: bool | None = None,
-                 compiled: CompiledLayers | None = None, graphs: GraphedLayers | None = None,
                  traced: TracedLayers | None = None):
         self.model, self.schedule, self.recorder = model, schedule, recorder
-        self.compiled, self.traced = compiled, traced
-        self.graphs = graphs
+        self.traced = traced
         self.loss = loss_of(model, loss, has_aux)
         self.check_finite = check_finite
         self.check_sync = model.device.type == "cpu" if check_sync is None else check_sync
@@ -37,14 +33,11 @@ class ValueAndGrad:
     def __call__(self, params: Params, batch: Any, *, loss_scale: float | torch.Tensor = 1.0):
         """``loss_scale`` multiplies the gradients, not the loss (fp16 loss scaling)."""
         empty = check_call(self.model, params, batch, entry="value_and_grad's step")
-        if self.graphs is not None:
-            self.graphs.check_shapes(batch)
         if self.check_sync:
             check_in_sync(self.model, self.steps, "value_and_grad's step", [batch], empty)
         self.steps += 1
         gen = execute(self.model, self.schedule, params, batch, self.recorder, loss=self.loss,
-                      loss_scale=loss_scale, compiled=self.compiled, graphs=self.graphs,
-                      traced=self.traced, frames=self.check_finite)
+                      loss_scale=loss_scale, traced=self.traced, frames=self.check_finite)
         result = (drain_checking_finite(self.model, self.schedule, gen) if self.check_finite
                   else drain(gen))
         value = (result.loss, result.aux) if self.loss.has_aux else result.loss
@@ -82,21 +75,22 @@ def value_and_grad(model: ShardedModel, schedule: Schedule | Policy | None = Non
     engine, the same results bit for bit); the layer's Python runs only while tracing, as
     with ``jax.jit``. ``trace=False`` runs it on every call (breakpoints, prints); a layer
     that cannot be traced runs that way anyway (``f.traced.failed`` says why).
-    ``compile``: compile each stack's layers once for all of them: their traced programs by
-    inductor, or, for a layer that cannot be traced (or with ``trace=False``), the per-layer
-    function by ``torch.compile`` (``fz3.step.compiled``); a layer that cannot be compiled
-    runs eager with a warning, unless ``strict`` (then it raises). ``cuda_graphs``: replay each
-    layer unit's compute as a CUDA graph (``fz3.step.graphs``; CUDA only; not traced).
+    ``compile``: each stack's traced programs are compiled by inductor, once for every layer
+    that shares them; a layer that cannot be traced runs through autograd (one warning), and
+    a program inductor fails on runs as Python with a warning, or raises
+    ``fz3.CompileError`` with ``strict``. ``compile`` needs ``trace``. ``cuda_graphs=True``
+    raises ``NotImplementedError``: graph capture awaits a GPU measurement of the traced
+    engine.
     """
-    check_compile_options(model, compile, strict, cuda_graphs)
+    if cuda_graphs:
+        raise NotImplementedError(
+            "cuda_graphs=True: capturing the layers as CUDA graphs awaits a GPU measurement of "
+            "the traced engine (benchmarks/gpu_check.py --part speed); until then pass "
+            "compile=True, whose inductor programs have no Python between their kernels")
+    traced = layer_runner(model, trace=trace, compile=compile, strict=strict)
     sched = prepare(model, schedule, grad=True, entry="value_and_grad")
-    graphs = (GraphedLayers(model.parts, sched, model.device, model.precision.compute,
-                            model.world_size) if cuda_graphs else None)
-    traced, compiled = layer_runners(model, trace=trace and not cuda_graphs, compile=compile,
-                                     strict=strict)
     return ValueAndGrad(model, sched, loss=loss, has_aux=has_aux, recorder=recorder,
-                        check_finite=check_finite, check_sync=check_sync, compiled=compiled,
-                        graphs=graphs, traced=traced)
+                        check_finite=check_finite, check_sync=check_sync, traced=traced)
 
 
 def apply(model: ShardedModel, params: Params, batch: Any, *,
@@ -112,10 +106,9 @@ def apply(model: ShardedModel, params: Params, batch: Any, *,
     check_call(model, params, batch, entry="fz3.apply")  # local: a bad batch fails here
     sched = prepare(model, schedule, grad=False, entry="apply")
     if isinstance(compile, ValueAndGrad):
-        traced, compiled = compile.traced, compile.compiled
+        traced = compile.traced
     else:
-        traced, compiled = layer_runners(model, trace=trace, compile=compile, strict=False)
+        traced = layer_runner(model, trace=trace, compile=compile, strict=False)
     result = drain(execute(model, sched, params, batch, recorder,
-                           loss=loss_of(model, loss, has_aux), compiled=compiled, traced=traced,
-                           frames=False))
+                           loss=loss_of(model, loss, has_aux), traced=traced, frames=False))
     return (result.loss, result.aux) if has_aux else result.loss
