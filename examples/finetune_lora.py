@@ -21,12 +21,12 @@ import argparse
 import codecs
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
 import fz3
+from meter import Meter
 
 
 def corpus() -> torch.Tensor:
@@ -129,14 +129,13 @@ def main() -> None:
     state = opt.init(params)
     step_fn = fz3.value_and_grad(model)
     data = corpus()
-    t0, tokens = time.perf_counter(), 0
+    meter = Meter()  # the first step (it traces the layers) is timed apart from the rate
     for step in range(1, args.steps + 1):
         loss, grads = step_fn(params, batch_for(data, step, rank, args.batch, args.seq))
         params, state = fz3.optim.step(opt, grads, state, params, donate=True)
-        tokens += args.batch * args.seq * world
+        meter.tick(args.batch * args.seq * world)
         if rank == 0 and (step % args.log_every == 0 or step == 1):
-            rate = tokens / (time.perf_counter() - t0)
-            print(f"step {step:5d}  loss {float(loss):.4f}  {rate:8.0f} tokens/s", flush=True)
+            print(f"step {step:5d}  loss {float(loss):.4f}  {meter.line('tokens')}", flush=True)
     files = fz3.hf.export_peft(args.out, model, params)
     if rank == 0:
         print(f"adapter written to {args.out}: {', '.join(files)}", flush=True)

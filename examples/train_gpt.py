@@ -17,7 +17,6 @@ import argparse
 import codecs
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -25,6 +24,7 @@ import torch.distributed as dist
 import fz3
 from fz3.models.gpt import GPT, GPTConfig
 from fz3.models import shard_gpt
+from meter import Meter
 
 
 def corpus() -> torch.Tensor:
@@ -96,16 +96,15 @@ def main() -> None:
         if rank == 0:
             print(f"resumed from {args.ckpt} at step {saved['step']}", flush=True)
 
-    t0, tokens = time.perf_counter(), 0
+    meter = Meter()  # the first step (it traces the layers) is timed apart from the rate
     for step in range(start, args.steps + 1):
         batch = batch_for(data, step, rank, args.batch, args.seq)
         loss, grads = step_fn(params, batch)
         updates, state = opt.update(grads, state, params)
         params = fz3.optim.apply_updates(params, updates)
-        tokens += args.batch * args.seq * world
-        if rank == 0 and (step % args.log_every == 0 or step == 1):
-            dt = time.perf_counter() - t0
-            print(f"step {step:5d}  loss {float(loss):.4f}  {tokens / dt:9.0f} tokens/s", flush=True)
+        meter.tick(args.batch * args.seq * world)
+        if rank == 0 and (step % args.log_every == 0 or step == start):
+            print(f"step {step:5d}  loss {float(loss):.4f}  {meter.line('tokens')}", flush=True)
         if args.save_every and step % args.save_every == 0:
             fz3.save(args.ckpt, model, {"params": params, "opt": state, "step": step})
     fz3.destroy(model)  # collective: the model's process groups and heartbeat thread

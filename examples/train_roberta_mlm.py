@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -23,6 +22,7 @@ import fz3
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_gpt import corpus  # noqa: E402
+from meter import Meter  # noqa: E402
 
 MASK, VOCAB = 256, 260  # bytes, then the <mask> id; 4 ids spare for specials
 
@@ -74,14 +74,14 @@ def main() -> None:
     if rank == 0:
         n = model.numel
         print(f"fz3 RobertaForMaskedLM: {n / 1e6:.2f}M parameters on {world} ranks", flush=True)
-    t0 = time.perf_counter()
+    meter = Meter()  # the first step (it traces the layers) is timed apart from the rate
     for step in range(1, args.steps + 1):
         loss, grads = step_fn(params, mlm_batch(data, step, rank, args.batch, args.seq, masked=args.seq // 8))
         params, state = fz3.optim.step(opt, grads, state, params, donate=True)
+        meter.tick(args.batch * world)
         if rank == 0 and (step % args.log_every == 0 or step == 1):
-            seqs = step * args.batch * world
             print(f"step {step:4d}  mlm loss {float(loss):.4f}  grad norm {float(state[0].norm):.3f}  "
-                  f"{seqs / (time.perf_counter() - t0):.1f} seq/s", flush=True)
+                  f"{meter.line('seq')}", flush=True)
     fz3.destroy(model)
     dist.destroy_process_group()
 

@@ -11,6 +11,7 @@ compile costs seconds on these 2 cores, and inductor's cache makes the next ones
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -143,13 +144,20 @@ def fallback_ranks(rank, world):
     graph.output((graph.call_function(_numpy, (x,)),))
     python = lambda t: (t * 1,)  # noqa: E731 - the program as Python
     lenient = TracedLayers(acts, compile=True)
-    with pytest.warns(UserWarning, match=r"inductor cannot compile a traced layer program: .*; it "
-                                         r"runs as Python \(strict=True raises\)"):
-        assert lenient.kernel(graph, (torch.ones(3),), python) is python
-    with pytest.raises(fz3.CompileError, match=r"inductor cannot compile a traced layer program: "
-                                               r".*Pass compile=False, or strict=False"):
+    with pytest.warns(UserWarning, match=r"inductor cannot compile layer layers\.0 \(layers\)'s "
+                                         r"forward traced program: .*; it runs as Python "
+                                         r"\(strict=True raises\)"):
+        assert lenient.kernel(graph, (torch.ones(3),), python, "layer layers.0 (layers)'s "
+                              "forward") is python
+    with pytest.raises(fz3.CompileError) as error:
         TracedLayers(acts, compile=True, strict=True).kernel(
-            graph, (torch.ones(3),), python)
+            graph, (torch.ones(3),), python, "layer layers.0 (layers)'s forward")
+    # one line for people: which program, why, the fix; inductor's whole text as the cause
+    message = str(error.value)
+    assert "\n" not in message and re.fullmatch(
+        r"fz3: inductor cannot compile layer layers\.0 \(layers\)'s forward traced program: "
+        r"\w+: .{1,200}\. Pass compile=False, or strict=False to run it as Python", message), message
+    assert error.value.__cause__ is not None
     with pytest.raises(NotImplementedError, match=r"cuda_graphs=True: capturing the layers as CUDA "
                                                   r"graphs awaits a GPU measurement"):
         fz3.value_and_grad(model, cuda_graphs=True)

@@ -101,8 +101,9 @@ def shapes_ranks(rank, world):
     step(params, full)
     short = tuple(t[:1] for t in full) if rank == 1 else full  # a short last batch on rank 1
     t0 = time.monotonic()
-    with pytest.raises(ValueError, match=r"ranks \[1\] have batches shaped unlike rank 0's \(rank 0: \[2, 8\] int64, "
-                                         r"\[2, 8\] int64; rank 1: \[1, 8\] int64, \[1, 8\] int64\).*pad or drop the "
+    with pytest.raises(ValueError, match=r"ranks \[1\] have batches shaped unlike rank 0's \(rank 0: batch\[0\] \[2, 8\] "
+                                         r"int64, batch\[1\] \[2, 8\] int64; rank 1: batch\[0\] \[1, 8\] int64, "
+                                         r"batch\[1\] \[1, 8\] int64\).*pad or drop the "
                                          r"last batch"):
         step(params, short)
     assert time.monotonic() - t0 < 5  # decided as soon as both arrived

@@ -39,8 +39,11 @@ class StepFrame(NamedTuple):
     result: Params | None = None  # the final frame: gradient shards, identical to value_and_grad's
 
     def __repr__(self) -> str:
-        head = (f"StepFrame({self.phase}"
-                + ("" if self.op is None else f" {self.op}, op {self.index}") + ")")
+        if self.op is None:
+            head = f"StepFrame({self.phase})"
+        else:  # "forward model.layers.2 (op 15)"; the op's kind where it is not the phase's
+            kind = "" if self.op.kind.value == self.phase else f", {self.op.kind.value}"
+            head = f"StepFrame({self.phase} {self.name} (op {self.index}{kind}))"
         rows = [head]
         if self.phase == "done":
             rows.append(f"  loss    {_brief(self.loss)}")

@@ -69,7 +69,9 @@ def chrome_trace(rec: Recorder, rank: int = 0) -> dict:
                     "args": {"step": e.step, "index": e.index, "live_units": e.live_units,
                              "bytes": e.nbytes,
                              "gathered_bytes": e.gathered_bytes, "grad_bytes": e.grad_bytes,
-                             "saved_bytes": e.saved_bytes}})
+                             "saved_bytes": e.saved_bytes,
+                             # a step that traced or compiled layers (not a steady one)
+                             "traced": e.step in rec.tracing}})
         if OpKind(kind).category is Category.ISSUE:
             issued[(e.step, kind, u)] = e
         elif kind in COMPLETES:
@@ -79,21 +81,25 @@ def chrome_trace(rec: Recorder, rank: int = 0) -> dict:
                             "ph": "X", "pid": rank,
                             "tid": LANES["in flight"], "ts": us(start.t_begin_ns),
                             "dur": (e.t_end_ns - start.t_begin_ns) / 1e3,
-                            "args": {"bytes": start.nbytes}})
+                            "args": {"bytes": start.nbytes, "traced": e.step in rec.tracing}})
     device = rec.device_times()
     if device:
         for e, (b, end) in zip(events, device):
             out.append({"name": rec.schedule_of(e.step).describe(e.op), "cat": "device", "ph": "X",
                         "pid": rank, "tid": LANES["device"],
-                        "ts": b * 1e3, "dur": (end - b) * 1e3})
+                        "ts": b * 1e3, "dur": (end - b) * 1e3,
+                        "args": {"traced": e.step in rec.tracing}})
     return {"traceEvents": out, "displayTimeUnit": "ms"}
 
 
 def trace_summary(rec: Recorder) -> str:
-    """Per unit: host time computing, time blocked waiting for its collectives, bytes moved."""
+    """Per unit: host time computing, time blocked waiting for its collectives, bytes moved;
+    a mean over the steps that traced or compiled nothing (if any did not)."""
     rows: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
     order: dict[str, tuple[int, int]] = {}
-    for e in rec.events:
+    recorded = {e.step for e in rec.events}
+    steady = recorded - rec.tracing or recorded
+    for e in (e for e in rec.events if e.step in steady):
         kind, u = e.op
         ms = (e.t_end_ns - e.t_begin_ns) / 1e6
         name = rec.schedule_of(e.step).units[u].name
@@ -105,9 +111,12 @@ def trace_summary(rec: Recorder) -> str:
         elif category is Category.WAIT:
             r[1] += ms
         r[2] += e.nbytes / 2**20
-    steps = len({e.step for e in rec.events}) or 1
+    steps = len(steady) or 1
     width = max([10, *(len(n) for n in rows)])
-    lines = [f"per step, mean over {steps} step(s)",
+    left = len(recorded - steady)
+    note = (f"; {left} step(s) that traced or compiled layers left out" if left else
+            "; every step traced or compiled layers: not steady" if rec.tracing else "")
+    lines = [f"per step, mean over {steps} step(s){note}",
              f"{'unit':<{width}} {'compute ms':>11} {'blocked ms':>11} {'moved MiB':>10}"]
     for name in sorted(rows, key=order.get):
         c, w, b = (x / steps for x in rows[name])
@@ -118,8 +127,8 @@ def trace_summary(rec: Recorder) -> str:
 
 
 def timeline_png(chrome: dict, path: str) -> bool:
-    """A picture of the lanes of ``chrome`` (a ``chrome_trace``); False when matplotlib is not
-    installed."""
+    """A picture of the lanes of ``chrome`` (a ``chrome_trace``), the steps that traced or
+    compiled layers left out; False when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -127,15 +136,18 @@ def timeline_png(chrome: dict, path: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    trace_ = chrome["traceEvents"]
+    # the steps that traced or compiled layers left out (unless all did), the rest from 0
+    timed = [ev for ev in chrome["traceEvents"] if ev["ph"] == "X"]
+    trace_ = [ev for ev in timed if not ev.get("args", {}).get("traced")] or timed
+    t0 = min((ev["ts"] for ev in trace_), default=0.0)
     fig, ax = plt.subplots(figsize=(12, 3))
     colors = {"compute": "tab:blue", "waits": "tab:red", "issue": "tab:gray",
               "in flight": "tab:green", "device": "tab:purple"}
     names = {tid: name for name, tid in LANES.items()}
     for ev in trace_:
-        if ev["ph"] == "X":
-            name = names[ev["tid"]]
-            ax.barh(ev["tid"], ev["dur"] / 1e3, left=ev["ts"] / 1e3, color=colors[name], height=0.8)
+        name = names[ev["tid"]]
+        ax.barh(ev["tid"], ev["dur"] / 1e3, left=(ev["ts"] - t0) / 1e3, color=colors[name],
+                height=0.8)
     ax.set_yticks(list(LANES.values()), list(LANES))
     ax.invert_yaxis()
     ax.set_xlabel("ms")

@@ -69,7 +69,8 @@ def check_same_on_all_ranks(comm: Comm, parts, device: torch.device) -> None:
         mine.append((f"part {part.name}", part.role.value, f"rows {part.rows}"))
         for frozen, layout in ((False, part.layout), (True, part.frozen)):
             mine += [(f"{part.path}.*.{s.name}" if part.role is Role.STACK else s.name,
-                      s.shape, str(s.dtype), *(("frozen",) if frozen else ()))
+                      str(list(s.shape)), str(s.dtype).removeprefix("torch."),
+                      *(("frozen",) if frozen else ()))
                      for s in getattr(layout, "slots", ())]
     differ, _ = differing_ranks(comm, list(fingerprint(mine)), device, "fz3.shard's model check")
     if not differ:

@@ -33,7 +33,7 @@ from .checks import check_not_wrapped, check_parameters, check_same_on_all_ranks
 from .binding import Binding
 from .layout import FlatLayout
 from .params import Params
-from .parts import Part, partition
+from .parts import Part, Parts, partition
 from .precision import Precision
 
 
@@ -51,7 +51,7 @@ def _call_layer(layer: nn.Module, h: torch.Tensor, *extra: Any) -> torch.Tensor:
 class ShardedModel:
     """Everything static about a sharded model: parts, skeleton, functions, group."""
 
-    parts: tuple[Part, ...]
+    parts: Parts  # a tuple of Part; print(model.parts) shows a table
     frozen: tuple[torch.Tensor | None, ...]  # per part: this rank's shard of its frozen parameters,
     # (shard,) or (k, shard) in precision.frozen; None where none is frozen. Constant, like buffers.
     functions: tuple[Any, ...]  # per part: a Binding (pre/between/post), a tuple of them per layer
@@ -209,8 +209,9 @@ def shard(
     frozen = tuple(None if part.frozen is None
                    else fill(part, part.frozen, rows, comm, device, precision.frozen)
                    for part, rows in zip(split.parts, split.params))
-    model = ShardedModel(split.parts, frozen, functions, skeleton, comm, precision, device, mesh,
-                         module.training, check_batch)
+    frozen_size = torch.empty((), dtype=precision.frozen).element_size()
+    model = ShardedModel(Parts(split.parts, frozen_size), frozen, functions, skeleton, comm,
+                         precision, device, mesh, module.training, check_batch)
     check_same_on_all_ranks(comm, split.parts, device)
     return model, Params(shards)
 

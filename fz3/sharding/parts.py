@@ -55,6 +55,48 @@ class Part(NamedTuple):
         return PartShape(self.name, self.role, self.rows, self.reads, self.path, self.first)
 
 
+class Parts(tuple):
+    """A model's parts, in compute order (a tuple of ``Part``). ``print(model.parts)`` shows a
+    table, one line per part: its name and role, rows, parameters per row, the bytes stored
+    (trained ones in fp32, frozen ones in their dtype), and which shared parts it reads or,
+    for a shared part, who reads it; ``repr`` is the tuple's (for debugging)."""
+
+    frozen_size: int = 4  # bytes per frozen element (``Precision.frozen``)
+
+    def __new__(cls, parts: Sequence[Part], frozen_size: int = 4) -> "Parts":
+        out = super().__new__(cls, parts)
+        out.frozen_size = frozen_size
+        return out
+
+    def __str__(self) -> str:
+        head = ("part", "role", "rows", "params/row", "trained", "frozen", "shared")
+        rows = [head]
+        for i, p in enumerate(self):
+            frozen = 0 if p.frozen is None else p.frozen.numel
+            if p.role is Role.SHARED:
+                readers = [q.name for q in self if i in q.reads]
+                shared = "read by " + ", ".join(readers)
+            else:
+                shared = "reads " + ", ".join(self[r].name for r in p.reads) if p.reads else ""
+            rows.append((p.name, p.role.value, str(p.rows), f"{p.layout.numel + frozen:,}",
+                         _bytes(p.rows * p.layout.numel * 4),
+                         _bytes(p.rows * frozen * self.frozen_size) if frozen else "-", shared))
+        widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
+        return "\n".join("  ".join(cell.ljust(w) if c in (0, 1, 6) else cell.rjust(w)
+                                   for c, (cell, w) in enumerate(zip(r, widths))).rstrip()
+                         for r in rows)
+
+    def __repr__(self) -> str:
+        return tuple.__repr__(self)
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
 class Partition(NamedTuple):
     parts: tuple[Part, ...]
     params: tuple[list[Named], ...]  # per part, per row: the parameters (trained and frozen)

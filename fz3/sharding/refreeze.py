@@ -34,7 +34,7 @@ from .checks import check_same_on_all_ranks
 from .layout import FlatLayout
 from .model import Params, ShardedModel, rebind
 from .params import check_tree
-from .parts import Part
+from .parts import Part, Parts
 
 
 def refreeze(
@@ -68,7 +68,8 @@ def refreeze(
                 _fill(model, new.frozen, frozen[row], values)
         new_params.append(trained if new.role is Role.STACK else trained.view(-1))
         new_frozen.append(frozen if frozen is None or new.role is Role.STACK else frozen.view(-1))
-    new = dataclasses.replace(model, parts=parts, frozen=tuple(new_frozen),
+    new = dataclasses.replace(model, parts=Parts(parts, model.parts.frozen_size),
+                              frozen=tuple(new_frozen),
                               functions=rebind(model.functions, parts))
     return new, Params(tuple(new_params))
 

@@ -66,8 +66,11 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
     is made or yielded (a caller that only drains the step)."""
     state = StepState(model, schedule, params, batch, loss or Loss(model.post), loss_scale,
                       carry, reduce_replicas, traced=traced, frames=frames)
+    # what the layers' traces and compilations were before: a step that made more is marked
+    made = None
     if recorder is not None:
         recorder.begin_step(schedule, model.device)
+        made = None if traced is None else traced.made
     # With a profiler running (torch.profiler), each op is a named range in its trace; without
     # one this costs a check per step, nothing per op.
     profiling = torch.autograd._profiler_enabled()
@@ -87,6 +90,8 @@ def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any,
                     yield frame
                     # the frame holds the unit's buffer: not past the next op (a free)
                     frame = None
+            if made is not None and traced.made != made:
+                recorder.mark_tracing()
             return _finish(state)
     except CollectiveMismatchError:  # ranks are absent: waiting for the rest would hang
         state.abandon(state.model.comm.abandoned)

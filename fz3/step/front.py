@@ -138,14 +138,16 @@ def check_in_sync(model: ShardedModel, step: int, entry: str, batches: Sequence[
     hollow = [r for r in range(model.world_size) if rows[r, 1]]
     if not differ and not hollow:
         return
-    everyone = gather_objects(model.comm.group, (step, sigs, empty))
+    # the error path only: every rank's batches described for people (paths, shapes, dtypes)
+    everyone = gather_objects(model.comm.group,
+                              (step, [_described(b) for b in batches], empty))
     r = differ[0] if differ else 0
-    (s0, sig0, _), (sr, sigr, _) = everyone[0], everyone[r]
+    (s0, _, _), (sr, _, _) = everyone[0], everyone[r]
     if s0 != sr:
         raise RuntimeError(f"{entry}: ranks {differ} are at another step than rank 0 (rank 0 "
                            f"at call {s0}, rank {r} at call {sr}): some rank skipped or repeated "
                            f"a step; every rank must call the step equally often")
-    shown = "; ".join(f"rank {k}: {_shapes(s)}" for k, (_, s, _) in enumerate(everyone))
+    shown = "; ".join(f"rank {k}: {' | '.join(d)}" for k, (_, d, _) in enumerate(everyone))
     if hollow:
         why = "; ".join(f"rank {k}: {', '.join(everyone[k][2])}" for k in hollow)
         raise ValueError(f"{entry}: ranks {hollow} have an empty batch ({why}): the loss would be "
@@ -164,10 +166,12 @@ def _signature(batch: Any) -> tuple:
                          if isinstance(t, torch.Tensor) else type(t).__name__ for t in leaves))
 
 
-def _shapes(sigs: list[tuple]) -> str:
-    def one(x: Any) -> str:
-        return f"{list(x[0])} {x[1]}" if isinstance(x, tuple) else x
-    return " | ".join(", ".join(one(x) for x in sig[1:]) or "no tensors" for sig in sigs)
+def _described(batch: Any) -> str:
+    """``"batch['input_ids'] [4, 32] int64, batch['labels'] [4, 32] int64"``."""
+    leaves, _, paths = _leaves_with_paths(batch)
+    out = [f"batch{p} {list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+           for t, p in zip(leaves, paths) if isinstance(t, torch.Tensor)]
+    return ", ".join(out) or "no tensors"
 
 
 def loss_of(model: ShardedModel, loss: Callable[..., Any] | None, has_aux: bool) -> Loss:

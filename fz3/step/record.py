@@ -39,10 +39,17 @@ class Recorder:
         self._schedules: list[Schedule] = []
         self._cuda: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._device = torch.device("cpu")
+        # steps that traced or compiled layers (the first, a new shape's): the summary and
+        # the timeline leave them out, the Chrome trace marks them
+        self.tracing: set[int] = set()
 
     def begin_step(self, schedule: Schedule, device: torch.device) -> None:
         self._schedules.append(schedule)
         self._device = device
+
+    def mark_tracing(self) -> None:
+        """The step being recorded traced or compiled layers."""
+        self.tracing.add(len(self._schedules) - 1)
 
     def start(self) -> tuple[int, object]:
         ev = None

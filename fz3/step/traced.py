@@ -117,6 +117,7 @@ class TracedLayers:
         self.groups: dict[int, Groups] = {}  # stack part -> which layers share programs
         self.failed: dict[str, str] = {}  # part name -> why its layers run through autograd
         self.compiles = 0  # inductor compilations so far
+        self.traces = 0  # layers traced so far (0 when every trace was in the model already)
         self._programs: dict[tuple, Programs | None] = {}  # (part, group, signature) ->
         # (part, first, stop, h's shape, stride and dtype, training, extras' key) -> programs
         self._units: dict[tuple, Layers] = {}
@@ -128,6 +129,11 @@ class TracedLayers:
         for i, part in enumerate(model.parts):
             if part.role is Role.STACK:
                 self.groups[i] = groups(model.functions[i], part, self.failed)
+
+    @property
+    def made(self) -> int:
+        """Traces and compilations so far: a step that changed it was not a steady one."""
+        return self.traces + self.compiles
 
     def extras(self, extras: tuple, positions: Sequence[int]) -> Extras:
         """``extras`` (a pre or between unit's extra outputs; ``positions``: those with
@@ -213,6 +219,7 @@ class TracedLayers:
         # traced once per model: every step function on it (and its copies) reuses them
         key = (binding, part.layout, part.frozen, signature, hide)
         if key not in self.model.traces:
+            self.traces += 1
             with hidden(binding, hide):
                 self.model.traces[key] = self._programs_of(binding, part, extras, inputs,
                                                            frozen, signature)
@@ -224,7 +231,7 @@ class TracedLayers:
                 self._fail(i, part, f"{name} cannot be traced: {programs}")
             return None
         if self.compile:
-            programs = self._compiled(programs)
+            programs = self._compiled(programs, f"{name} ({part.name})")
             first = self._first.setdefault((i, signature), programs.graphs)
             if first is not programs.graphs and i not in self._warned:
                 self._warned.add(i)
@@ -262,18 +269,20 @@ class TracedLayers:
             warnings.warn(f"fz3: {why}; its layers run through autograd, not compiled",
                           stacklevel=6)
 
-    def _compiled(self, programs: Programs) -> Programs:
+    def _compiled(self, programs: Programs, name: str) -> Programs:
         fwd, bwd, inf = programs.graphs
-        return programs._replace(forward=_Inductor(self, fwd, programs.forward),
-                                 backward=_Inductor(self, bwd, programs.backward, boxed=True),
-                                 inference=_Inductor(self, inf, programs.inference))
+        return programs._replace(
+            forward=_Inductor(self, fwd, programs.forward, f"{name}'s forward"),
+            backward=_Inductor(self, bwd, programs.backward, f"{name}'s backward", boxed=True),
+            inference=_Inductor(self, inf, programs.inference, f"{name}'s inference"))
 
-    def kernel(self, graph: torch.fx.Graph, args: tuple,
-               python: Callable[..., Any]) -> Callable[..., Any]:
+    def kernel(self, graph: torch.fx.Graph, args: tuple, python: Callable[..., Any],
+               name: str = "a layer's") -> Callable[..., Any]:
         """Inductor's compilation of ``graph`` for ``args``, shared by every layer whose
         programs are these (layers traced alike share their programs: one compilation). One
-        inductor fails on raises ``CompileError`` with ``strict``; otherwise it warns and
-        the program runs as ``python``."""
+        inductor fails on raises ``CompileError`` with ``strict`` (one line: ``name``, the
+        program, inductor's first line and the fix; its whole text is the ``__cause__``);
+        otherwise it warns and the program runs as ``python``."""
         key = (graph, tuple((tuple(a.shape), a.stride(), a.dtype) for a in args))
         if key not in self._kernels:
             from torch._inductor import compile as inductor_compile
@@ -285,7 +294,8 @@ class TracedLayers:
                                                       options={"cpp_wrapper": True})
             except Exception as e:  # noqa: BLE001 - inductor fails in many ways; each is reported
                 first = str(e).splitlines()[0][:200] if str(e) else ""
-                why = f"inductor cannot compile a traced layer program: {type(e).__name__}: {first}"
+                why = (f"inductor cannot compile {name} traced program: "
+                       f"{type(e).__name__}: {first}")
                 if self.strict:
                     raise CompileError(f"fz3: {why}. Pass compile=False, or strict=False to run "
                                        f"it as Python") from e
@@ -313,9 +323,9 @@ class _Inductor:
     compiling runs nothing, so no RNG is drawn); ``python``, the same program as Python."""
 
     def __init__(self, owner: TracedLayers, graph: torch.fx.Graph, python: Callable[..., Any],
-                 boxed: bool = False):
+                 name: str, boxed: bool = False):
         self.owner, self.graph, self.python, self.boxed = owner, graph, python, boxed
-        self.fn: Callable[..., Any] | None = None
+        self.name, self.fn = name, None
 
     def __call__(self, *args: Any) -> Any:
         if self.boxed:  # the program's convention: one list (its residuals live to the end here)
@@ -323,7 +333,7 @@ class _Inductor:
             args = tuple(box)
             box.clear()
         if self.fn is None:
-            self.fn = self.owner.kernel(self.graph, args, self._python)
+            self.fn = self.owner.kernel(self.graph, args, self._python, self.name)
         return self.fn(*args)
 
     def _python(self, *args: Any) -> Any:
