@@ -17,11 +17,12 @@ from .schedule.schedule import Policy, deferred, plan
 from .schedule.validate import Schedule, ScheduleError, Unit, validate
 from .schedule.structure import PartShape, Role
 from .sharding.layout import FlatLayout, Slot
-from .sharding.model import Params, ShardedModel, shard
+from .facade import shard
+from .sharding.model import Params, ShardedModel
 from .sharding.precision import Precision
 from .sharding.refreeze import refreeze
 from .step.accumulate import Accumulate, accumulate
-from .step.traced import CompileError
+from .step.inductor import CompileError
 from .step.state import Frame, Result
 from .step.finite import NonFiniteError
 from .step.record import Event, Recorder

@@ -4,7 +4,11 @@
   in a function is still a cycle) and imports from the package root (``fz3/__init__.py``
   imports everything, so a module importing from it closes a cycle).
 - No module imports another module's private (``_name``) names.
-- Lines are at most 100 columns.
+- Folders depend one way: each folder (or top-level module) imports only from those it is
+  allowed to (``ALLOWED``, the written layering: a new edge is a design decision, made here),
+  and the folder graph has no cycle.
+- Lines are at most 100 columns, files at most 300 lines, functions at most 60 (docstrings
+  included).
 """
 
 from __future__ import annotations
@@ -87,6 +91,67 @@ def test_no_imports_of_private_names():
     assert not bad, "\n".join(bad)
 
 
+# The layering, bottom up: who may import from whom (folders of fz3/, and its top-level
+# modules by name). ``sharding`` knows neither checkpoints nor Hugging Face: the façade
+# (``fz3.facade``, behind ``fz3.shard``) resolves them and passes them down.
+ALLOWED = {
+    "compare": set(), "rng": set(),
+    "comm": {"compare"},
+    "schedule": {"compare"},
+    "sharding": {"comm", "schedule", "compare"},
+    "step": {"sharding", "schedule", "comm", "compare", "rng"},
+    "optim": {"sharding", "schedule", "comm"},
+    "storage": {"sharding", "comm", "compare", "rng"},
+    "hf": {"sharding", "storage"},
+    "observe": {"step", "sharding", "schedule", "comm"},
+    "cost": {"observe", "step", "sharding", "schedule", "comm"},
+    "facade": {"hf", "storage", "sharding", "comm"},
+    "models": {"facade", "cost", "sharding"},
+}
+
+
+def _folder(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "fz3"
+
+
+def folder_edges(modules: dict[str, pathlib.Path]) -> dict[tuple[str, str], list[str]]:
+    """``(folder, folder it imports from) -> [module:line, ...]``, the package face left out."""
+    out: dict[tuple[str, str], list[str]] = {}
+    for m, p in modules.items():
+        for t, _, line in imports(m, p, modules) if m != "fz3" else ():
+            if t in modules and _folder(t) != _folder(m):
+                out.setdefault((_folder(m), _folder(t)), []).append(f"{m}:{line}")
+    return out
+
+
+def test_folders_depend_one_way():
+    edges = folder_edges(_modules())
+    bad = [f"{a} -> {b} ({', '.join(where[:3])})" for (a, b), where in sorted(edges.items())
+           if b not in ALLOWED.get(a, set())]
+    assert not bad, "imports that climb (not in ALLOWED):\n" + "\n".join(bad)
+    graph: dict[str, set[str]] = {}
+    for a, b in edges:
+        graph.setdefault(a, set()).add(b)
+    assert not find_cycles(graph), find_cycles(graph)
+
+
+def long_functions(path: pathlib.Path, limit: int = 60) -> list[str]:
+    return [f"{path.name}::{n.name} {n.end_lineno - n.lineno + 1} lines"
+            for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.end_lineno - n.lineno + 1 > limit]
+
+
+def test_small_files_and_functions():
+    files = sorted(ROOT.rglob("*.py"))
+    big = [f"{p.relative_to(ROOT.parent)} {n} lines" for p in files
+           if (n := len(p.read_text().splitlines())) > 300]
+    assert not big, f"files over 300 lines: {big}"
+    long = [f for p in files for f in long_functions(p)]
+    assert not long, f"functions over 60 lines: {long}"
+
+
 def test_lines_fit_100_columns():
     wide = [f"{p.relative_to(ROOT.parent)}:{i}" for p in ROOT.rglob("*.py")
             for i, line in enumerate(p.read_text().splitlines(), 1) if len(line) > 100]
@@ -102,3 +167,8 @@ def test_the_guard_sees_cycles_and_private_imports(tmp_path):
     src.write_text("from .y import _hidden\n\ndef f():\n    from . import y\n")
     found = imports("fz3.x", src, {**tree, "fz3.x": src})
     assert ("fz3.y", "_hidden", 1) in found and ("fz3.y", "", 4) in found
+    # the folder rules and the size rules on made-up code
+    assert find_cycles({"sharding": {"hf"}, "hf": {"sharding"}}) == [["hf", "sharding", "hf"]]
+    long = tmp_path / "long.py"
+    long.write_text("def f():\n" + "    x = 1\n" * 60)
+    assert long_functions(long) == ["long.py::f 61 lines"] and not long_functions(src)

@@ -23,7 +23,7 @@ import dist
 import fz3
 from fz3.models import shard_gpt
 from fz3.models.gpt import GPTConfig
-from fz3.step.traced import TracedLayers
+from fz3.step.inductor import Kernels
 from reference import LayerNet, assert_close, batches, gpt, layer_post, layer_pre, reference_grads
 
 CFG = GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=2)
@@ -143,14 +143,14 @@ def fallback_ranks(rank, world):
     x.meta["val"] = torch.empty(3)
     graph.output((graph.call_function(_numpy, (x,)),))
     python = lambda t: (t * 1,)  # noqa: E731 - the program as Python
-    lenient = TracedLayers(acts, compile=True)
+    lenient = Kernels()
     with pytest.warns(UserWarning, match=r"inductor cannot compile layer layers\.0 \(layers\)'s "
                                          r"forward traced program: .*; it runs as Python "
                                          r"\(strict=True raises\)"):
         assert lenient.kernel(graph, (torch.ones(3),), python, "layer layers.0 (layers)'s "
                               "forward") is python
     with pytest.raises(fz3.CompileError) as error:
-        TracedLayers(acts, compile=True, strict=True).kernel(
+        Kernels(strict=True).kernel(
             graph, (torch.ones(3),), python, "layer layers.0 (layers)'s forward")
     # one line for people: which program, why, the fix; inductor's whole text as the cause
     message = str(error.value)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..cost.calibrate import Probe
-from ..sharding.model import Params, ShardedModel, shard
+from ..facade import shard
+from ..sharding.model import Params, ShardedModel
 from .gpt import GPT, Block, GPTConfig, post, pre, synthetic_batch
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import optree
 import torch
@@ -60,7 +60,7 @@ def adamw(lr: float | Callable[[int], float] = 1e-3, betas: tuple[float, float] 
         if params is None and weight_decay:
             raise ValueError("adamw with weight_decay needs params: "
                              "opt.update(grads, state, params)")
-        _check(grads, state, params)
+        _check_buffers(grads, state, params, masks)
         count, t, rate = _tick(state, lr)
         leaf = functools.partial(_leaf_update, b1=b1, b2=b2, eps=eps, step_size=rate / (1 - b1**t),
                                  bc2_sqrt=math.sqrt(1 - b2**t), decay=rate * weight_decay)
@@ -77,7 +77,7 @@ def adamw(lr: float | Callable[[int], float] = 1e-3, betas: tuple[float, float] 
         one call for the elements weight decay applies to and one for the others (the kernel
         takes one decay per call), so masked decay costs no pass of its own. Every buffer is
         checked against params first: the kernel trusts their sizes."""
-        _check(grads, state, params)
+        _check_buffers(grads, state, params, masks)
         count, t, rate = _tick(state, lr)
         ps, treedef = optree.tree_flatten(params)
         leaves = list(zip(ps, *(treedef.flatten_up_to(x) for x in (grads, state.mu, state.nu))))
@@ -87,27 +87,34 @@ def adamw(lr: float | Callable[[int], float] = 1e-3, betas: tuple[float, float] 
             groups = _split_by_decay(leaves, runs, treedef.flatten_up_to(masks), rate,
                                      weight_decay)
         for decay, group in groups.items():
-            if group:
-                p, g, m, v = (list(x) for x in zip(*group))
-                # one step tensor per leaf (the kernel adds 1 to each): views of one buffer
-                steps = list(torch.full((len(p),), float(t - 1), device=p[0].device).unbind())
-                fused_adamw(p, g, m, v, steps, lr=rate, beta1=b1, beta2=b2,
-                            weight_decay=decay, eps=eps)
+            _fused(group, t, lr=rate, beta1=b1, beta2=b2, weight_decay=decay, eps=eps)
         return params, AdamWState(count, state.mu, state.nu)
 
-    def _check(grads: Tree, state: AdamWState, params: Tree | None) -> None:
-        if not isinstance(state, AdamWState):
-            raise TypeError(f"the optimizer state is {type(state).__name__}, adamw's is an "
-                            f"AdamWState: {FIX_STATE}")
-        like = params if params is not None else state.mu
-        check_like(like, state.mu, "the optimizer state's first moment (mu)", FIX_STATE)
-        check_like(like, state.nu, "the optimizer state's second moment (nu)", FIX_STATE)
-        check_like(like, grads, "the gradients", "pass the gradients of these params (the step "
-                   "function's grads for this model)")
-        if masks is not None:
-            check_mask(like, masks)
-
     return GradientTransformation(init, update, update_inplace)
+
+
+def _check_buffers(grads: Tree, state: Any, params: Tree | None, masks: Tree | None) -> None:
+    """The state is adamw's, and its moments, the gradients and the mask match params (or the
+    first moment, without params) leaf by leaf: the kernels trust their sizes."""
+    if not isinstance(state, AdamWState):
+        raise TypeError(f"the optimizer state is {type(state).__name__}, adamw's is an "
+                        f"AdamWState: {FIX_STATE}")
+    like = params if params is not None else state.mu
+    check_like(like, state.mu, "the optimizer state's first moment (mu)", FIX_STATE)
+    check_like(like, state.nu, "the optimizer state's second moment (nu)", FIX_STATE)
+    check_like(like, grads, "the gradients", "pass the gradients of these params (the step "
+               "function's grads for this model)")
+    if masks is not None:
+        check_mask(like, masks)
+
+
+def _fused(group: list, t: int, **hyper: float) -> None:
+    """torch's fused AdamW kernel, in place, on ``(param, grad, mu, nu)`` leaves: one call."""
+    if group:
+        p, g, m, v = (list(x) for x in zip(*group))
+        # one step tensor per leaf (the kernel adds 1 to each): views of one buffer
+        steps = list(torch.full((len(p),), float(t - 1), device=p[0].device).unbind())
+        fused_adamw(p, g, m, v, steps, **hyper)
 
 
 def _tick(state: AdamWState, lr: float | Callable[[int], float]) -> tuple[torch.Tensor, int, float]:

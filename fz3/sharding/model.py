@@ -14,7 +14,6 @@ import copy
 import dataclasses
 import datetime
 import functools
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -22,12 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm.arrival import DEFAULT_TIMEOUT_S
 from ..comm.collectives import Comm
 from ..comm.groups import comm_groups
 from ..comm.liveness import Heartbeat
-from ..storage import pretrained
-from ..storage.pretrained import Pretrained
 from ..schedule.structure import PartShape, Role
 from .checks import check_not_wrapped, check_parameters, check_same_on_all_ranks, resolve_layers
 from .binding import Binding
@@ -131,66 +127,20 @@ class ShardedModel:
         return Binding(fn, self.skeleton, layouts(self.parts, self.part_index("post")))
 
 
-def shard(
-    module: nn.Module,
-    layers: str | Sequence[str] | None = None,
-    pre: PreFn | None = None,
-    post: PostFn | None = None,
-    *,
-    between: Sequence[BetweenFn | None] = (),
-    call_layer: CallLayer | None = None,
-    assign: Mapping[str, str] | None = None,
-    group: dist.ProcessGroup | None = None,
-    mesh: Any = None,
-    device: torch.device | str | None = None,
-    precision: Precision = Precision(),
-    weights: str | os.PathLike | Pretrained | None = None,
-    timeout: float = DEFAULT_TIMEOUT_S,
-) -> tuple[ShardedModel, Params]:
-    """Shard ``module`` over ``group`` or ``mesh`` (default: the default process group).
-    **Collective**: every rank must call it (one small all-gather checks the ranks agree).
+# read(skeleton, device) -> piece(part, row, slot, param, elements): where a model's shards
+# come from when not from the module's own tensors (a checkpoint: ``fz3.facade``)
+Reader = Callable[[nn.Module, torch.device], Callable[..., torch.Tensor]]
 
-    A 1-D ``DeviceMesh`` names the sharding group. A 2-D mesh ``(replicate, shard)`` gives
-    hybrid sharding: parameters are sharded inside each row (dim 1) and replicated across
-    rows (dim 0); gradients are reduce-scattered inside a row, then all-reduced across rows
-    on the shard only.
 
-    Args:
-      module: an unchanged ``nn.Module``; it is not modified (``del`` it to free its memory).
-        With none of layers/pre/post given, a built-in adapter is used (Hugging Face
-        ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``RobertaForMaskedLM``: see ``fz3.hf``).
-      layers: dotted path of an ``nn.ModuleList`` of layers, or a list of them in compute
-        order. Consecutive structurally identical layers are stacked and scanned; a list of
-        layers of several kinds (``[A, A, B, B, B]``) becomes one stack per run.
-      pre: ``pre(m, batch) -> h`` or ``-> (h, *extra)``; ``m`` is the module with the
-        parameters registered before the first stack substituted. Each layer is called
-        ``call_layer(layer, h, *extra)``.
-      post: ``post(m, h, batch) -> loss`` (a scalar), with the parameters registered after
-        the last stack.
-      between: with several paths, one function per gap, ``between[i](m, h, batch) -> h`` or
-        ``(h, *extra)`` (new extras for the next stacks), run between stack i and i+1 with
-        the parameters registered between them; None (or no ``between``) passes ``h`` and the
-        extras straight on.
-      call_layer: how to call one layer, ``call_layer(layer, h, *extra) -> h``; default
-        ``layer(h, *extra)`` (pass one for layers that return tuples).
-      assign: ``{name prefix: "pre" | "post" | "between.i"}`` for parameters whose
-        registration order does not say which function uses them.
-      device: where shards and compute live; default: the module's device (cuda:current for NCCL).
-      precision: compute / reduce dtypes (fp32 master shards always).
-      weights: a folder with a Hugging Face checkpoint (``model.safetensors`` or its sharded
-        index), or a ``fz3.Pretrained`` of one (it counts the bytes read): each parameter it
-        holds is read from it, only the slices this rank owns, so ``module`` may be built on
-        the meta device; meta buffers are read or computed too (``fz3/storage/pretrained.py``).
-        A PEFT model's base weights are found under the base model's names.
-      timeout: seconds a rank waits in one of the model's collectives (gloo) before it looks
-        for ranks that never entered the step call, and names them
-        (``fz3.CollectiveMismatchError``); see ``fz3/comm/collectives.py``.
-
-    Returns ``(model, params)``: the static model and this rank's fp32 shards.
-    """
+def build(module: nn.Module, paths: Sequence[str], pre: PreFn, post: PostFn,
+          call_layer: CallLayer | None, *, check_batch: Callable[[Any], str | None] | None,
+          between: Sequence[BetweenFn | None], assign: Mapping[str, str] | None,
+          group: dist.ProcessGroup | None, mesh: Any, device: torch.device | str | None,
+          precision: Precision, read: Reader | None,
+          timeout: float) -> tuple[ShardedModel, Params]:
+    """``fz3.shard`` once its adapter and checkpoint reader are resolved (``fz3.facade``, which
+    documents the arguments). **Collective**: one small all-gather checks the ranks agree."""
     check_not_wrapped(module)
-    paths, pre, post, call_layer, check_batch = _functions_given(module, layers, pre, post,
-                                                                 call_layer)
     if len(between) not in (0, len(paths) - 1):
         raise ValueError(f"between has {len(between)} functions for {len(paths)} stacks; pass "
                          f"one per gap ({len(paths) - 1}), None where h passes through")
@@ -200,10 +150,11 @@ def shard(
     betweens = [fn for fn in between if fn is not None]
     gap_has_fn = [fn is not None for fn in between] or [False] * (len(paths) - 1)
     split = partition(module, paths, comm.world_size, between=gap_has_fn, assign=assign)
-    check_parameters(split, meta=weights is not None)
+    check_parameters(split, meta=read is not None)
     skeleton = _skeleton(module, device)
-    functions = _functions(split.parts, skeleton, pre, post, betweens, call_layer)
-    fill = _shards if weights is None else _from_checkpoint(weights, module, skeleton, device)
+    functions = _functions(split.parts, skeleton, pre, post, betweens,
+                           call_layer or _call_layer)
+    fill = _shards if read is None else functools.partial(_shards, read=read(skeleton, device))
     shards = tuple(fill(part, part.layout, rows, comm, device, torch.float32)
                    for part, rows in zip(split.parts, split.params))
     frozen = tuple(None if part.frozen is None
@@ -214,36 +165,6 @@ def shard(
                          precision, device, mesh, module.training, check_batch)
     check_same_on_all_ranks(comm, split.parts, device)
     return model, Params(shards)
-
-
-def _functions_given(module: nn.Module, layers, pre, post, call_layer):
-    """``(paths, pre, post, call_layer, check_batch)``: the user's, or the built-in adapter's
-    when none of layers/pre/post is given."""
-    check_batch = None
-    if layers is None and pre is None and post is None:
-        from ..hf.adapters import adapter_for
-
-        adapter = adapter_for(module)
-        layers, pre, post = adapter.layers, adapter.pre, adapter.post
-        call_layer = call_layer or adapter.layer
-        check_batch = adapter.check_batch
-    if layers is None or pre is None or post is None:
-        raise TypeError("fz3.shard needs layers=, pre= and post= (or none of them, for a model "
-                        "with a built-in adapter): layers='<path of the nn.ModuleList>', "
-                        "pre(m, batch) -> h, post(m, h, batch) -> loss")
-    paths = [layers] if isinstance(layers, str) else list(layers)
-    return paths, pre, post, call_layer or _call_layer, check_batch
-
-
-def _from_checkpoint(weights, module: nn.Module, skeleton: nn.Module, device: torch.device):
-    """A ``_shards`` that reads each rank's slices from a checkpoint folder
-    (``fz3/storage/pretrained.py``); the skeleton's meta buffers are made real first."""
-    from ..hf.peft_models import checkpoint_names
-
-    source = weights if isinstance(weights, Pretrained) else Pretrained(weights)
-    names = checkpoint_names(module)
-    pretrained.materialize_buffers(skeleton, source, names, device)
-    return functools.partial(_shards, read=functools.partial(pretrained.piece, source, names))
 
 
 def _comm(module: nn.Module, group, mesh, device, timeout: float) -> tuple[Comm, torch.device]:

@@ -22,11 +22,11 @@ import optree
 import torch
 
 from ..comm.collectives import all_reduce, wait
-from .traced import TracedLayers, layer_runner
+from .traced import TracedLayers
 from .executor import execute
 from ..sharding.model import Params, ShardedModel
 from ..schedule.schedule import Policy, Schedule, deferred
-from .front import check_call, check_in_sync, drain, prepare
+from .front import check_call, check_in_sync, drain, layer_runner, prepare
 
 
 class Accumulate:

@@ -139,10 +139,7 @@ def codegen(graph: fx.Graph, name: str, *, boxed: bool = False,
         return key
 
     nodes = list(graph.nodes)
-    last_use = {}
-    for i, node in enumerate(nodes):
-        for a in node.all_input_nodes:
-            last_use[a] = i
+    last_use = {a: i for i, node in enumerate(nodes) for a in node.all_input_nodes}
     params, lines = [], []
     for i, node in enumerate(nodes):
         names[node] = f"v{i}"
@@ -158,12 +155,7 @@ def codegen(graph: fx.Graph, name: str, *, boxed: bool = False,
         if node.target is operator.getitem:
             lines.append(f"v{i} = {args[0]}[{args[1]}]")
         else:
-            target = node.target
-            if isinstance(target, torch._ops.OpOverload):
-                quick = None if slow is None or target in slow else _binding(target)
-                target = quick if quick is not None else target._op
-            fn = expr(target)
-            lines.append(f"v{i} = {fn}({', '.join(args)})")
+            lines.append(f"v{i} = {expr(_callee(node.target, slow))}({', '.join(args)})")
         dead = [names[a] for a in node.all_input_nodes if last_use[a] == i]
         if dead:
             lines.append(" = ".join(dead) + " = None")
@@ -243,6 +235,15 @@ def _retrace(fn: Callable, examples: list, boxed: bool) -> fx.Graph:
         graph = make_fx(call, tracing_mode="fake")(*inputs).graph
     graph.eliminate_dead_code()  # the tracer names every piece of a multi-output op
     return graph
+
+
+def _callee(target: Any, slow: frozenset | None) -> Any:
+    """What a node's code calls: an op's Python binding where ``slow`` allows it, else its
+    C++ entry (``OpOverload._op``); any other target as it is."""
+    if isinstance(target, torch._ops.OpOverload):
+        quick = None if slow is None or target in slow else _binding(target)
+        return quick if quick is not None else target._op
+    return target
 
 
 def _binding(op: torch._ops.OpOverload) -> Callable | None:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Generator, Sequence
 import optree
 import torch
 
-from ..compare import fingerprint, first_difference
+from ..compare import fingerprint
 from ..comm.collectives import differing_ranks
 from ..comm.failures import gather_objects
 from ..comm.groups import refuse_destroyed
@@ -23,6 +23,7 @@ from ..schedule.schedule import Policy, Schedule, plan, validate
 from ..sharding.model import Params, ShardedModel
 from ..sharding.params import check_tree
 from .state import Loss, Result
+from .traced import TracedLayers
 
 
 def prepare(model: ShardedModel, schedule: Schedule | Policy | None, *, grad: bool,
@@ -194,3 +195,16 @@ def drain(gen: Generator[Any, None, Result]) -> Result:
 def _leaves_with_paths(tree: Any) -> tuple[list, Any, list[str]]:
     paths, leaves, spec = optree.tree_flatten_with_path(tree, none_is_leaf=True)
     return leaves, spec, ["".join(f"[{k!r}]" for k in p) for p in paths]
+
+
+def layer_runner(model: ShardedModel, *, trace: bool, compile: bool,
+                 strict: bool) -> TracedLayers | None:
+    """What runs the layers: traced programs (compiled by inductor with ``compile``), or None:
+    autograd. Local: ``compile`` and ``strict`` without ``trace`` are refused."""
+    if compile and not trace:
+        raise ValueError("compile=True compiles the traced layer programs: pass trace=True "
+                         "(the default), or compile=False with trace=False")
+    if strict and not compile:
+        raise ValueError("strict=True asks compile=True to raise instead of running a program "
+                         "inductor cannot compile as Python; pass compile=True with it")
+    return TracedLayers(model, compile=compile, strict=strict) if trace else None

@@ -15,23 +15,20 @@ file decides which layers share them and when they are made:
 - Programs are traced at a unit's first forward for each input signature (shapes and dtypes
   of h and the tensor extras, the values of the other extras, train or eval mode) and kept
   in the model (``ShardedModel.traces``): other step functions on it do not trace again.
-- ``compile``: each program is compiled by inductor at its first call (C++ on the CPU,
-  ``cpp_wrapper``: no Python between its kernels), once per program and argument signature:
-  layers that share programs share the compilation.
+- ``compile``: programs compiled by inductor (``fz3.step.inductor``), shared as they are.
 
 A layer that cannot be traced (it reads a tensor's value on the host, branches on data,
 writes into an extra or a parameter row, makes a tensor from Python values, has buffers or
 hooks; one that writes into h writes into a copy, ``fz3.step.joint``) runs through autograd
 (``fz3.step.engine.AutogradLayers``), with one INFO line, and with ``compile`` one warning
-too; ``failed`` says why. A program inductor fails to compile runs as Python, with a
-warning, or raises ``CompileError`` with ``strict``.
+too; ``failed`` says why.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import optree
 import torch
@@ -42,6 +39,7 @@ from ..sharding.model import ShardedModel
 from ..sharding.parts import Part
 from ..sharding.compute import LayerName
 from .engine import Pieces, Produced
+from .inductor import Kernels
 from .joint import Programs, TraceError, joint_trace, programs
 from .layer_groups import Groups, groups, hidden
 
@@ -103,32 +101,32 @@ class Extras(NamedTuple):
     key: int  # ``consts``' number in this ``TracedLayers`` (a cheap per-layer lookup)
 
 
-class CompileError(RuntimeError):
-    """``compile=True, strict=True`` and a traced program inductor cannot compile."""
-
-
 class TracedLayers:
     """The stacks of ``model`` as traced programs (see the module docstring). ``compile``:
     programs compiled by inductor; ``strict``: a program inductor fails on raises
     ``fz3.CompileError`` (otherwise it runs as Python, with a warning)."""
 
     def __init__(self, model: ShardedModel, *, compile: bool = False, strict: bool = False):
-        self.model, self.compile, self.strict = model, compile, strict
+        self.model, self.compile = model, compile
+        self.kernels = Kernels(strict=strict) if compile else None  # inductor's, by program
         self.groups: dict[int, Groups] = {}  # stack part -> which layers share programs
         self.failed: dict[str, str] = {}  # part name -> why its layers run through autograd
-        self.compiles = 0  # inductor compilations so far
         self.traces = 0  # layers traced so far (0 when every trace was in the model already)
         self._programs: dict[tuple, Programs | None] = {}  # (part, group, signature) ->
         # (part, first, stop, h's shape, stride and dtype, training, extras' key) -> programs
         self._units: dict[tuple, Layers] = {}
         self._extras: dict[tuple, int] = {}  # Extras.consts -> Extras.key
-        self._kernels: dict[tuple, Callable[..., Any]] = {}  # (graph, signature) -> compiled
         # (part, signature) -> the first group's graphs: a later group with others compiles again
         self._first: dict[tuple, tuple] = {}
         self._warned: set[int] = set()  # parts reported as compiling per layer
         for i, part in enumerate(model.parts):
             if part.role is Role.STACK:
                 self.groups[i] = groups(model.functions[i], part, self.failed)
+
+    @property
+    def compiles(self) -> int:
+        """Inductor compilations so far."""
+        return 0 if self.kernels is None else self.kernels.compiles
 
     @property
     def made(self) -> int:
@@ -231,7 +229,7 @@ class TracedLayers:
                 self._fail(i, part, f"{name} cannot be traced: {programs}")
             return None
         if self.compile:
-            programs = self._compiled(programs, f"{name} ({part.name})")
+            programs = self.kernels.compiled(programs, f"{name} ({part.name})")
             first = self._first.setdefault((i, signature), programs.graphs)
             if first is not programs.graphs and i not in self._warned:
                 self._warned.add(i)
@@ -268,77 +266,6 @@ class TracedLayers:
         if self.compile:
             warnings.warn(f"fz3: {why}; its layers run through autograd, not compiled",
                           stacklevel=6)
-
-    def _compiled(self, programs: Programs, name: str) -> Programs:
-        fwd, bwd, inf = programs.graphs
-        return programs._replace(
-            forward=_Inductor(self, fwd, programs.forward, f"{name}'s forward"),
-            backward=_Inductor(self, bwd, programs.backward, f"{name}'s backward", boxed=True),
-            inference=_Inductor(self, inf, programs.inference, f"{name}'s inference"))
-
-    def kernel(self, graph: torch.fx.Graph, args: tuple, python: Callable[..., Any],
-               name: str = "a layer's") -> Callable[..., Any]:
-        """Inductor's compilation of ``graph`` for ``args``, shared by every layer whose
-        programs are these (layers traced alike share their programs: one compilation). One
-        inductor fails on raises ``CompileError`` with ``strict`` (one line: ``name``, the
-        program, inductor's first line and the fix; its whole text is the ``__cause__``);
-        otherwise it warns and the program runs as ``python``."""
-        key = (graph, tuple((tuple(a.shape), a.stride(), a.dtype) for a in args))
-        if key not in self._kernels:
-            from torch._inductor import compile as inductor_compile
-
-            self.compiles += 1
-            module = torch.fx.GraphModule({}, graph)
-            try:
-                self._kernels[key] = inductor_compile(module, list(args),
-                                                      options={"cpp_wrapper": True})
-            except Exception as e:  # noqa: BLE001 - inductor fails in many ways; each is reported
-                first = str(e).splitlines()[0][:200] if str(e) else ""
-                why = (f"inductor cannot compile {name} traced program: "
-                       f"{type(e).__name__}: {first}")
-                if self.strict:
-                    raise CompileError(f"fz3: {why}. Pass compile=False, or strict=False to run "
-                                       f"it as Python") from e
-                warnings.warn(f"fz3: {why}; it runs as Python (strict=True raises)",
-                              stacklevel=6)
-                self._kernels[key] = python
-        return self._kernels[key]
-
-
-def layer_runner(model: ShardedModel, *, trace: bool, compile: bool,
-                 strict: bool) -> TracedLayers | None:
-    """What runs the layers: traced programs (compiled by inductor with ``compile``), or None:
-    autograd. Local: ``compile`` and ``strict`` without ``trace`` are refused."""
-    if compile and not trace:
-        raise ValueError("compile=True compiles the traced layer programs: pass trace=True "
-                         "(the default), or compile=False with trace=False")
-    if strict and not compile:
-        raise ValueError("strict=True asks compile=True to raise instead of running a program "
-                         "inductor cannot compile as Python; pass compile=True with it")
-    return TracedLayers(model, compile=compile, strict=strict) if trace else None
-
-
-class _Inductor:
-    """A traced graph, compiled by inductor at its first call (its arguments are the example:
-    compiling runs nothing, so no RNG is drawn); ``python``, the same program as Python."""
-
-    def __init__(self, owner: TracedLayers, graph: torch.fx.Graph, python: Callable[..., Any],
-                 name: str, boxed: bool = False):
-        self.owner, self.graph, self.python, self.boxed = owner, graph, python, boxed
-        self.name, self.fn = name, None
-
-    def __call__(self, *args: Any) -> Any:
-        if self.boxed:  # the program's convention: one list (its residuals live to the end here)
-            (box,) = args
-            args = tuple(box)
-            box.clear()
-        if self.fn is None:
-            self.fn = self.owner.kernel(self.graph, args, self._python, self.name)
-        return self.fn(*args)
-
-    def _python(self, *args: Any) -> Any:
-        return self.python(list(args)) if self.boxed else self.python(*args)
-
 
 def _layer(binding: Binding, part: Part, specs: list) -> Callable[..., torch.Tensor]:
     """The pure function of one layer: ``(row, frozen_row, h, *tensor extras) -> h``, the

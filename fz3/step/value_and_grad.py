@@ -9,10 +9,10 @@ import torch
 
 from ..schedule.schedule import Policy, Schedule
 from ..sharding.model import Params, ShardedModel
-from .traced import TracedLayers, layer_runner
+from .traced import TracedLayers
 from .executor import execute
 from .finite import drain_checking_finite
-from .front import check_call, check_in_sync, drain, loss_of, prepare
+from .front import check_call, check_in_sync, drain, layer_runner, loss_of, prepare
 
 
 class ValueAndGrad:

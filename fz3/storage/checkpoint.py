@@ -26,7 +26,6 @@ Nothing is lost, and nothing wrong loads silently:
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from typing import Any

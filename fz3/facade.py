@@ -1,0 +1,112 @@
+"""``fz3.shard``: the façade. It resolves what ``fz3.sharding`` must not know of (a built-in
+Hugging Face adapter, ``fz3.hf``; a checkpoint to read the shards from, ``fz3.storage``) and
+hands them down to ``fz3.sharding.model.build``.
+
+``fz3.shard(module, layers=None, pre=None, post=None, *, between=(), call_layer=None,
+assign=None, group=None, mesh=None, device=None, precision=Precision(), weights=None,
+timeout=120)``, its arguments:
+
+- module: an unchanged ``nn.Module``; it is not modified (``del`` it to free its memory).
+  With none of layers/pre/post given, a built-in adapter is used (Hugging Face
+  ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``RobertaForMaskedLM``: see ``fz3.hf``).
+- layers: dotted path of an ``nn.ModuleList`` of layers, or a list of them in compute order.
+  Consecutive structurally identical layers are stacked and scanned; a list of layers of
+  several kinds (``[A, A, B, B, B]``) becomes one stack per run.
+- pre: ``pre(m, batch) -> h`` or ``-> (h, *extra)``; ``m`` is the module with the parameters
+  registered before the first stack substituted. Each layer is called
+  ``call_layer(layer, h, *extra)``.
+- post: ``post(m, h, batch) -> loss`` (a scalar), with the parameters registered after the
+  last stack.
+- between: with several paths, one function per gap, ``between[i](m, h, batch) -> h`` or
+  ``(h, *extra)`` (new extras for the next stacks), run between stack i and i+1 with the
+  parameters registered between them; None (or no ``between``) passes ``h`` and the extras
+  straight on.
+- call_layer: how to call one layer, ``call_layer(layer, h, *extra) -> h``; default
+  ``layer(h, *extra)`` (pass one for layers that return tuples).
+- assign: ``{name prefix: "pre" | "post" | "between.i"}`` for parameters whose registration
+  order does not say which function uses them.
+- group, mesh: the sharding group (default: the default process group). A 1-D
+  ``DeviceMesh`` names it; a 2-D mesh ``(replicate, shard)`` gives hybrid sharding:
+  parameters are sharded inside each row (dim 1) and replicated across rows (dim 0);
+  gradients are reduce-scattered inside a row, then all-reduced across rows on the shard.
+- device: where shards and compute live; default: the module's device (cuda:current for
+  NCCL).
+- precision: compute / reduce dtypes (fp32 master shards always).
+- weights: a folder with a Hugging Face checkpoint (``model.safetensors`` or its sharded
+  index), or a ``fz3.Pretrained`` of one (it counts the bytes read): each parameter it holds
+  is read from it, only the slices this rank owns, so ``module`` may be built on the meta
+  device; meta buffers are read or computed too (``fz3/storage/pretrained.py``). A PEFT
+  model's base weights are found under the base model's names.
+- timeout: seconds a rank waits in one of the model's collectives (gloo) before it looks for
+  ranks that never entered the step call, and names them (``fz3.CollectiveMismatchError``);
+  see ``fz3/comm/collectives.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .comm.arrival import DEFAULT_TIMEOUT_S
+from .hf.adapters import adapter_for
+from .hf.peft_models import checkpoint_names
+from .sharding.model import (BetweenFn, CallLayer, Params, PostFn, PreFn, Reader, ShardedModel,
+                             build)
+from .sharding.precision import Precision
+from .storage import pretrained
+from .storage.pretrained import Pretrained
+
+
+def shard(module: nn.Module, layers: str | Sequence[str] | None = None,
+          pre: PreFn | None = None, post: PostFn | None = None, *,
+          between: Sequence[BetweenFn | None] = (), call_layer: CallLayer | None = None,
+          assign: Mapping[str, str] | None = None, group: dist.ProcessGroup | None = None,
+          mesh: Any = None, device: torch.device | str | None = None,
+          precision: Precision = Precision(),
+          weights: str | os.PathLike | Pretrained | None = None,
+          timeout: float = DEFAULT_TIMEOUT_S) -> tuple[ShardedModel, Params]:
+    """Shard ``module`` over ``group`` or ``mesh``: returns ``(model, params)``, the static
+    model and this rank's fp32 shards. The arguments: this module's docstring
+    (``help(fz3.facade)``). **Collective**: every rank must call it (one small all-gather
+    checks the ranks agree)."""
+    paths, pre, post, call_layer, check_batch = _functions_given(module, layers, pre, post,
+                                                                 call_layer)
+    read = None if weights is None else _checkpoint(weights, module)
+    return build(module, paths, pre, post, call_layer, check_batch=check_batch, between=between,
+                 assign=assign, group=group, mesh=mesh, device=device, precision=precision,
+                 read=read, timeout=timeout)
+
+
+def _functions_given(module: nn.Module, layers, pre, post, call_layer):
+    """``(paths, pre, post, call_layer, check_batch)``: the user's, or the built-in adapter's
+    when none of layers/pre/post is given."""
+    check_batch = None
+    if layers is None and pre is None and post is None:
+        adapter = adapter_for(module)
+        layers, pre, post = adapter.layers, adapter.pre, adapter.post
+        call_layer = call_layer or adapter.layer
+        check_batch = adapter.check_batch
+    if layers is None or pre is None or post is None:
+        raise TypeError("fz3.shard needs layers=, pre= and post= (or none of them, for a model "
+                        "with a built-in adapter): layers='<path of the nn.ModuleList>', "
+                        "pre(m, batch) -> h, post(m, h, batch) -> loss")
+    paths = [layers] if isinstance(layers, str) else list(layers)
+    return paths, pre, post, call_layer, check_batch
+
+
+def _checkpoint(weights, module: nn.Module) -> Reader:
+    """Where the shards come from: each rank's slices of a checkpoint folder
+    (``fz3/storage/pretrained.py``), the skeleton's meta buffers made real first."""
+    source = weights if isinstance(weights, Pretrained) else Pretrained(weights)
+    names = checkpoint_names(module)
+
+    def read(skeleton: nn.Module, device: torch.device):
+        pretrained.materialize_buffers(skeleton, source, names, device)
+        return functools.partial(pretrained.piece, source, names)
+
+    return read

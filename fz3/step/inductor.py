@@ -1,0 +1,88 @@
+"""Inductor for traced layer programs (``compile=True``): each program compiled at its first
+call, once per program and argument signature, so layers that share programs share the
+compilation (C++ on the CPU, ``cpp_wrapper``: no Python between its kernels). A program
+inductor fails on runs as Python with a warning, or raises ``CompileError`` with
+``strict``."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from .joint import Programs
+
+
+class CompileError(RuntimeError):
+    """``compile=True, strict=True`` and a traced program inductor cannot compile."""
+
+
+class Kernels:
+    """Inductor's compilations of traced programs, shared by every layer whose programs they
+    are. ``strict``: a program inductor fails on raises ``CompileError``."""
+
+    def __init__(self, *, strict: bool = False):
+        self.strict, self.compiles = strict, 0  # compilations so far
+        self._kernels: dict[tuple, Callable[..., Any]] = {}  # (graph, signature) -> compiled
+
+    def compiled(self, programs: Programs, name: str) -> Programs:
+        """``programs`` whose three programs are compiled at their first call; ``name`` the
+        layer they were traced from (for messages)."""
+        fwd, bwd, inf = programs.graphs
+        return programs._replace(
+            forward=_Inductor(self, fwd, programs.forward, f"{name}'s forward"),
+            backward=_Inductor(self, bwd, programs.backward, f"{name}'s backward", boxed=True),
+            inference=_Inductor(self, inf, programs.inference, f"{name}'s inference"))
+
+    def kernel(self, graph: torch.fx.Graph, args: tuple, python: Callable[..., Any],
+               name: str = "a layer's") -> Callable[..., Any]:
+        """Inductor's compilation of ``graph`` for ``args``, shared by every layer whose
+        programs are these (layers traced alike share their programs: one compilation). One
+        inductor fails on raises ``CompileError`` with ``strict`` (one line: ``name``, the
+        program, inductor's first line and the fix; its whole text is the ``__cause__``);
+        otherwise it warns and the program runs as ``python``."""
+        key = (graph, tuple((tuple(a.shape), a.stride(), a.dtype) for a in args))
+        if key not in self._kernels:
+            from torch._inductor import compile as inductor_compile
+
+            self.compiles += 1
+            module = torch.fx.GraphModule({}, graph)
+            try:
+                self._kernels[key] = inductor_compile(module, list(args),
+                                                      options={"cpp_wrapper": True})
+            except Exception as e:  # noqa: BLE001 - inductor fails in many ways; each is reported
+                first = str(e).splitlines()[0][:200] if str(e) else ""
+                why = (f"inductor cannot compile {name} traced program: "
+                       f"{type(e).__name__}: {first}")
+                if self.strict:
+                    raise CompileError(f"fz3: {why}. Pass compile=False, or strict=False to run "
+                                       f"it as Python") from e
+                warnings.warn(f"fz3: {why}; it runs as Python (strict=True raises)",
+                              stacklevel=6)
+                self._kernels[key] = python
+        return self._kernels[key]
+
+
+class _Inductor:
+    """A traced graph, compiled by inductor at its first call (its arguments are the example:
+    compiling runs nothing, so no RNG is drawn); ``python``, the same program as Python."""
+
+    def __init__(self, owner: Kernels, graph: torch.fx.Graph, python: Callable[..., Any],
+                 name: str, boxed: bool = False):
+        self.owner, self.graph, self.python, self.boxed = owner, graph, python, boxed
+        self.name, self.fn = name, None
+
+    def __call__(self, *args: Any) -> Any:
+        if self.boxed:  # the program's convention: one list (its residuals live to the end here)
+            (box,) = args
+            args = tuple(box)
+            box.clear()
+        if self.fn is None:
+            self.fn = self.owner.kernel(self.graph, args, self._python, self.name)
+        return self.fn(*args)
+
+    def _python(self, *args: Any) -> Any:
+        return self.python(list(args)) if self.boxed else self.python(*args)
+
+

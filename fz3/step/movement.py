@@ -1,0 +1,138 @@
+"""The handlers that move a unit's memory: its gather and wait, its free, its gradient's
+reduce and wait (or its accumulation across micro-batches). ``fz3.step.executor`` runs them
+in the schedule's order beside the compute handlers; its Note says each buffer's lifetime.
+Each is ``(state, op, index) -> None``."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..comm.collectives import all_gather, all_reduce, reduce_scatter, wait
+from ..schedule.ops import Op
+from ..schedule.schedule import Schedule
+from ..schedule.structure import Role
+from .state import Reducing, StepState, regrow, release
+from .unit_io import gather_pieces, result_shard
+
+
+def gather_op(s: StepState, op: Op, index: int) -> None:
+    u, m = op.unit, s.model
+    unit = s.schedule.units[u]
+    for frozen, shard in gather_pieces(s, unit):
+        key = (u, frozen)
+        if len(unit.rows) == 1 and key in s.released:
+            # back into the storage a live graph saved views of
+            out = regrow(s.released[key].buffer).view(-1)
+        else:  # a new buffer; one rank's: the shard itself (see fz3/comm)
+            out = None
+        flat = shard if shard.dim() == 1 else shard.reshape(-1)
+        s.gathering[key] = all_gather(m.comm, out, flat, Label(s.schedule, op))
+
+
+def wait_op(s: StepState, op: Op, index: int) -> None:
+    u, world = op.unit, s.model.world_size
+    unit = s.schedule.units[u]
+    k = len(unit.rows)
+    for frozen in (False, True):
+        key = (u, frozen)
+        if key not in s.gathering:
+            continue
+        out = wait(s.gathering.pop(key))
+        if unit.role is not Role.STACK:
+            buf = out
+        elif k == 1:
+            buf = out.view(1, -1)
+        elif key in s.released:
+            # rank-major (world, k, n) -> layer-major (k, world*n), in place
+            buf = regrow(s.released[key].buffer)
+            buf.copy_(out.view(world, k, -1).transpose(0, 1).reshape(buf.shape))
+        else:
+            buf = out.view(world, k, -1).transpose(0, 1).reshape(k, -1)
+        if unit.role is Role.STACK and not frozen:  # a one-layer unit's row: as gathered
+            s.rows[u] = (out,) if k == 1 else buf.unbind(0)
+        if key in s.released:
+            # The graph's saved views now hold the same values again; collectives and the copy
+            # bumped the version counter (gloo: when the work completes), which autograd would
+            # take for an in-place change. Restore it.
+            with s.released.pop(key).version:
+                pass
+        s.gathered[key] = buf
+
+
+def free_op(s: StepState, op: Op, index: int) -> None:
+    u = op.unit
+    saved = s.saved.get(u)
+    s.rows.pop(u, None)
+    # traced layers whose residuals view none of the buffer do not hold it
+    graph = saved is not None and saved.graph
+    held = (graph and (saved.engine is None or saved.engine.holds_buffer)
+            or held_by_a_reader(s, u))
+    for key in ((u, False), (u, True)):
+        buf = s.gathered.pop(key, None)
+        # a live graph holds views: free the storage only (not the parameters' own, which a
+        # one-rank run computes on)
+        if buf is not None and held and not s.is_shard(key, buf):
+            s.released[key] = release(buf)
+
+
+def held_by_a_reader(s: StepState, u: int) -> bool:
+    """A shared unit's buffer is an input of every graph that read it: one kept until its
+    backward (pre's, a between's, a saved layer's) would keep the whole buffer alive."""
+    units = s.schedule.units
+    return units[u].role is Role.SHARED and any(
+        saved.graph and u in units[v].reads for v, saved in s.saved.items())
+
+
+def reduce_op(s: StepState, op: Op, index: int) -> None:
+    u, m = op.unit, s.model
+    g = s.unreduced.pop(u)
+    if s.carry and u in s.carry:  # gradients deferred from earlier micro-batches
+        g = s.carry.pop(u).add_(g)
+    unit = s.schedule.units[u]
+    shard = result_shard(s, unit)  # fully written by the reduce
+    if s.schedule.reduce == "all_reduce":  # in place, on the layer-major memory of g
+        # (k, world, n): no copy
+        g = g if unit.role is not Role.STACK else g.transpose(0, 1).contiguous()
+        s.reducing[u] = Reducing(all_reduce(m.comm, g, label=Label(s.schedule, op)), shard)
+    else:
+        rdt = m.precision.reduce
+        out = (shard if rdt == torch.float32
+               else torch.empty(shard.numel(), dtype=rdt, device=m.device))
+        s.reducing[u] = Reducing(reduce_scatter(m.comm, out, g if g.dim() == 1 else g.reshape(-1),
+                                                Label(s.schedule, op)), shard)
+
+
+def wait_reduce_op(s: StepState, op: Op, index: int) -> None:
+    u, comm = op.unit, s.model.comm
+    pending, shard = s.reducing.pop(u)
+    out = wait(pending)
+    if s.schedule.reduce == "all_reduce":  # this rank's chunk of each layer
+        stack = s.schedule.units[u].role is Role.STACK
+        mine = out[:, comm.rank] if stack else out.view(comm.world_size, -1)[comm.rank]
+        shard.view(mine.shape).copy_(mine)
+    elif out.data_ptr() != shard.data_ptr():
+        shard.copy_(out)
+    # hybrid: sum the shard across replicas, waited at the end
+    if comm.replicas > 1 and s.reduces_replicas:
+        s.replicating.append(all_reduce(comm, shard, group=comm.replicate_group,
+                                        label=Label(s.schedule, op)))
+
+
+def accumulate_op(s: StepState, op: Op, index: int) -> None:
+    g = s.unreduced.pop(op.unit)
+    s.carry[op.unit] = g if op.unit not in s.carry else s.carry[op.unit].add_(g)
+
+
+# The executor's own helpers: naming collectives, averaging the loss.
+
+
+class Label(NamedTuple):
+    """What a collective is, named only if it fails (no string is built on the hot path)."""
+
+    schedule: Schedule
+    op: Op
+
+    def __str__(self) -> str:
+        return self.schedule.describe(self.op)
