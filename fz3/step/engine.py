@@ -19,6 +19,12 @@ between unit whose extra outputs the layers take (``Produced``). Two implementat
 that cannot be traced). ``holds_buffer`` says whether residuals may view the gathered buffer
 (then ``free`` keeps its storage object, ``fz3.step.executor``).
 
+Pre, between and post units run through the same three methods (``Stage``): ``h`` is their
+input (none for pre: the batch is theirs), ``extras`` the batch, ``forward`` returns their
+outputs (``(h, extras)``, or post's ``(loss, aux)``) and keeps their graph, ``backward``
+takes the cotangent of h (post: the loss's seed) and their extras' summed cotangents, and
+returns one gradient per trained buffer they read (``StagePieces``) and h's.
+
 A later per-layer output with its own cotangent (an MoE router's statistics) is one more
 element of ``h``'s side of the protocol: ``forward`` returns it beside ``h``, ``backward``
 takes its cotangent beside ``g``; no new channel.
@@ -27,10 +33,11 @@ takes its cotangent beside ``g``; no new channel.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
+from ..schedule.structure import Role
 from ..sharding import compute
 from ..sharding.binding import Binding
 from ..sharding.parts import Part
@@ -98,3 +105,63 @@ class AutogradLayers:
                    for j, row in enumerate(rows)]
         return compute.run_layers(self.bindings, tensors, h, extras, part.path,
                                   part.first + self.first, self.writes)
+
+
+class StagePieces(NamedTuple):
+    """A pre, between or post unit's gathered memory."""
+
+    # its trained buffer, then those of the shared units it reads (``Unit.reads``' order)
+    trained: tuple[torch.Tensor, ...]
+    # views(trained or leaves of them) -> what its function is called with (frozen ones too)
+    views: Callable[[Sequence[torch.Tensor] | None], list[torch.Tensor]]
+
+
+class StageGraph(NamedTuple):
+    """``Stage``'s residuals: its graph, by its ends."""
+
+    x: torch.Tensor | None  # its input's leaf (None for pre)
+    out: tuple  # (h, extras), or post's (loss, aux)
+    leaves: tuple[torch.Tensor, ...]  # aliasing ``StagePieces.trained``
+
+
+class Stage:
+    """Pre, a between function or the loss (post) through autograd (see the module's Note).
+    Its graph is kept whenever gradients are wanted: pre's decides which extras (rotary
+    tables, masks, ...) carry gradient, and costs one activation."""
+
+    holds_buffer = True
+
+    def __init__(self, binding: Binding, role: Role, name: str, has_aux: bool = False):
+        self.binding, self.role, self.name, self.has_aux = binding, role, name, has_aux
+
+    def forward(self, pieces: StagePieces, h: torch.Tensor | None, batch: Any) -> tuple:
+        leaves = tuple(compute.leaf(b) for b in pieces.trained)
+        x = None if self.role is Role.PRE else h.detach().requires_grad_()
+        with torch.enable_grad():
+            out = self._run(pieces.views(leaves), x, batch)
+        return out, StageGraph(x, out, leaves)
+
+    def inference(self, pieces: StagePieces, h: torch.Tensor | None, batch: Any) -> tuple:
+        with torch.no_grad():
+            return self._run(pieces.views(None), h, batch)
+
+    def backward(self, pieces: StagePieces, graph: StageGraph, g: torch.Tensor,
+                 extras: Produced | None) -> tuple:
+        """``(one gradient per trained buffer, h's, ())``: through its outputs that require
+        grad and have a cotangent (``g`` for h or the loss; ``extras.grads`` for extras)."""
+        first, rest = graph.out
+        cotangents = [(first, g)] + ([] if extras is None else
+                                     [(rest[j], extras.grads.get(j)) for j in extras.positions])
+        outputs = [(t, c) for t, c in cotangents if t.requires_grad and c is not None]
+        wrt = [*graph.leaves, *(() if graph.x is None else (graph.x,))]
+        grads = (torch.autograd.grad([t for t, _ in outputs], wrt, [c for _, c in outputs],
+                                     allow_unused=True)
+                 if outputs else (None,) * len(wrt))
+        n = len(graph.leaves)
+        return grads[:n], (None if graph.x is None else grads[n]), ()
+
+    def _run(self, tensors: list[torch.Tensor], x: torch.Tensor | None, batch: Any) -> tuple:
+        if self.role is Role.POST:
+            return compute.run_loss(self.binding, self.has_aux, tensors, x, batch, self.name)
+        args = (batch,) if self.role is Role.PRE else (x, batch)
+        return compute.run_stage(self.binding, tensors, args, self.name)

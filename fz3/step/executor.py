@@ -57,8 +57,8 @@ from .engine import Produced
 from .state import Frame, Loss, Result, Saved, StepState
 from .movement import (accumulate_op, free_op, gather_op, reduce_op, wait_op,
                        wait_reduce_op)
-from .unit_io import (add_gradients, call_tensors, detached, frame_of, grad_leaves,
-                      layer_engine, or_zeros, pieces)
+from .unit_io import (add_gradients, detached, frame_of, layer_engine, or_zeros, pieces,
+                      stage_engine, stage_pieces)
 
 
 def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any, recorder=None,
@@ -120,24 +120,22 @@ def _forward(s: StepState, op: Op, index: int) -> Frame:
 
 
 def _forward_stage(s: StepState, op: Op, index: int) -> Frame:
-    """pre, or a between function. Its graph is kept whenever gradients are wanted: it decides
-    which extras (rotary tables, masks, ...) carry gradient, and costs one activation."""
-    u, grad = op.unit, s.schedule.grad
-    unit = s.schedule.units[u]
-    leaves = grad_leaves(s, u) if grad else None
-    x = s.batch if unit.role is Role.PRE else s.h.detach().requires_grad_(grad)
-    args = (s.batch,) if unit.role is Role.PRE else (x, s.batch)
-    with torch.set_grad_enabled(grad):
-        h, extras = compute.run_stage(s.model.functions[unit.part], call_tensors(s, u, leaves),
-                                      args, unit.name)
+    """pre, or a between function, through ``Stage`` (``fz3.step.engine``): its graph kept
+    whenever gradients are wanted."""
+    u = op.unit
+    engine, memory = stage_engine(s, u), stage_pieces(s, u)
+    x = None if s.schedule.units[u].role is Role.PRE else s.h
+    if s.schedule.grad:
+        (h, extras), graph = engine.forward(memory, x, s.batch)
+        s.saved[u] = Saved(x=graph.x, engine=engine, residuals=graph)
+        x = graph.x
+    else:
+        h, extras = engine.inference(memory, x, s.batch)
     positions = compute.differentiable(extras)
-    if grad:
-        s.saved[u] = Saved(x=x, out=(h, extras), leaves=tuple(leaves))
     s.h, s.producer = h.detach(), u
     produced = s.produced[u] = Produced(compute.detach_extras(extras, positions, grad=False),
                                         positions)
-    return frame_of(s, op, index, s.batch if unit.role is Role.PRE else x,
-                    (s.h, *produced.extras), None)
+    return frame_of(s, op, index, s.batch if x is None else x, (s.h, *produced.extras), None)
 
 
 def _forward_layers(s: StepState, op: Op, index: int) -> Frame:
@@ -158,24 +156,21 @@ def _forward_layers(s: StepState, op: Op, index: int) -> Frame:
 
 
 def _loss(s: StepState, op: Op, index: int) -> Frame:
+    """post, or the given loss function, through ``Stage``: with gradients its backward runs
+    at once, seeded 1/ranks (the reduces are sums over ranks, the loss a mean)."""
     u = op.unit
-    fn, has_aux = s.loss_fn
-    name = "post" if fn is s.model.post else "the loss function"
+    engine, memory = stage_engine(s, u), stage_pieces(s, u)
     grad, h_in = None, s.h
     if s.schedule.grad:
-        leaves, h = grad_leaves(s, u), s.h.detach().requires_grad_()
+        (loss, aux), graph = engine.forward(memory, s.h, s.batch)
         s.h = None  # the last layer's output: no op after the loss reads it (its frame's only)
-        with torch.enable_grad():
-            loss, aux = compute.run_loss(fn, has_aux, call_tensors(s, u, leaves), h, s.batch, name)
-        # Seed 1/ranks: the reduces are sums over ranks, the loss a mean.
         seed = torch.full_like(loss, 1.0 / _ranks(s)) * s.loss_scale
-        g = torch.autograd.grad(loss, [h, *leaves], seed, allow_unused=True)
-        s.grad_h = or_zeros(g[0], h)
-        grad = add_gradients(s, u, g[1:], leaves)
+        g_trained, g_h, _ = engine.backward(memory, graph, seed, None)
+        s.grad_h = or_zeros(g_h, graph.x)
+        grad = add_gradients(s, u, g_trained, graph.leaves)
         s.rng_after = rng.capture(s.model.device)
     else:
-        with torch.no_grad():
-            loss, aux = compute.run_loss(fn, has_aux, call_tensors(s, u, None), s.h, s.batch, name)
+        loss, aux = engine.inference(memory, s.h, s.batch)
     s.loss, s.aux = loss.detach(), detached(aux)
     s.loss_mean = all_reduce(s.model.comm, s.loss.float() / _ranks(s), group=s.model.comm.group,
                              label="the loss's mean")
@@ -218,19 +213,14 @@ def _backward_layers(s: StepState, op: Op, index: int) -> Frame:
 
 def _backward_stage(s: StepState, op: Op, index: int) -> Frame:
     u = op.unit
-    saved, produced = s.saved.pop(u), s.produced[u]
-    (h, extras), leaves = saved.out, list(saved.leaves)
-    summed = produced.grads
-    outputs = [(h, s.grad_h)] + [(extras[j], summed.get(j)) for j in produced.positions]
-    outputs = [(t, g) for t, g in outputs if t.requires_grad and g is not None]
-    between = s.schedule.units[u].role is Role.BETWEEN
-    wrt = [*leaves, saved.x] if between else leaves
-    grads = torch.autograd.grad([t for t, _ in outputs], wrt, [g for _, g in outputs],
-                                allow_unused=True) if outputs else [None] * len(wrt)
+    saved = s.saved.pop(u)
+    g_trained, g_x, _ = saved.engine.backward(stage_pieces(s, u), saved.residuals, s.grad_h,
+                                              s.produced[u])
     grad_out = s.grad_h
+    between = s.schedule.units[u].role is Role.BETWEEN
     if between:
-        s.grad_h, grads = or_zeros(grads[-1], saved.x), grads[:-1]
-    flat = add_gradients(s, u, grads, leaves)
+        s.grad_h = or_zeros(g_x, saved.x)
+    flat = add_gradients(s, u, g_trained, saved.residuals.leaves)
     return frame_of(s, op, index, grad_out, s.grad_h if between else None, flat)
 
 

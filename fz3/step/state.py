@@ -55,19 +55,18 @@ class Loss(NamedTuple):
 class Saved(NamedTuple):
     """What a unit's forward kept for its backward (built by keyword)."""
 
-    x: Any  # the unit's input: h, or the batch for pre (a layer unit recomputes from it)
+    x: Any  # the unit's input: h (a layer unit recomputes from it; pre: None)
     producer: int = -1  # layers: the pre or between unit whose extras they took
-    engine: Any = None  # layers: what runs them (``fz3.step.engine``'s protocol)
-    # layers: what their forward kept (a ``forward_save``); None: recomputed from x and rng
+    engine: Any = None  # what runs it (``fz3.step.engine``'s protocol)
+    # what its forward kept (pre and between: their graph; layers under ``forward_save``);
+    # None: a layer unit recomputed from x and rng
     residuals: Any = None
     rng: RngState | None = None  # recompute: the RNG state before the forward (dropout)
-    out: Any = None  # pre and between: their outputs (h, extras), the ends of their graph
-    leaves: tuple = ()  # pre and between: leaves aliasing their trained buffers (and reads')
 
     @property
     def graph(self) -> bool:
         """Whether it keeps a graph or residuals (not only its input)."""
-        return self.residuals is not None or self.out is not None
+        return self.residuals is not None
 
 
 class Released(NamedTuple):

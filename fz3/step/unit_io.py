@@ -8,15 +8,14 @@ unreduced gradient, the shared units it reads, the step's result, the ``Frame``)
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import optree
 import torch
 
 from ..schedule.ops import Op
 from ..schedule.structure import Role
-from ..sharding import compute
-from .engine import AutogradLayers, Pieces
+from .engine import AutogradLayers, Pieces, Stage, StagePieces
 from .state import Frame, StepState
 
 
@@ -47,22 +46,32 @@ def _shard_rows(s: StepState, part: int) -> tuple[torch.Tensor, ...]:
     return rows
 
 
-def grad_leaves(s: StepState, u: int) -> list[torch.Tensor]:
-    """Autograd leaves aliasing the trained buffers of a single unit and of the shared units it
-    reads: their gradients are the flat gradients."""
-    return [compute.leaf(s.gathered[v, False]) for v in (u, *s.schedule.units[u].reads)]
+def stage_pieces(s: StepState, u: int) -> StagePieces:
+    """A pre, between or post unit's gathered memory (``fz3.step.engine.StagePieces``): its
+    trained buffer and those of the shared units it reads, and the views its function takes
+    (``fz3.sharding.model.layouts``' order: each unit's trained, then frozen, parameters)."""
+    units = (u, *s.schedule.units[u].reads)
+
+    def views(trained: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+        out = []
+        for i, v in enumerate(units):
+            part = s.model.parts[s.schedule.units[v].part]
+            out += part.layout.views(s.gathered[v, False] if trained is None else trained[i])
+            if part.frozen is not None:
+                out += part.frozen.views(s.gathered[v, True])
+        return out
+
+    return StagePieces(tuple(s.gathered[v, False] for v in units), views)
 
 
-def call_tensors(s: StepState, u: int, leaves: list[torch.Tensor] | None) -> list[torch.Tensor]:
-    """What a single unit's function is called with (``fz3.sharding.model.layouts``' order):
-    views of the trained buffers (of ``leaves`` when given) and of the frozen ones."""
-    out = []
-    for i, v in enumerate((u, *s.schedule.units[u].reads)):
-        part = s.model.parts[s.schedule.units[v].part]
-        out += part.layout.views(s.gathered[v, False] if leaves is None else leaves[i])
-        if part.frozen is not None:
-            out += part.frozen.views(s.gathered[v, True])
-    return out
+def stage_engine(s: StepState, u: int) -> Stage:
+    """What runs a pre, between or post unit (post: the step's loss function)."""
+    unit = s.schedule.units[u]
+    if unit.role is Role.POST:
+        fn, has_aux = s.loss_fn
+        return Stage(fn, Role.POST, "post" if fn is s.model.post else "the loss function",
+                     has_aux)
+    return Stage(s.model.functions[unit.part], unit.role, unit.name)
 
 
 def pieces(s: StepState, u: int) -> Pieces:
@@ -88,8 +97,8 @@ def layer_engine(s: StepState, u: int, x: torch.Tensor):
                           unit.rows.start, s.model.writes_input)
 
 
-def add_gradients(s: StepState, u: int, grads, leaves: list[torch.Tensor]) -> torch.Tensor:
-    """Flat gradients of a single unit and of the shared units it reads (``grad_leaves``' order)
+def add_gradients(s: StepState, u: int, grads, leaves: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Flat gradients of a single unit and of the shared units it reads (``stage_pieces``' order)
     -> the unit's unreduced gradient, and contributions added into the shared units'."""
     own = None
     for v, g, leaf in zip((u, *s.schedule.units[u].reads), grads, leaves):
