@@ -10,6 +10,7 @@ on this module and this module knows nothing of policies.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, Sequence
 
@@ -56,6 +57,19 @@ class Schedule:
         ops = tuple(Op(OpKind(op[0]) if op[0] in _KIND_VALUES else op[0], *op[1:])
                     for op in self.ops)
         object.__setattr__(self, "ops", ops)
+
+    @functools.cached_property
+    def producers(self) -> dict[int, int]:
+        """Layer unit -> the pre or between unit whose extras it takes: the last one whose
+        forward runs before its own (computed once per schedule)."""
+        out, last = {}, -1
+        for op in self.ops:
+            if op.kind in (OpKind.FORWARD, OpKind.FORWARD_SAVE):
+                if self.units[op.unit].role in (Role.PRE, Role.BETWEEN):
+                    last = op.unit
+                elif self.units[op.unit].role is Role.STACK:
+                    out[op.unit] = last
+        return out
 
     @property
     def post(self) -> int:

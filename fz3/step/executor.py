@@ -132,7 +132,7 @@ def _forward_stage(s: StepState, op: Op, index: int) -> Frame:
     else:
         h, extras = engine.inference(memory, x, s.batch)
     positions = compute.differentiable(extras)
-    s.h, s.producer = h.detach(), u
+    s.h = h.detach()
     produced = s.produced[u] = Produced(compute.detach_extras(extras, positions, grad=False),
                                         positions)
     return frame_of(s, op, index, s.batch if x is None else x, (s.h, *produced.extras), None)
@@ -142,7 +142,8 @@ def _forward_layers(s: StepState, op: Op, index: int) -> Frame:
     """A layer unit through the layer protocol (``fz3.step.engine``): ``forward_save`` keeps
     its residuals; ``forward`` keeps its input and RNG state, to run ``forward`` again in
     backward (recompute)."""
-    u, x, producer = op.unit, s.h, s.producer
+    u, x = op.unit, s.h
+    producer = s.schedule.producers[u]
     engine, extras = layer_engine(s, u, x), s.produced[producer]
     if op.kind == OpKind.FORWARD_SAVE:
         s.h, residuals = engine.forward(pieces(s, u), x, extras)

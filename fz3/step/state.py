@@ -116,8 +116,8 @@ class StepState:
     grads: dict[int, torch.Tensor] = field(default_factory=dict)
     # the activation flowing forward, and its gradient flowing back
     h: torch.Tensor | None = None
-    producer: int = -1  # the last pre or between unit run: its extras go to the layers after it
-    produced: dict[int, Produced] = field(default_factory=dict)  # by producer: its extras
+    # by pre or between unit: its extras, as the layers after it take them
+    produced: dict[int, Produced] = field(default_factory=dict)
     grad_h: torch.Tensor | None = None
     # the loss
     loss: torch.Tensor | None = None  # this rank's

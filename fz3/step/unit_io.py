@@ -86,7 +86,7 @@ def layer_engine(s: StepState, u: int, x: torch.Tensor):
     lookup."""
     unit = s.schedule.units[u]
     if s.traced is not None:
-        produced = s.produced[s.producer]
+        produced = s.produced[s.schedule.producers[u]]
         if produced.traced is None:  # at the first layer that reads them in this step
             produced.traced = s.traced.extras(produced.extras, produced.positions)
         layers = s.traced.layers(unit.part, unit.rows.start, unit.rows.stop, x, produced.traced)
