@@ -57,6 +57,7 @@ from .hf.adapters import adapter_for
 from .hf.peft_models import checkpoint_names
 from .sharding.model import (BetweenFn, CallLayer, Params, PostFn, PreFn, Reader, ShardedModel,
                              build)
+from .sharding.checks import check_not_wrapped
 from .sharding.precision import Precision
 from .storage import pretrained
 from .storage.pretrained import Pretrained
@@ -74,6 +75,7 @@ def shard(module: nn.Module, layers: str | Sequence[str] | None = None,
     model and this rank's fp32 shards. The arguments: this module's docstring
     (``help(fz3.facade)``). **Collective**: every rank must call it (one small all-gather
     checks the ranks agree)."""
+    check_not_wrapped(module)  # before an adapter is looked up for a wrapper's class
     paths, pre, post, call_layer, check_batch = _functions_given(module, layers, pre, post,
                                                                  call_layer)
     read = None if weights is None else _checkpoint(weights, module)
@@ -101,11 +103,12 @@ def _functions_given(module: nn.Module, layers, pre, post, call_layer):
 
 def _checkpoint(weights, module: nn.Module) -> Reader:
     """Where the shards come from: each rank's slices of a checkpoint folder
-    (``fz3/storage/pretrained.py``), the skeleton's meta buffers made real first."""
-    source = weights if isinstance(weights, Pretrained) else Pretrained(weights)
-    names = checkpoint_names(module)
+    (``fz3/storage/pretrained.py``), the skeleton's meta buffers made real first. The folder
+    is opened when ``build`` asks, after its own checks (as before the façade)."""
 
     def read(skeleton: nn.Module, device: torch.device):
+        source = weights if isinstance(weights, Pretrained) else Pretrained(weights)
+        names = checkpoint_names(module)
         pretrained.materialize_buffers(skeleton, source, names, device)
         return functools.partial(pretrained.piece, source, names)
 

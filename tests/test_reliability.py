@@ -75,6 +75,8 @@ def wrapped_ranks(rank, world):
 
     with pytest.raises(TypeError, match=r"DistributedDataParallel wrapper; pass the plain module \(ddp.module\)"):
         fz3.shard(DistributedDataParallel(gpt(CFG)), "blocks", pre, post)
+    with pytest.raises(TypeError, match=r"DistributedDataParallel wrapper"):  # not "no adapter"
+        fz3.shard(DistributedDataParallel(gpt(CFG)))
     m = gpt(CFG)
     fully_shard(m)
     with pytest.raises(TypeError, match=r"already sharded by FSDP \(FSDPGPT.*before fully_shard"):
@@ -82,6 +84,10 @@ def wrapped_ranks(rank, world):
     # post touching a layer's parameter (outside the outer unit) is named
     model, params = fz3.shard(gpt(CFG), "blocks", pre, lambda m, h, b: (h.sum() + m.blocks[0].fc.weight.sum()))
     with pytest.raises(ValueError, match="post used a parameter outside its part"):
+        fz3.value_and_grad(model)(params, batches(CFG, 1)[0])
+    # a loss with nothing to differentiate is refused, not trained on zero gradients
+    model, params = fz3.shard(gpt(CFG), "blocks", pre, lambda m, h, b: h.sum().detach())
+    with pytest.raises(RuntimeError, match=r"post returned a loss that does not require grad"):
         fz3.value_and_grad(model)(params, batches(CFG, 1)[0])
     return "ok"
 

@@ -138,6 +138,51 @@ class Tagged(Lin):
         self.tag = tag
 
 
+class Typed(Lin):
+    """Layers that differ in a float their code only type-checks: hiding it must not pass."""
+
+    def __init__(self, w):
+        super().__init__()
+        self.w = w
+
+    def forward(self, h):
+        if isinstance(self.w, float):
+            h = h * self.w
+        return h + self.lin(h)
+
+
+class Flagged(Lin):
+    """Layers that differ in a flag tested by identity (never hidden: ``is`` cannot refuse)."""
+
+    def __init__(self, flag):
+        super().__init__()
+        self.flag = flag
+
+    def forward(self, h):
+        return h + (self.lin(h) if self.flag is True else torch.tanh(self.lin(h)))
+
+
+class Scaled(nn.Module):
+    def __init__(self, s):
+        super().__init__()
+        self.s = s
+
+    def forward(self, h):
+        return h * self.s
+
+
+class Optional(Lin):
+    """Layers whose submodules differ (stochastic depth's ``DropPath(p) if p else Identity()``):
+    a varying value that some layers do not hold at all."""
+
+    def __init__(self, s):
+        super().__init__()
+        self.extra = Scaled(s) if s else nn.Identity()
+
+    def forward(self, h):
+        return h + self.extra(self.lin(h))
+
+
 def _hooked():
     layer = Lin()
     layer.register_forward_hook(lambda m, args, out: out * 2)
@@ -158,6 +203,9 @@ def fallback_ranks(rank, world):
                                r"layers\.0 cannot be traced: it makes a tensor from Python "
                                r"values \(torch\.tensor\(\.\.\.\), or a number written through a view"),
         "plain": ([Lin() for _ in range(3)], None),
+        "typed": ([Typed(w) for w in (2.0, 3.0, 4.0)], None),
+        "flagged": ([Flagged(f) for f in (True, False, True)], None),
+        "optional": ([Optional(s) for s in (0, 0.5, 0.7)], None),
     }
     for name, (layers, why) in cases.items():
         torch.manual_seed(0)
@@ -178,10 +226,10 @@ def fallback_ranks(rank, world):
             # with the index hidden); their code differs, so do their programs
             assert step.traced.groups[model.part_index("layers")].own == [0, 1, 2]
             assert len(programs) == 3 and len(traces) == 4, (programs, traces)
-        if name == "tagged":  # one trace, with the tag hidden, for all three
+        if name == "tagged":  # two traces for all three: the tag hidden, and layer 0's own
             assert step.traced.groups[model.part_index("layers")].own == [0, 1, 2]
             assert step.traced.groups[model.part_index("layers")].alike == [0, 0, 0]
-            assert len(programs) == 1 and len(traces) == 1, (programs, traces)
+            assert len(programs) == 1 and len(traces) == 2, (programs, traces)
         if name == "plain":
             assert step.traced.groups[model.part_index("layers")].own == [0, 0, 0]
     # one step function, h of two shapes: traced once per shape, each step equal

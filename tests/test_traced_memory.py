@@ -176,3 +176,32 @@ def test_memory_plan_measures_the_engine_that_runs():
     import dist
 
     assert len(dist.run(2, plan_vs_live_ranks, timeout=300)[0]) == 8
+
+
+def plan_in_its_mode_ranks(rank, world):
+    """A plan traces the layers (the step reuses the programs): in the planned model's mode,
+    whatever mode the module was in, so eval steps after an eval plan draw no dropout."""
+    import fz3
+    from fz3.models import shard_gpt
+    from fz3.models.gpt import synthetic_batch
+
+    cfg = GPTConfig(vocab=37, seq=8, dim=16, heads=2, layers=2, dropout=0.5)
+    for module_train, planned_train in ((True, False), (False, True)):
+        torch.manual_seed(0)
+        module = GPT(cfg).train(module_train)
+        model, params = shard_gpt(module)
+        planned = model.train(planned_train)
+        batch = synthetic_batch(cfg, 2, seed=rank)
+        fz3.memory_plan(planned, fz3.plan(planned), batch)  # traces, in planned's mode
+        torch.manual_seed(1)
+        traced, _ = fz3.value_and_grad(planned)(params, batch)
+        torch.manual_seed(1)
+        plain, _ = fz3.value_and_grad(planned, trace=False)(params, batch)
+        assert torch.equal(traced, plain), (module_train, planned_train, traced, plain)
+    return "ok"
+
+
+def test_a_plan_traces_in_the_models_mode():
+    import dist
+
+    assert dist.run(1, plan_in_its_mode_ranks) == ["ok"]

@@ -105,6 +105,9 @@ def activation_sizes(model: ShardedModel, batch: Any,
             if got is not None:
                 sizes[i] = got
                 return None
+        if layer is not None:  # a layer's first call learns whether it writes into its input
+            with torch.no_grad():  # (``compute.guarded``: a copy then); not measured
+                run()
         with torch.no_grad(), LiveBytes() as live:
             run()
         forward = live.peak
@@ -145,7 +148,9 @@ def traced_sizes(traced: TracedLayers, i: int,
     function on it."""
     positions = compute.differentiable(layer.extras)
     extras = traced.extras(compute.detach_extras(layer.extras, positions, grad=False), positions)
-    got = traced.layers(i, 0, 1, layer.h, extras)
+    # every layer of the part traced (as the first step does; kept for it): if one cannot
+    # be, the part runs through autograd and is measured so
+    got = traced.layers(i, 0, traced.model.parts[i].rows, layer.h, extras)
     if got is None:
         return None
     programs = got.programs[0]

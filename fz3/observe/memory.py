@@ -137,7 +137,9 @@ def memory_plan(model: ShardedModel, schedule: Schedule, batch: Any, *,
     ``trace``: the engine the step runs (``fz3.value_and_grad``'s ``trace``, on by default):
     a layer it traces is measured by its programs, its kept "graph" being its residuals,
     known from the trace (``fz3.observe.activations.traced_sizes``; the programs are kept
-    for the step); ``trace=False``, and a layer that cannot be traced, by autograd.
+    for the step); ``trace=False``, and a layer that cannot be traced, by autograd. With
+    ``compile=True`` the traced programs are measured as Python (inductor's fused kernels
+    allocate fewer temporaries: the plan errs high there).
     """
     traced = TracedLayers(model) if trace else None
     sizes = ModelSizes(model, schedule, activation_sizes(model, batch, traced))

@@ -9,15 +9,16 @@ The executor calls a unit of a stack's layers only through three methods:
   steps, and ``recompute``'s first forward, which runs ``forward`` again in backward from
   the saved input and RNG state);
 - ``backward(pieces, residuals, g, extras) -> (grad_buffer, grad_h, grad_extras)``: the
-  gradient of the unit's trained buffer (``Pieces.buffer``'s shape), of its input, and of
-  each extra that carries gradient (``Produced.positions``' order, summed over its layers).
+  gradient of the unit's trained buffer (``(padded,)`` or ``(1, padded)`` for one layer,
+  ``(k, padded)`` for k), of its input, and of each extra that carries gradient
+  (``Produced.positions``' order, summed over its layers).
 
 ``pieces`` are the unit's gathered memory (``Pieces``), ``extras`` the record of the pre or
 between unit whose extra outputs the layers take (``Produced``). Two implementations:
 ``fz3.step.traced.Layers`` (traced programs, compiled by inductor with ``compile=True``) and
 ``AutogradLayers`` below (the layer's Python through autograd: ``trace=False``, and layers
 that cannot be traced). ``holds_buffer`` says whether residuals may view the gathered buffer
-(then ``free`` keeps its storage object, ``fz3.step.executor``).
+(then ``free`` keeps its storage object, ``fz3.step.movement``).
 
 Pre, between and post units run through the same three methods (``Stage``): ``h`` is their
 input (none for pre: the batch is theirs), ``extras`` the batch, ``forward`` returns their
@@ -150,6 +151,10 @@ class Stage:
         """``(one gradient per trained buffer, h's, ())``: through its outputs that require
         grad and have a cotangent (``g`` for h or the loss; ``extras.grads`` for extras)."""
         first, rest = graph.out
+        if self.role is Role.POST and not first.requires_grad:
+            raise RuntimeError(f"{self.name} returned a loss that does not require grad (it was "
+                               f"detached, or computed from no parameter and not from h): "
+                               f"there is nothing to differentiate")
         cotangents = [(first, g)] + ([] if extras is None else
                                      [(rest[j], extras.grads.get(j)) for j in extras.positions])
         outputs = [(t, c) for t, c in cotangents if t.requires_grad and c is not None]

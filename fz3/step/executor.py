@@ -215,8 +215,9 @@ def _backward_layers(s: StepState, op: Op, index: int) -> Frame:
 def _backward_stage(s: StepState, op: Op, index: int) -> Frame:
     u = op.unit
     saved = s.saved.pop(u)
+    # its extras' summed cotangents go with their record: nothing after it reads them
     g_trained, g_x, _ = saved.engine.backward(stage_pieces(s, u), saved.residuals, s.grad_h,
-                                              s.produced[u])
+                                              s.produced.pop(u))
     grad_out = s.grad_h
     between = s.schedule.units[u].role is Role.BETWEEN
     if between:

@@ -60,8 +60,9 @@ class Kernels:
                                        f"it as Python") from e
                 warnings.warn(f"fz3: {why}; it runs as Python (strict=True raises)",
                               stacklevel=6)
-                self._kernels[key] = python
-        return self._kernels[key]
+                self._kernels[key] = _FAILED
+        got = self._kernels[key]
+        return python if got is _FAILED else got
 
 
 class _Inductor:
@@ -71,18 +72,23 @@ class _Inductor:
     def __init__(self, owner: Kernels, graph: torch.fx.Graph, python: Callable[..., Any],
                  name: str, boxed: bool = False):
         self.owner, self.graph, self.python, self.boxed = owner, graph, python, boxed
-        self.name, self.fn = name, None
+        self.name, self.fn, self.native = name, None, False
 
     def __call__(self, *args: Any) -> Any:
-        if self.boxed:  # the program's convention: one list (its residuals live to the end here)
+        if self.fn is None:
+            example = tuple(args[0]) if self.boxed else args
+            self.fn = self.owner.kernel(self.graph, example, self.python, self.name)
+            self.native = self.fn is self.python
+            del example
+        if self.native:  # inductor failed: the Python program, in its own convention (the
+            return self.fn(*args)  # backward's list, emptied as each residual is last used)
+        if self.boxed:  # inductor's convention: the arguments (they live to the end here)
             (box,) = args
             args = tuple(box)
             box.clear()
-        if self.fn is None:
-            self.fn = self.owner.kernel(self.graph, args, self._python, self.name)
         return self.fn(*args)
 
-    def _python(self, *args: Any) -> Any:
-        return self.python(list(args)) if self.boxed else self.python(*args)
+
+_FAILED = object()  # a program inductor could not compile: each caller runs its own Python
 
 

@@ -15,7 +15,11 @@ comparison, arithmetic, indexing, hashing, formatting, attribute access) raises,
 that completes computed nothing from those values: every layer of the group would trace to
 the same graph, and shares its programs. A trace that fails so is made again per ``own``
 group, as before (HF's ``layer_idx`` is read only by a KV cache, which training does not
-pass). Not seen: ``is`` and ``type()`` of the value, which no layer code we know branches on.
+pass). Only ints, floats and strings of one type in every layer are hidden (``is None`` and
+``is True`` would pass an ``Unread`` by), and the hidden trace must read exactly like the
+same layer's trace with its own values (``fz3.step.traced``: one trace more per stack):
+``type()`` of the value, the one use that neither raises nor shows in the graph, is then
+the same for every layer too.
 """
 
 from __future__ import annotations
@@ -49,9 +53,7 @@ def groups(bindings: Sequence[Binding], part: Part, failed: dict[str, str]) -> G
             return Groups([], [], ())
     if part.reads:
         failed[part.name] = f"{part.name} reads shared parameters"
-    varying = tuple(sorted({key for s in states for key, value in s[2].items()
-                            if _plain(value) and any(t[2].get(key, _MISSING) != value
-                                                     for t in states)}))
+    varying = _varying([attrs for _, _, attrs in states])
     own: dict[tuple, int] = {}
     alike: dict[tuple, int] = {}
     out_own, out_alike = [], []
@@ -62,6 +64,19 @@ def groups(bindings: Sequence[Binding], part: Part, failed: dict[str, str]) -> G
         out_alike.append(alike.setdefault((fn, modules, rest, tuple(k for k, _ in items)),
                                           len(alike)))
     return Groups(out_own, out_alike, varying)
+
+
+def _varying(layers: list[dict]) -> tuple[tuple[str, str], ...]:
+    """The attributes every layer holds, each a plain value of one type (not None, not a
+    bool: ``is`` tests on those would pass an ``Unread`` by), whose values differ."""
+    common = set(layers[0]).intersection(*layers[1:]) if layers else set()
+    out = []
+    for key in common:
+        values = [attrs[key] for attrs in layers]
+        kinds = {type(v) for v in values}
+        if (len(kinds) == 1 and kinds <= {int, float, str} and len(set(values)) > 1):
+            out.append(key)
+    return tuple(sorted(out))
 
 
 @contextlib.contextmanager
@@ -80,7 +95,8 @@ def hidden(binding: Binding, varying: Sequence[tuple[str, str]]) -> Iterator[Non
 
 
 class Unread:
-    """An attribute's stand-in that no use of may succeed ([Note: hidden attributes])."""
+    """An attribute's stand-in that no use of may succeed ([Note: hidden attributes]): its
+    class too is refused (``isinstance`` asks for it once the type differs)."""
 
     __slots__ = ("_name",)
 
@@ -94,16 +110,17 @@ class Unread:
     def __getattr__(self, name: str) -> Any:
         return self._refuse()
 
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        return self._refuse()
+
 
 for _dunder in ("bool index int float complex eq ne lt le gt ge hash str repr format len iter "
-                "next contains getitem setitem call add radd sub rsub mul rmul truediv "
+                "next contains getitem setitem add radd sub rsub mul rmul truediv "
                 "rtruediv floordiv rfloordiv mod rmod pow rpow neg pos abs and rand or ror xor "
                 "rxor lshift rlshift rshift rrshift invert round trunc floor ceil matmul "
                 "rmatmul divmod rdivmod enter exit fspath").split():
     setattr(Unread, f"__{_dunder}__", Unread._refuse)
-
-_MISSING = object()
-
 
 def _state(binding: Binding) -> tuple[int, tuple, dict]:
     """What a layer's code can read besides its parameters and inputs: its function, its
@@ -119,9 +136,15 @@ def _state(binding: Binding) -> tuple[int, tuple, dict]:
                         not isinstance(v, bool):
                     raise TraceError(f"{path or 'it'} has hooks ({k}), which a trace would skip")
                 continue
-            attrs[path, k] = v if _plain(v) else ("id", id(v))
+            attrs[path, k] = v if _plain(v) else _Id(id(v))
         modules.append((path, type(module)))
     return id(binding.module.fn), tuple(modules), attrs
+
+
+class _Id(NamedTuple):
+    """A value that is not plain, compared by identity (never hidden)."""
+
+    id: int
 
 
 _MODULE_OWN = frozenset(vars(torch.nn.Module()))

@@ -7,8 +7,8 @@ file decides which layers share them and when they are made:
   is not a parameter, a submodule or an empty hook table: ``layer_idx``, a sliding window, a
   function): those run the same code with the same constants. Layers that differ only in
   plain values their trace never reads (HF's ``layer_idx``, read only by a KV cache) share
-  them too, found in one trace (``fz3.step.layer_groups``, [Note: hidden attributes]): the
-  first step costs one trace per stack, whatever its depth. A layer whose trace does read
+  them too, found in two traces (``fz3.step.layer_groups``, [Note: hidden attributes]): the
+  first step costs two traces per stack, whatever its depth. A layer whose trace does read
   such a value is traced on its own, and shares the programs of an earlier layer whose
   joint graph reads the same (its printed code: ops and argument values; only the trace
   itself is paid again).
@@ -37,6 +37,7 @@ from ..schedule.structure import Role
 from ..sharding.binding import Binding
 from ..sharding.model import ShardedModel
 from ..sharding.parts import Part
+from ..sharding import compute
 from ..sharding.compute import LayerName
 from .engine import Pieces, Produced
 from .inductor import Kernels
@@ -158,7 +159,7 @@ class TracedLayers:
     def layers(self, part_index: int, first: int, stop: int, h: torch.Tensor,
                extras: Extras) -> Layers | None:
         """The programs for layers ``[first, stop)`` of a stack on ``h`` and ``extras``, or
-        None: they run through autograd (or dynamo). Traced at the first call per signature.
+        None: they run through autograd. Traced at the first call per signature.
         On the per-layer path: once traced, one dict lookup."""
         unit = (part_index, first, stop, h.shape, h.stride(), h.dtype, self.model.training,
                 extras.key)
@@ -188,16 +189,22 @@ class TracedLayers:
     def _group(self, i: int, part: Part, layer: int, h: torch.Tensor, extras: Extras,
                signature: tuple) -> Programs | None:
         """The programs ``layer`` shares: its ``alike`` group's, traced once with the varying
-        values hidden, or (that trace read one) its ``own`` group's."""
+        values hidden and found to read as the same layer's own trace (two traces per stack),
+        or (the hidden trace read one) its ``own`` group's."""
         groups = self.groups[i]
+        own = (i, groups.own[layer], signature)
         if groups.varying:
             alike = (i, "alike", groups.alike[layer], signature)
             if alike not in self._programs:
-                self._programs[alike] = self._trace(i, part, layer, h, extras, signature,
-                                                    hide=groups.varying)
+                shared = self._trace(i, part, layer, h, extras, signature, hide=groups.varying)
+                if shared is not None:  # and it reads as this layer's own trace does
+                    if own not in self._programs:
+                        self._programs[own] = self._trace(i, part, layer, h, extras, signature)
+                    mine = self._programs[own]
+                    shared = shared if mine is not None and mine.graphs is shared.graphs else None
+                self._programs[alike] = shared
             if self._programs[alike] is not None:
                 return self._programs[alike]
-        own = (i, groups.own[layer], signature)
         if own not in self._programs:
             self._programs[own] = self._trace(i, part, layer, h, extras, signature)
         return self._programs[own]
@@ -245,8 +252,10 @@ class TracedLayers:
         """A layer's programs, or why it cannot be traced. Layers whose modules differ (HF's
         ``layer_idx``) but whose joint graphs read alike share programs: only the first is
         split and turned into code."""
-        try:
-            joint = joint_trace(_layer(binding, part, extras.flat), inputs, frozen, extras.diff)
+        try:  # in the model's mode (a memory plan traces outside a step): dropout or not
+            with compute.mode(self.model):
+                joint = joint_trace(_layer(binding, part, extras.flat), inputs, frozen,
+                                    extras.diff)
         except TraceError as e:
             return e
         alike = ("joint", joint.code, part.layout, part.frozen, signature)

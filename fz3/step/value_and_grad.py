@@ -104,11 +104,11 @@ def apply(model: ShardedModel, params: Params, batch: Any, *,
     call would trace and compile again).
     **Collective**: every rank must call it (the schedule is compared across ranks first)."""
     check_call(model, params, batch, entry="fz3.apply")  # local: a bad batch fails here
-    sched = prepare(model, schedule, grad=False, entry="apply")
     if isinstance(compile, ValueAndGrad):
         traced = compile.traced
-    else:
+    else:  # local too: refused options fail before the schedule's collective
         traced = layer_runner(model, trace=trace, compile=compile, strict=False)
+    sched = prepare(model, schedule, grad=False, entry="apply")
     result = drain(execute(model, sched, params, batch, recorder,
                            loss=loss_of(model, loss, has_aux), traced=traced, frames=False))
     return (result.loss, result.aux) if has_aux else result.loss
