@@ -45,11 +45,13 @@ from ..sharding.parts import Part
 
 
 class Pieces(NamedTuple):
-    """A layer unit's gathered memory."""
+    """A unit's gathered memory (``StepState.gathered``, made by its ``wait``)."""
 
-    buffer: torch.Tensor  # its trained buffer: (1, padded) for one layer, (k, padded) for k
-    rows: tuple[torch.Tensor, ...]  # each layer's trained row, 1-D, as gathered
-    frozen: torch.Tensor | None  # its frozen buffer, (k, frozen padded), or None
+    # its trained buffer: a layer unit's (1, padded) for one layer, (k, padded) for k; any
+    # other unit's (padded,)
+    buffer: torch.Tensor
+    rows: tuple[torch.Tensor, ...]  # a layer unit's: each layer's trained row, 1-D, as gathered
+    frozen: torch.Tensor | None  # its frozen buffer ((k, frozen padded) for layers), or None
 
 
 @dataclass(eq=False)

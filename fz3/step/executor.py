@@ -200,7 +200,7 @@ def _backward_layers(s: StepState, op: Op, index: int) -> Frame:
     for j, ge in zip(extras.positions, g_extras):
         if ge is not None:
             extras.grads[j] = ge if j not in extras.grads else extras.grads[j] + ge
-    g_buffer = or_zeros(g_buffer, s.gathered[u, False])
+    g_buffer = or_zeros(g_buffer, memory.buffer)
     by_layer = s.schedule.reduce == "all_reduce"
     if len(s.schedule.units[u].rows) == 1 and not by_layer:  # kept flat: (world*n,)
         flat = g_buffer if g_buffer.dim() == 1 else g_buffer.view(-1)

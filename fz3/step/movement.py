@@ -13,6 +13,7 @@ from ..comm.collectives import all_gather, all_reduce, reduce_scatter, wait
 from ..schedule.ops import Op
 from ..schedule.schedule import Schedule
 from ..schedule.structure import Role
+from .engine import Pieces
 from .state import Reducing, StepState, regrow, release
 from .unit_io import gather_pieces, result_shard
 
@@ -32,9 +33,13 @@ def gather_op(s: StepState, op: Op, index: int) -> None:
 
 
 def wait_op(s: StepState, op: Op, index: int) -> None:
+    """The unit's gathered memory, one ``Pieces`` record: its trained buffer (``(k, full)``
+    for a stack unit, layer-major), each layer's row, its frozen buffer."""
     u, world = op.unit, s.model.world_size
     unit = s.schedule.units[u]
     k = len(unit.rows)
+    got: dict[bool, torch.Tensor] = {}
+    rows: tuple[torch.Tensor, ...] = ()
     for frozen in (False, True):
         key = (u, frozen)
         if key not in s.gathering:
@@ -51,30 +56,32 @@ def wait_op(s: StepState, op: Op, index: int) -> None:
         else:
             buf = out.view(world, k, -1).transpose(0, 1).reshape(k, -1)
         if unit.role is Role.STACK and not frozen:  # a one-layer unit's row: as gathered
-            s.rows[u] = (out,) if k == 1 else buf.unbind(0)
+            rows = (out,) if k == 1 else buf.unbind(0)
         if key in s.released:
             # The graph's saved views now hold the same values again; collectives and the copy
             # bumped the version counter (gloo: when the work completes), which autograd would
             # take for an in-place change. Restore it.
             with s.released.pop(key).version:
                 pass
-        s.gathered[key] = buf
+        got[frozen] = buf
+    s.gathered[u] = Pieces(got[False], rows, got.get(True))
 
 
 def free_op(s: StepState, op: Op, index: int) -> None:
     u = op.unit
     saved = s.saved.get(u)
-    s.rows.pop(u, None)
     # traced layers whose residuals view none of the buffer do not hold it
     graph = saved is not None and saved.graph
     held = (graph and (saved.engine is None or saved.engine.holds_buffer)
             or held_by_a_reader(s, u))
-    for key in ((u, False), (u, True)):
-        buf = s.gathered.pop(key, None)
+    gathered = s.gathered.pop(u, None)
+    if gathered is None or not held:
+        return
+    for frozen, buf in ((False, gathered.buffer), (True, gathered.frozen)):
         # a live graph holds views: free the storage only (not the parameters' own, which a
         # one-rank run computes on)
-        if buf is not None and held and not s.is_shard(key, buf):
-            s.released[key] = release(buf)
+        if buf is not None and not s.is_shard((u, frozen), buf):
+            s.released[u, frozen] = release(buf)
 
 
 def held_by_a_reader(s: StepState, u: int) -> bool:

@@ -19,7 +19,7 @@ from ..schedule.ops import Op, OpKind
 from ..schedule.schedule import Schedule
 from ..sharding.binding import Binding
 from ..sharding.model import Params, ShardedModel
-from .engine import Produced
+from .engine import Pieces, Produced
 
 
 class Frame(NamedTuple):
@@ -96,12 +96,11 @@ class StepState:
     traced: Any = None  # fz3.step.traced.TracedLayers: layers run as traced programs; None: not
     frames: bool = True  # False: compute ops make no Frame (nobody looks at them)
 
-    # parameters, by (unit, frozen?): a unit's trained and frozen parameters are gathered apart
+    # parameters: in flight and released by (unit, frozen?) (a unit's trained and frozen
+    # parameters are gathered apart); gathered, by unit, its memory as one record
     gathering: dict[tuple[int, bool], Pending] = field(default_factory=dict)
-    gathered: dict[tuple[int, bool], torch.Tensor] = field(default_factory=dict)
+    gathered: dict[int, Pieces] = field(default_factory=dict)
     released: dict[tuple[int, bool], Released] = field(default_factory=dict)
-    # stack units, by unit: the rows of its gathered trained buffer, 1-D (traced programs' input)
-    rows: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     # by part: its trained shard's rows, split once per step (a stack's one-layer units gather
     # them), and its gradient shard's rows, where its units' reduces land
     shard_rows: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
@@ -127,14 +126,16 @@ class StepState:
 
     def live_units(self) -> int:
         """Units gathered or in flight."""
-        return len({u for u, _ in self.gathering.keys() | self.gathered.keys()})
+        return len({u for u, _ in self.gathering} | self.gathered.keys())
 
     def owned_bytes(self) -> tuple[int, int, int]:
         """Bytes of the buffers the step holds: gathered parameters, unreduced gradients,
         inputs kept for recompute (the memory plan predicts the same three, op by op)."""
         params = sum(nbytes(p.out) for k, p in self.gathering.items()
                      if not self.is_shard(k, p.out)) + \
-            sum(nbytes(b) for k, b in self.gathered.items() if not self.is_shard(k, b))
+            sum(nbytes(b) for u, p in self.gathered.items()
+                for k, b in (((u, False), p.buffer), ((u, True), p.frozen))
+                if b is not None and not self.is_shard(k, b))
         grads = sum(nbytes(g) for g in self.unreduced.values()) + \
             sum(pending_bytes(r.pending) for r in self.reducing.values())
         inputs = sum(nbytes(s.x) for s in self.saved.values()

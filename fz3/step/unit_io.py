@@ -56,12 +56,12 @@ def stage_pieces(s: StepState, u: int) -> StagePieces:
         out = []
         for i, v in enumerate(units):
             part = s.model.parts[s.schedule.units[v].part]
-            out += part.layout.views(s.gathered[v, False] if trained is None else trained[i])
+            out += part.layout.views(s.gathered[v].buffer if trained is None else trained[i])
             if part.frozen is not None:
-                out += part.frozen.views(s.gathered[v, True])
+                out += part.frozen.views(s.gathered[v].frozen)
         return out
 
-    return StagePieces(tuple(s.gathered[v, False] for v in units), views)
+    return StagePieces(tuple(s.gathered[v].buffer for v in units), views)
 
 
 def stage_engine(s: StepState, u: int) -> Stage:
@@ -76,7 +76,7 @@ def stage_engine(s: StepState, u: int) -> Stage:
 
 def pieces(s: StepState, u: int) -> Pieces:
     """A layer unit's gathered memory (``fz3.step.engine.Pieces``)."""
-    return Pieces(s.gathered[u, False], s.rows[u], s.gathered.get((u, True)))
+    return s.gathered[u]
 
 
 def layer_engine(s: StepState, u: int, x: torch.Tensor):
@@ -140,9 +140,9 @@ def frame_of(s: StepState, op: Op, index: int, inputs: Any, outputs: Any,
     reads = unit.reads
     if grad is not None and grad.dim() == 1 and unit.role is Role.STACK:
         grad = grad.view(s.model.world_size, 1, -1)  # a one-layer unit's, kept flat
-    return Frame(index, op, s.gathered[op.unit, False], inputs, outputs, grad,
-                 {r: s.gathered[r, False] for r in reads} if reads else None,
-                 s.gathered.get((op.unit, True)))
+    gathered = s.gathered[op.unit]
+    return Frame(index, op, gathered.buffer, inputs, outputs, grad,
+                 {r: s.gathered[r].buffer for r in reads} if reads else None, gathered.frozen)
 
 
 def detached(aux: Any) -> Any:
