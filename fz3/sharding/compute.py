@@ -10,7 +10,7 @@ the unit's flat gradient comes out of autograd whole (no per-parameter leaves, n
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -110,20 +110,17 @@ def run_layers(bindings: Sequence[Binding], rows: Sequence[Sequence[torch.Tensor
     ``guarded`` by ``writes``: the later ones' inputs are the earlier ones' outputs."""
     for j, (binding, tensors) in enumerate(zip(bindings, rows)):
         name = LayerName(path, first + j)
-        if j == 0:
-            h = guarded(writes, binding, h, name,
-                        lambda x: call(binding, tensors, (x, *extras), name))
-        else:
-            h = call(binding, tensors, (h, *extras), name)
+        h = (guarded(writes, binding, tensors, h, extras, name) if j == 0
+             else call(binding, tensors, (h, *extras), name))
         if not isinstance(h, torch.Tensor):
             raise TypeError(f"{name} returned {type(h).__name__}, not a tensor; pass "
                             f"call_layer=lambda layer, h, *extra: layer(h, *extra)[0] to fz3.shard")
     return h
 
 
-def guarded(writes: dict, binding: Binding, h: torch.Tensor, name: object,
-            run: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``run(h)``, the first layer of a unit on its input ``h``, which the executor keeps (to
+def guarded(writes: dict, binding: Binding, tensors: Sequence[torch.Tensor], h: torch.Tensor,
+            extras: Extras, name: object) -> torch.Tensor:
+    """``call``: the first layer of a unit on its input ``h``, which the executor keeps (to
     recompute from) or differentiates (an autograd leaf, which no op may write into). A layer
     that writes into its input (``h.mul_(0.5)``, fine in plain PyTorch, where ``h`` is the
     previous layer's output) gets a copy, as does one not seen before (its first call: one
@@ -133,7 +130,7 @@ def guarded(writes: dict, binding: Binding, h: torch.Tensor, name: object,
     given = h if known is False else h.clone()
     version = given._version
     try:
-        out = run(given)
+        out = call(binding, tensors, (given, *extras), name)
     except RuntimeError as e:
         if known is False and "in-place" in str(e) and "leaf Variable" in str(e):
             raise RuntimeError(_written(name)) from e

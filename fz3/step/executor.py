@@ -57,8 +57,8 @@ from .engine import Produced
 from .state import Frame, Loss, Result, Saved, StepState
 from .movement import (accumulate_op, free_op, gather_op, reduce_op, wait_op,
                        wait_reduce_op)
-from .unit_io import (add_gradients, detached, frame_of, layer_engine, or_zeros, pieces,
-                      stage_engine, stage_pieces)
+from .unit_io import (add_gradients, detached, frame_of, layer_engine, or_zeros, stage_engine,
+                      stage_pieces)
 
 
 def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any, recorder=None,
@@ -143,16 +143,16 @@ def _forward_layers(s: StepState, op: Op, index: int) -> Frame:
     its residuals; ``forward`` keeps its input and RNG state, to run ``forward`` again in
     backward (recompute)."""
     u, x = op.unit, s.h
-    producer = s.schedule.producers[u]
-    engine, extras = layer_engine(s, u, x), s.produced[producer]
+    extras = s.produced[s.schedule.producers[u]]
+    engine = layer_engine(s, u, x, extras)
     if op.kind == OpKind.FORWARD_SAVE:
-        s.h, residuals = engine.forward(pieces(s, u), x, extras)
-        s.saved[u] = Saved(x=x, producer=producer, engine=engine, residuals=residuals)
+        s.h, residuals = engine.forward(s.gathered[u], x, extras)
+        s.saved[u] = Saved(x=x, engine=engine, residuals=residuals)
     else:
         before = rng.capture(s.model.device) if s.schedule.grad else None
-        s.h = engine.inference(pieces(s, u), x, extras)
+        s.h = engine.inference(s.gathered[u], x, extras)
         if s.schedule.grad:
-            s.saved[u] = Saved(x=x, producer=producer, engine=engine, rng=before)
+            s.saved[u] = Saved(x=x, engine=engine, rng=before)
     return frame_of(s, op, index, x, s.h, None)
 
 
@@ -186,7 +186,8 @@ def _backward(s: StepState, op: Op, index: int) -> Frame:
 def _backward_layers(s: StepState, op: Op, index: int) -> Frame:
     u, model = op.unit, s.model
     saved = s.saved.pop(u)
-    engine, extras, memory = saved.engine, s.produced[saved.producer], pieces(s, u)
+    engine, memory = saved.engine, s.gathered[u]
+    extras = s.produced[s.schedule.producers[u]]
     residuals = saved.residuals
     if residuals is None:  # recompute, replaying the forward's RNG
         # Nothing after the loss draws but recompute, which sets its own state; _finish

@@ -56,7 +56,6 @@ class Saved(NamedTuple):
     """What a unit's forward kept for its backward (built by keyword)."""
 
     x: Any  # the unit's input: h (a layer unit recomputes from it; pre: None)
-    producer: int = -1  # layers: the pre or between unit whose extras they took
     engine: Any = None  # what runs it (``fz3.step.engine``'s protocol)
     # what its forward kept (pre and between: their graph; layers under ``forward_save``);
     # None: a layer unit recomputed from x and rng

@@ -15,7 +15,7 @@ import torch
 
 from ..schedule.ops import Op
 from ..schedule.structure import Role
-from .engine import AutogradLayers, Pieces, Stage, StagePieces
+from .engine import AutogradLayers, Produced, Stage, StagePieces
 from .state import Frame, StepState
 
 
@@ -74,19 +74,13 @@ def stage_engine(s: StepState, u: int) -> Stage:
     return Stage(s.model.functions[unit.part], unit.role, unit.name)
 
 
-def pieces(s: StepState, u: int) -> Pieces:
-    """A layer unit's gathered memory (``fz3.step.engine.Pieces``)."""
-    return s.gathered[u]
-
-
-def layer_engine(s: StepState, u: int, x: torch.Tensor):
-    """What runs a layer unit on ``x`` and its producer's extras (``fz3.step.engine``'s
-    protocol): its traced programs (``fz3.step.traced.Layers``), or, for layers that cannot
-    be traced and with ``trace=False``, autograd. On the per-layer path: once traced, a dict
-    lookup."""
+def layer_engine(s: StepState, u: int, x: torch.Tensor, produced: Produced):
+    """What runs a layer unit on ``x`` and its producer's extras ``produced``
+    (``fz3.step.engine``'s protocol): its traced programs (``fz3.step.traced.Layers``), or,
+    for layers that cannot be traced and with ``trace=False``, autograd. On the per-layer
+    path: once traced, a dict lookup."""
     unit = s.schedule.units[u]
     if s.traced is not None:
-        produced = s.produced[s.schedule.producers[u]]
         if produced.traced is None:  # at the first layer that reads them in this step
             produced.traced = s.traced.extras(produced.extras, produced.positions)
         layers = s.traced.layers(unit.part, unit.rows.start, unit.rows.stop, x, produced.traced)
