@@ -13,8 +13,8 @@ from .observe.step_through import StepFrame, any_rank, step_through
 from .observe.trace import chrome_trace, trace, trace_summary
 from .optim.masks import decay_mask
 from .schedule.ops import Category, Op, OpKind
-from .schedule.schedule import Policy, deferred, plan
-from .schedule.validate import Schedule, ScheduleError, Unit, validate
+from .schedule.planner import Policy, deferred, plan
+from .schedule.schedule import Schedule, ScheduleError, Unit, validate
 from .schedule.structure import PartShape, Role
 from .sharding.layout import FlatLayout, Slot
 from .facade import shard

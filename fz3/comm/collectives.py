@@ -86,6 +86,12 @@ class Pending(NamedTuple):
     label: object = None  # what it is, str()-ed only on failure (the executor passes its Op)
     comm: Comm | None = None  # its model's: what bounds a wait, whom to name if ranks never come
 
+    @property
+    def is_input(self) -> bool:
+        """Whether the result is the caller's input itself, not memory of its own (an
+        all-gather over one rank into no given buffer: [Note: a group of one rank])."""
+        return self.out is self.keep
+
 
 # [Note: a group of one rank]
 # A collective over one rank is a copy (all-gather, reduce-scatter) or nothing (all-reduce).

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ..comm.compat import all_gather_into
 from ..comm.groups import destroy
 from ..schedule.ops import COMPUTE_KINDS
-from ..schedule.schedule import Policy
+from ..schedule.planner import Policy
 from ..sharding.binding import Binding
 from ..sharding.layout import FlatLayout
 from ..sharding.model import Params, ShardedModel

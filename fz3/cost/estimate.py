@@ -27,7 +27,8 @@ from typing import NamedTuple
 from ..schedule.footprint import footprint
 from ..schedule.ops import COMPLETES, Category, Op, OpKind
 from ..schedule.structure import Role
-from ..schedule.schedule import Policy, Schedule, plan
+from ..schedule.planner import Policy, plan
+from ..schedule.schedule import Schedule
 from .workload import Work, Workload
 
 

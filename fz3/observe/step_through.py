@@ -11,7 +11,8 @@ from ..comm.arrival import DEFAULT_TIMEOUT_S, arrive
 from ..comm.collectives import all_reduce, wait
 from ..schedule.ops import Op, OpKind
 from ..schedule.structure import Role
-from ..schedule.schedule import Policy, Schedule
+from ..schedule.planner import Policy
+from ..schedule.schedule import Schedule
 from ..sharding.model import Params, ShardedModel
 from ..step.executor import execute
 from ..step.state import Frame, Result

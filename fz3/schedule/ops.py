@@ -16,7 +16,7 @@ A unit has three independent pieces of state:
 A compute op needs its own unit ``GATHERED``, and also the units it *reads* (parts tied
 across units, ``Role.SHARED``): for those, ``READ_TABLE`` says what the op does (a loss or a
 backward adds a contribution to their gradient). Compute ops must also come in the compute
-order (``fz3.schedule.validate.compute_order``); that rule is global, not per unit, and
+order (``fz3.schedule.schedule.compute_order``); that rule is global, not per unit, and
 lives with the schedule.
 """
 

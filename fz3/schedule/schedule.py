@@ -1,182 +1,245 @@
-"""Schedules as data: the ops of one step, computed once, printed, validated, run.
+"""A schedule as data, and the check that it can run: ``Unit``, ``Schedule``, the compute
+order every schedule follows, and ``walk``, which plays a schedule through
+``fz3.schedule.ops``' table and stops at the first op that cannot run.
 
-A step touches *units*: what is gathered, computed and reduced at once. A unit is a whole
-part of the model (the embedding stage ``pre``, the head ``post``, a part of tied
-parameters) or ``layers_per_unit`` consecutive layers of a stack. ``Schedule.units`` lists
-them in compute order; a schedule is a flat tuple of ``Op(kind, unit)`` over them, and what
-each kind does is ``fz3.schedule.ops``' table.
-
-``plan`` builds a schedule from a ``Policy``; ``validate`` checks any schedule, hand-made
-ones included, before anything runs, and says which op is wrong and why; ``print`` shows it
-as a table (an invalid one too, with the first bad op marked). This module is the planner;
-the schedule itself, its check and its table are ``fz3.schedule.validate``, re-exported
-here so that users import every schedule name from one place.
+``validate`` raises that op's ``ScheduleError``; ``print(schedule)`` shows the walk as a
+table (an invalid schedule too, with the first bad op marked). The table lives here, beside
+the walk, so that dependencies point one way: ``fz3.schedule.planner`` builds
+on this module and this module knows nothing of policies.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+import functools
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple, Sequence
 
-from .ops import Op, OpKind
-from .structure import PartShape, Role, check_structure, layers_only
-from .validate import REDUCES, Schedule, Unit, compute_order, validate
+from ..compare import fingerprint
+from .ops import COMPUTE_KINDS, Grad, Op, OpKind, Params, UnitState, transition
+from .structure import FORWARD_ROLES, Role
 
-ACTIVATIONS = ("recompute", "save", "save_unsharded")
+REDUCES = ("reduce_scatter", "all_reduce")
+
+
+class Unit(NamedTuple):
+    """One unit of a schedule: rows ``rows`` of the model's part ``part``."""
+
+    name: str  # "pre", "blocks.0", "blocks.2-3", "post", "tied:tok.weight"
+    part: int  # index into the model's parts
+    # the part's rows (layers) in this unit; range(0, 1) for a part that is not a stack
+    rows: range
+    role: Role
+    reads: tuple[int, ...] = ()  # units (of shared parts) whose parameters its compute also uses
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run: names the op index, the op and the reason (``index`` and
+    ``op`` are None for a bad field of the schedule itself)."""
+
+    def __init__(self, index: int | None, op: str | None, reason: str, *, end: bool = False):
+        where = ("end of schedule" if end
+                 else f"op {index} ({op})" if op is not None else "its fields")
+        super().__init__(f"invalid schedule at {where}: {reason}")
+        self.index, self.op, self.reason = index, op, reason
 
 
 @dataclass(frozen=True)
-class Policy:
-    """How to schedule a step. Every policy gives the same loss and gradients."""
-
-    prefetch: int = 1  # gathers issued ahead of the compute that needs them; 0 = no overlap
-    # False: keep units gathered from forward until their backward
-    reshard_after_forward: bool = True
-    activations: Literal["recompute", "save", "save_unsharded"] = "recompute"
-    layers_per_unit: int = 1  # consecutive layers of a stack gathered and reduced as one unit
+class Schedule:
+    ops: tuple[Op, ...]
+    units: tuple[Unit, ...]
     reduce: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"
-    # parts kept gathered for the whole step (DeepSpeed's persistence)
-    resident: tuple[str, ...] = ()
+    grad: bool = True  # False: a forward-only schedule (fz3.apply)
+    # units gathered at once, resident ones aside
+    max_live_units: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
-        if self.prefetch < 0:
-            raise ValueError(f"prefetch={self.prefetch} must be >= 0 (0 means no overlap)")
-        if self.layers_per_unit < 1:
-            raise ValueError(f"layers_per_unit={self.layers_per_unit} must be >= 1")
-        if self.activations not in ACTIVATIONS:
-            raise ValueError(f"activations={self.activations!r}: use 'recompute', 'save' or "
-                             f"'save_unsharded'")
-        if self.reduce not in REDUCES:
-            raise ValueError(f"reduce={self.reduce!r}: use 'reduce_scatter' or 'all_reduce'")
-        if isinstance(self.resident, str):
-            raise TypeError(f"resident={self.resident!r}: pass a tuple of part names, "
-                            f"e.g. ('pre',)")
+        # Kinds given as strings become OpKind members; unknown ones stay for validate to name.
+        ops = tuple(Op(OpKind(op[0]) if op[0] in _KIND_VALUES else op[0], *op[1:])
+                    for op in self.ops)
+        object.__setattr__(self, "ops", ops)
+
+    @functools.cached_property
+    def producers(self) -> dict[int, int]:
+        """Layer unit -> the pre or between unit whose extras it takes: the last one whose
+        forward runs before its own (computed once per schedule)."""
+        out, last = {}, -1
+        for op in self.ops:
+            if op.kind in (OpKind.FORWARD, OpKind.FORWARD_SAVE):
+                if self.units[op.unit].role in (Role.PRE, Role.BETWEEN):
+                    last = op.unit
+                elif self.units[op.unit].role is Role.STACK:
+                    out[op.unit] = last
+        return out
+
+    @property
+    def post(self) -> int:
+        """The unit the loss op runs on."""
+        return next(u for u, unit in enumerate(self.units) if unit.role is Role.POST)
+
+    def recomputed(self) -> set[int]:
+        """Layer units whose backward recomputes their forward (run as ``forward``, which
+        keeps the input, not as ``forward_save``, which keeps the graph)."""
+        return {op.unit for op in self.ops
+                if op.kind == OpKind.FORWARD and self.units[op.unit].role is Role.STACK}
+
+    def describe(self, op: Op) -> str:
+        """``"forward blocks.0"``: the op with its unit's name."""
+        kind, u = op[0], op[1]
+        name = (self.units[u].name if isinstance(u, int) and 0 <= u < len(self.units)
+                else f"unit {u}")
+        return f"{kind} {name}"
+
+    def fingerprint(self) -> bytes:
+        units = [(u.name, u.part, u.rows.start, u.rows.stop, u.role.value, u.reads)
+                 for u in self.units]
+        return fingerprint((self.ops, units, self.reduce, self.grad))
+
+    def __str__(self) -> str:
+        walked = walk(self)
+        head = (f"Schedule: {len(self.ops)} ops over {len(self.units)} units, "
+                f"reduce={self.reduce}, at most {max(walked.live, default=0)} units gathered")
+        rows = [head, f"{'#':>4}  {'op':<12} {'unit':<18} gathered"]
+        for i, op in enumerate(self.ops):
+            name = self.describe(op).split(" ", 1)[1]
+            live = str(walked.live[i]) if i < len(walked.live) else "?"
+            mark = f"  <- {walked.error.reason}" if walked.error and walked.error.index == i else ""
+            rows.append(f"{i:>4}  {str(op[0]):<12} {name:<18} {live}{mark}")
+        if walked.error is not None and (walked.error.index is None
+                                         or walked.error.index >= len(self.ops)):
+            rows.append(f"invalid: {walked.error}")
+        return "\n".join(rows)
 
 
-def schedule_units(parts: Sequence[PartShape], layers_per_unit: int) -> tuple[Unit, ...]:
-    """Units in compute order: each part whole, stacks split every ``layers_per_unit`` layers."""
-    units: list[Unit] = []
-    first: dict[int, int] = {}  # part -> its first unit
-    for p, part in enumerate(parts):
-        first[p] = len(units)
-        if part.role is not Role.STACK:
-            units.append(Unit(part.name, p, range(1), part.role))
-            continue
-        for a in range(0, part.rows, layers_per_unit):
-            rows = range(a, min(a + layers_per_unit, part.rows))
-            lo, hi = part.first + rows.start, part.first + rows.stop - 1
-            units.append(Unit(f"{part.path or part.name}.{lo}" + (f"-{hi}" if hi > lo else ""),
-                              p, rows, part.role))
-    return tuple(u._replace(reads=tuple(first[r] for r in parts[u.part].reads)) for u in units)
+_KIND_VALUES = {k.value for k in OpKind}
 
 
-def structure_of(model: Any) -> tuple[PartShape, ...]:
-    """The parts of a ``ShardedModel``, a ``Workload`` (``.structure``), a number of layers, or
-    a sequence of ``PartShape``."""
-    if isinstance(model, int):
-        return layers_only(model)
-    parts = tuple(getattr(model, "structure", model))
-    why = check_structure(parts)
-    if why is not None:
-        raise ValueError(f"cannot schedule these parts: {why}")
-    return parts
+def compute_order(units: Sequence[Unit], *, grad: bool) -> list[Op]:
+    """The compute ops every schedule runs, in this order (``forward`` standing for either
+    forward kind): forward of every unit that has one, in order; loss; backward in reverse."""
+    forward = [u for u, unit in enumerate(units) if unit.role in FORWARD_ROLES]
+    post = [u for u, unit in enumerate(units) if unit.role is Role.POST]
+    order = [*(Op(OpKind.FORWARD, u) for u in forward), *(Op(OpKind.LOSS, u) for u in post)]
+    if grad:
+        order += [Op(OpKind.BACKWARD, u) for u in reversed(forward)]
+    return order
 
 
-def plan(model: Any, policy: Policy = Policy(), *, grad: bool = True) -> Schedule:
-    """The schedule for ``policy`` on ``model`` (a ``ShardedModel``, a ``Workload``, a number
-    of layers, or a sequence of ``PartShape``): prefetch ``policy.prefetch`` gathers ahead of
-    compute (fetch current, prefetch next, then block, as DeepSpeed PR #1453 found), free a
-    unit right after its last use, reduce each gradient as soon as it is complete and wait
-    for it after the next one is issued."""
-    parts = structure_of(model)
-    unknown = sorted(set(policy.resident) - {p.name for p in parts})
-    if unknown:
-        raise ValueError(f"Policy(resident={policy.resident}): no part named {unknown}; parts are "
-                         f"{[p.name for p in parts]}")
-    units = schedule_units(parts, policy.layers_per_unit)
-    save = policy.activations != "recompute"
-    keep = policy.activations == "save_unsharded" or not policy.reshard_after_forward
-    fwd = OpKind.FORWARD_SAVE if save and grad else OpKind.FORWARD
-    steps = [Op(fwd, op.unit) if op.kind == OpKind.FORWARD else op
-             for op in compute_order(units, grad=grad)]
-    resident = {u for u, unit in enumerate(units)
-                if keep or parts[unit.part].name in policy.resident}
-    spans = _residencies(steps, units, policy.prefetch, resident)
-    # units by step: gathered from, gathered until, gradient complete after (built once: a
-    # scan per step would make planning quadratic in the layers)
-    waits, frees, complete = _by_step((first, u) for first, _, u in spans), \
-        _by_step((last, u) for _, last, u in spans), \
-        _by_step((at, u) for u, at in (_last_contributions(steps, units) if grad else {}).items())
+def validate(schedule: Schedule) -> Schedule:
+    """Check that ``schedule`` can run; return it with ``max_live_units`` filled in.
 
-    ops: list[Op] = []
-    issued = 0  # spans [0, issued) have had their gather issued
-    waiting: list[int] = []  # reduces issued by the previous compute op, waited after this one's
-    for s, step in enumerate(steps):
-        while issued < len(spans) and spans[issued][0] <= s + policy.prefetch:
-            ops.append(Op(OpKind.GATHER, spans[issued][2]))
-            issued += 1
-        ops += [Op(OpKind.WAIT, u) for u in waits.get(s, ())]
-        ops.append(step)
-        ops += [Op(OpKind.FREE, u) for u in frees.get(s, ())]
-        done = complete.get(s, [])
-        if done:
-            ops += [Op(OpKind.REDUCE, u) for u in done]
-            ops += [Op(OpKind.WAIT_REDUCE, u) for u in waiting]
-            waiting = done
-    ops += [Op(OpKind.WAIT_REDUCE, u) for u in waiting]
-    return validate(Schedule(tuple(ops), units, policy.reduce, grad))
+    Raises ``ScheduleError`` naming the first bad op: a compute before its gather was
+    waited, a freed unit used, compute out of order, a gradient never reduced, ...
+    """
+    walked = walk(schedule)
+    if walked.error is not None:
+        raise walked.error
+    return Schedule(schedule.ops, schedule.units, schedule.reduce, schedule.grad,
+                    max(walked.live, default=0))
 
 
-def _by_step(pairs) -> dict[int, list[int]]:
-    """``(step, unit)`` pairs -> step: its units, in the pairs' order."""
-    out: dict[int, list[int]] = {}
-    for s, u in pairs:
-        out.setdefault(s, []).append(u)
-    return out
+class Walk(NamedTuple):
+    live: list[int]  # units gathered or in flight after each op, up to the first error
+    error: ScheduleError | None
 
 
-def _uses(steps: list[Op], units: Sequence[Unit]) -> dict[int, list[int]]:
-    """Unit -> the compute steps that need it gathered (its own, and its readers')."""
-    uses: dict[int, list[int]] = {}
-    for s, op in enumerate(steps):
-        for u in (op.unit, *units[op.unit].reads):
-            uses.setdefault(u, []).append(s)
-    return uses
+def walk(s: Schedule) -> Walk:
+    """Play the schedule through ``fz3.schedule.ops``' tables and the compute order; stop at
+    the first op that cannot run. Never raises: the error is returned (printing uses it)."""
+    live: list[int] = []
+    error = _field_error(s)
+    if error is not None:
+        return Walk(live, error)
+    states = {u: UnitState() for u in range(len(s.units))}
+    order = compute_order(s.units, grad=s.grad)
+    done = 0
+    gathered: set[int] = set()  # units not ABSENT; only an op's own unit and reads change
+    for i, op in enumerate(s.ops):
+        reason, done = _step(s, op, states, order, done)
+        if reason is not None:
+            return Walk(live, ScheduleError(i, s.describe(op), reason))
+        for u in (op.unit, *s.units[op.unit].reads):
+            if states[u].params is Params.ABSENT:
+                gathered.discard(u)
+            else:
+                gathered.add(u)
+        live.append(len(gathered))
+    reason = _end_reason(s, states, order, done)
+    return Walk(live, None if reason is None
+                else ScheduleError(len(s.ops), None, reason, end=True))
 
 
-def _residencies(steps: list[Op], units: Sequence[Unit], prefetch: int, resident: set[int]):
-    """Spans ``(first step, last step, unit)`` during which a unit stays gathered, sorted."""
-    spans = []
-    for u, idx in _uses(steps, units).items():
-        if u in resident:
-            spans.append((idx[0], idx[-1], u))
-            continue
-        start = idx[0]
-        for a, b in zip(idx, idx[1:]):
-            # Reshard between uses, unless the re-gather would be issued right after the free
-            # anyway (the last layer: its backward comes next).
-            if b - prefetch > a + 1:
-                spans.append((start, a, u))
-                start = b
-        spans.append((start, idx[-1], u))
-    return sorted(spans)
+def _field_error(s: Schedule) -> ScheduleError | None:
+    if s.reduce not in REDUCES:
+        return ScheduleError(None, None,
+                             f"reduce={s.reduce!r}: use 'reduce_scatter' or 'all_reduce'")
+    if not all(isinstance(u, Unit) for u in s.units):
+        return ScheduleError(None, None, "units must be fz3.schedule.Unit entries "
+                                         "(take them from fz3.plan(model))")
+    for u in s.units:
+        if len(u.rows) == 0 and u.role is not Role.STACK:
+            return ScheduleError(None, None, f"unit {u.name!r} has no rows")
+        bad = [r for r in u.reads
+               if not 0 <= r < len(s.units) or s.units[r].role is not Role.SHARED]
+        if bad:
+            return ScheduleError(None, None,
+                                 f"unit {u.name!r} reads {bad}, which are not shared units")
+    roles = [u.role for u in s.units]
+    if roles.count(Role.POST) != 1 or (roles and roles[0] is not Role.PRE):
+        return ScheduleError(None, None, f"units must start with the pre unit and hold one "
+                                         f"post unit; roles are {[r.value for r in roles]}")
+    return None
 
 
-def _last_contributions(steps: list[Op], units: Sequence[Unit]) -> dict[int, int]:
-    """Unit -> the step after which its gradient is complete (its backward, its loss, or its
-    last reader's backward)."""
-    last: dict[int, int] = {}
-    for s, op in enumerate(steps):
-        if op.kind in (OpKind.BACKWARD, OpKind.LOSS):
-            for u in (op.unit, *units[op.unit].reads):
-                last[u] = s
-    return last
+def _step(s: Schedule, op: Op, states: dict[int, UnitState], order: list[Op], done: int):
+    """``(reason it cannot run or None, compute ops done)`` after trying ``op``."""
+    kind, u = op[0], op[1]
+    if not isinstance(kind, OpKind):
+        return f"unknown op kind {kind!r}; kinds are {', '.join(k.value for k in OpKind)}", done
+    if u not in states:
+        return f"unit {u} does not exist (units: 0..{len(s.units) - 1})", done
+    name = s.units[u].name
+    if kind == OpKind.LOSS and s.units[u].role is not Role.POST:
+        return (f"loss runs on the post unit ({s.units[s.post].name}, unit {s.post}), "
+                f"not {name}"), done
+    if kind == OpKind.FORWARD_SAVE and not s.grad:
+        return "forward_save keeps a graph for a backward; a forward-only schedule has none", done
+    if kind in (OpKind.REDUCE, OpKind.ACCUMULATE) and not s.grad:
+        return "a forward-only schedule has no gradients to reduce", done
+    if kind in COMPUTE_KINDS:
+        want = Op(OpKind.FORWARD if kind == OpKind.FORWARD_SAVE else kind, u)
+        if done >= len(order) or order[done] != want:
+            expected = ("nothing (all compute is done)" if done >= len(order)
+                        else s.describe(order[done]))
+            return f"compute out of order: expected {expected}", done
+        done += 1
+        for r in s.units[u].reads:
+            new = transition(kind, s.units[r].name, states[r], grad=s.grad, read=True)
+            if isinstance(new, str):
+                return new, done
+            states[r] = new
+    new = transition(kind, name, states[u], grad=s.grad)
+    if isinstance(new, str):
+        return new, done
+    states[u] = new
+    return None, done
 
 
-def deferred(schedule: Schedule) -> Schedule:
-    """``schedule`` with every reduce replaced by an ``accumulate``: the micro-batches before
-    the last of a gradient accumulation with the ``defer`` policy (see ``fz3.accumulate``)."""
-    ops = tuple(Op(OpKind.ACCUMULATE, op.unit) if op.kind == OpKind.REDUCE else op
-                for op in schedule.ops if op.kind != OpKind.WAIT_REDUCE)
-    return validate(Schedule(ops, schedule.units, schedule.reduce, schedule.grad))
+def _end_reason(s: Schedule, states: dict[int, UnitState], order: list[Op],
+                done: int) -> str | None:
+    def names(us) -> str:
+        return ", ".join(s.units[u].name for u in sorted(us))
 
+    if done < len(order):
+        return f"compute incomplete: {s.describe(order[done])} never runs"
+    gathering = [u for u, st in states.items() if st.params is Params.GATHERING]
+    if gathering:
+        return f"gathers never waited: {names(gathering)}"
+    gathered = [u for u, st in states.items() if st.params is Params.GATHERED]
+    if gathered:
+        return f"units never freed: {names(gathered)}"
+    if s.grad:
+        missing = [u for u, st in states.items() if st.grad not in (Grad.REDUCED, Grad.CARRIED)]
+        if missing:
+            waiting = all(states[u].grad is Grad.REDUCING for u in missing)
+            return f"gradients {'never waited' if waiting else 'never reduced'}: {names(missing)}"
+    return None

@@ -25,7 +25,8 @@ from ..comm.collectives import all_reduce, wait
 from .traced import TracedLayers
 from .executor import execute
 from ..sharding.model import Params, ShardedModel
-from ..schedule.schedule import Policy, Schedule, deferred
+from ..schedule.planner import Policy, deferred
+from ..schedule.schedule import Schedule
 from .front import check_call, check_in_sync, drain, layer_runner, prepare
 
 

@@ -52,6 +52,9 @@ class Pieces(NamedTuple):
     buffer: torch.Tensor
     rows: tuple[torch.Tensor, ...]  # a layer unit's: each layer's trained row, 1-D, as gathered
     frozen: torch.Tensor | None  # its frozen buffer ((k, frozen padded) for layers), or None
+    # whether the buffer, and the frozen one, are the step's own memory; not: the parameters'
+    # own shards (one rank gathers without a copy, ``fz3.comm``), never released by ``free``
+    owned: tuple[bool, bool] = (True, True)
 
 
 @dataclass(eq=False)

@@ -20,7 +20,8 @@ memory (the memory plan and the cost model read that one fold).
 - gather: a ``(world*k*n,)`` buffer in the compute dtype, alive until ``free``; a unit of k>1
   layers is copied once into ``(k, full)`` layer order (rank-major gather order otherwise).
   At world size 1 it is the shard itself (or its cast to the compute dtype): nothing is
-  copied, and ``free`` never releases the parameters' own storage (``StepState.is_shard``).
+  copied, and ``free`` never releases the parameters' own storage (``Pieces.owned``, from the
+  collective's result: ``Pending.is_input``).
 - forward: keeps the unit's input (``forward``: recompute in backward, with the RNG state
   it started from) or its autograd graph (``forward_save``); traced layers
   (``fz3.step.traced``) keep their programs' residuals instead of a graph, as a rule none

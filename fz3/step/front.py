@@ -19,7 +19,8 @@ from ..comm.collectives import differing_ranks
 from ..comm.failures import gather_objects
 from ..comm.groups import refuse_destroyed
 from ..schedule.ops import OpKind
-from ..schedule.schedule import Policy, Schedule, plan, validate
+from ..schedule.planner import Policy, plan
+from ..schedule.schedule import Schedule, validate
 from ..sharding.model import Params, ShardedModel
 from ..sharding.params import check_tree
 from .state import Loss, Result

@@ -14,57 +14,67 @@ from ..schedule.ops import Op
 from ..schedule.schedule import Schedule
 from ..schedule.structure import Role
 from .engine import Pieces
-from .state import Reducing, StepState, regrow, release
+from .state import Gathering, Reducing, StepState, regrow, release
 from .unit_io import gather_pieces, result_shard
 
 
 def gather_op(s: StepState, op: Op, index: int) -> None:
-    u, m = op.unit, s.model
+    u, comm = op.unit, s.model.comm
     unit = s.schedule.units[u]
-    for frozen, shard in gather_pieces(s, unit):
-        key = (u, frozen)
-        if len(unit.rows) == 1 and key in s.released:
-            # back into the storage a live graph saved views of
-            out = regrow(s.released[key].buffer).view(-1)
-        else:  # a new buffer; one rank's: the shard itself (see fz3/comm)
-            out = None
-        flat = shard if shard.dim() == 1 else shard.reshape(-1)
-        s.gathering[key] = all_gather(m.comm, out, flat, Label(s.schedule, op))
+    trained, frozen, cast = gather_pieces(s, unit)
+    # a one-layer unit (or a part) gathers back into the storage a live graph saved views of;
+    # a unit of k layers is copied into it by its wait
+    back = s.released.get(u) if len(unit.rows) == 1 else None
+    label = Label(s.schedule, op)
+    t = _gather(comm, trained, None if back is None else back.trained, label)
+    f = None if frozen is None else _gather(comm, frozen, None if back is None else back.frozen,
+                                           label)
+    s.gathering[u] = Gathering(t, f, (cast or not t.is_input, f is None or not f.is_input))
+
+
+def _gather(comm, shard: torch.Tensor, into: torch.Tensor | None, label: Label):
+    """Into ``into``'s regrown storage, or a new buffer (one rank's: the shard itself)."""
+    out = None if into is None else regrow(into).view(-1)
+    return all_gather(comm, out, shard if shard.dim() == 1 else shard.reshape(-1), label)
 
 
 def wait_op(s: StepState, op: Op, index: int) -> None:
     """The unit's gathered memory, one ``Pieces`` record: its trained buffer (``(k, full)``
     for a stack unit, layer-major), each layer's row, its frozen buffer."""
-    u, world = op.unit, s.model.world_size
+    u = op.unit
     unit = s.schedule.units[u]
-    k = len(unit.rows)
-    got: dict[bool, torch.Tensor] = {}
-    rows: tuple[torch.Tensor, ...] = ()
-    for frozen in (False, True):
-        key = (u, frozen)
-        if key not in s.gathering:
-            continue
-        out = wait(s.gathering.pop(key))
-        if unit.role is not Role.STACK:
-            buf = out
-        elif k == 1:
-            buf = out.view(1, -1)
-        elif key in s.released:
-            # rank-major (world, k, n) -> layer-major (k, world*n), in place
-            buf = regrow(s.released[key].buffer)
-            buf.copy_(out.view(world, k, -1).transpose(0, 1).reshape(buf.shape))
-        else:
-            buf = out.view(world, k, -1).transpose(0, 1).reshape(k, -1)
-        if unit.role is Role.STACK and not frozen:  # a one-layer unit's row: as gathered
-            rows = (out,) if k == 1 else buf.unbind(0)
-        if key in s.released:
-            # The graph's saved views now hold the same values again; collectives and the copy
-            # bumped the version counter (gloo: when the work completes), which autograd would
-            # take for an in-place change. Restore it.
-            with s.released.pop(key).version:
+    gathering = s.gathering.pop(u)
+    back = s.released.pop(u, None)
+    out = wait(gathering.trained)
+    buffer = _arranged(s, unit, out, None if back is None else back.trained)
+    frozen = None if gathering.frozen is None else _arranged(
+        s, unit, wait(gathering.frozen), None if back is None else back.frozen)
+    rows = () if unit.role is not Role.STACK else (out,) if len(unit.rows) == 1 else \
+        buffer.unbind(0)  # a one-layer unit's row: as gathered
+    if back is not None:
+        # The graph's saved views now hold the same values again; collectives and the copy
+        # bumped the version counters (gloo: when the work completes), which autograd would
+        # take for an in-place change. Restore them.
+        for version in back.versions:
+            with version:
                 pass
-        got[frozen] = buf
-    s.gathered[u] = Pieces(got[False], rows, got.get(True))
+    s.gathered[u] = Pieces(buffer, rows, frozen, gathering.owned)
+
+
+def _arranged(s: StepState, unit, out: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
+    """A gathered buffer in its unit's shape: a stack unit's layer-major ``(k, full)``, copied
+    out of the rank-major ``(world, k, n)`` gather (into ``into``'s regrown storage, if
+    released); as gathered otherwise."""
+    k = len(unit.rows)
+    if unit.role is not Role.STACK:
+        return out
+    if k == 1:
+        return out.view(1, -1)
+    ranked = out.view(s.model.world_size, k, -1).transpose(0, 1)
+    if into is None:
+        return ranked.reshape(k, -1)
+    regrow(into).view(ranked.shape).copy_(ranked)
+    return into
 
 
 def free_op(s: StepState, op: Op, index: int) -> None:
@@ -77,11 +87,12 @@ def free_op(s: StepState, op: Op, index: int) -> None:
     gathered = s.gathered.pop(u, None)
     if gathered is None or not held:
         return
-    for frozen, buf in ((False, gathered.buffer), (True, gathered.frozen)):
-        # a live graph holds views: free the storage only (not the parameters' own, which a
-        # one-rank run computes on)
-        if buf is not None and not s.is_shard((u, frozen), buf):
-            s.released[u, frozen] = release(buf)
+    # a live graph holds views: free the storage only (not the parameters' own, which a one-rank
+    # run computes on)
+    buffers = tuple(b if own else None
+                    for b, own in zip((gathered.buffer, gathered.frozen), gathered.owned))
+    if any(b is not None for b in buffers):
+        s.released[u] = release(buffers)
 
 
 def held_by_a_reader(s: StepState, u: int) -> bool:

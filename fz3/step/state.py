@@ -68,12 +68,25 @@ class Saved(NamedTuple):
         return self.residuals is not None
 
 
+class Gathering(NamedTuple):
+    """A unit's gathers, issued and not yet waited (``StepState.gathering``)."""
+
+    trained: Pending
+    frozen: Pending | None  # its frozen parameters', gathered apart; None: it has none
+    owned: tuple[bool, bool]  # as ``Pieces.owned``: whether each result is the step's memory
+
+    def pending(self) -> tuple[Pending, ...]:
+        return (self.trained,) if self.frozen is None else (self.trained, self.frozen)
+
+
 class Released(NamedTuple):
-    """A unit freed while its forward graph holds views of its buffer: the buffer object with
+    """A unit freed while its forward graph holds views of its buffers: the buffer objects with
     zero-sized storage, regrown in place by its next gather (FSDP2's ``resize_`` trick)."""
 
-    buffer: torch.Tensor
-    version: Any  # restores the buffer's autograd version counter after the re-gather
+    trained: torch.Tensor | None  # None: not released (the parameters' own memory)
+    frozen: torch.Tensor | None
+    # restore each released buffer's autograd version counter after the re-gather
+    versions: tuple
 
 
 class Reducing(NamedTuple):
@@ -95,11 +108,10 @@ class StepState:
     traced: Any = None  # fz3.step.traced.TracedLayers: layers run as traced programs; None: not
     frames: bool = True  # False: compute ops make no Frame (nobody looks at them)
 
-    # parameters: in flight and released by (unit, frozen?) (a unit's trained and frozen
-    # parameters are gathered apart); gathered, by unit, its memory as one record
-    gathering: dict[tuple[int, bool], Pending] = field(default_factory=dict)
+    # parameters, by unit: in flight, gathered (its memory as one record), released
+    gathering: dict[int, Gathering] = field(default_factory=dict)
     gathered: dict[int, Pieces] = field(default_factory=dict)
-    released: dict[tuple[int, bool], Released] = field(default_factory=dict)
+    released: dict[int, Released] = field(default_factory=dict)
     # by part: its trained shard's rows, split once per step (a stack's one-layer units gather
     # them), and its gradient shard's rows, where its units' reduces land
     shard_rows: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
@@ -125,38 +137,25 @@ class StepState:
 
     def live_units(self) -> int:
         """Units gathered or in flight."""
-        return len({u for u, _ in self.gathering} | self.gathered.keys())
+        return len(self.gathering.keys() | self.gathered.keys())
 
     def owned_bytes(self) -> tuple[int, int, int]:
         """Bytes of the buffers the step holds: gathered parameters, unreduced gradients,
         inputs kept for recompute (the memory plan predicts the same three, op by op)."""
-        params = sum(nbytes(p.out) for k, p in self.gathering.items()
-                     if not self.is_shard(k, p.out)) + \
-            sum(nbytes(b) for u, p in self.gathered.items()
-                for k, b in (((u, False), p.buffer), ((u, True), p.frozen))
-                if b is not None and not self.is_shard(k, b))
+        params = sum(nbytes(p.out) for g in self.gathering.values()
+                     for p, own in zip(g.pending(), g.owned) if own) + \
+            sum(nbytes(b) for p in self.gathered.values()
+                for b, own in zip((p.buffer, p.frozen), p.owned) if own and b is not None)
         grads = sum(nbytes(g) for g in self.unreduced.values()) + \
             sum(pending_bytes(r.pending) for r in self.reducing.values())
         inputs = sum(nbytes(s.x) for s in self.saved.values()
                      if not s.graph and isinstance(s.x, torch.Tensor))
         return params, grads, inputs
 
-    def is_shard(self, key: tuple[int, bool], buf: torch.Tensor) -> bool:
-        """Whether the gathered buffer of ``key`` (unit, frozen?) is its parameter shard's own
-        memory (one rank gathers without a copy, ``fz3.comm``): never released, held by the
-        parameters, not by the step."""
-        if not self.model.comm.local:
-            return False
-        u, frozen = key
-        part = self.schedule.units[u].part
-        shard = self.model.frozen[part] if frozen else self.params.parts[part]
-        return buf.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()
-
     def moved_bytes(self, op: Op) -> int:
         """Bytes a collective op moves (the full, unsharded buffer); 0 for other ops."""
         if op.kind == OpKind.GATHER:
-            return sum(nbytes(self.gathering[op.unit, frozen].out) for frozen in (False, True)
-                       if (op.unit, frozen) in self.gathering)
+            return sum(nbytes(p.out) for p in self.gathering[op.unit].pending())
         if op.kind == OpKind.REDUCE:
             return pending_bytes(self.reducing[op.unit].pending)
         return 0
@@ -164,7 +163,8 @@ class StepState:
     def in_flight(self) -> list[Pending]:
         """Collectives issued and not waited for, in issue order per kind."""
         loss = [self.loss_mean] if self.loss_mean is not None else []
-        return [*self.gathering.values(), *(r.pending for r in self.reducing.values()),
+        return [*(p for g in self.gathering.values() for p in g.pending()),
+                *(r.pending for r in self.reducing.values()),
                 *self.replicating, *loss]
 
     def drain(self, wait: Callable[[Pending], Any]) -> None:
@@ -193,11 +193,15 @@ def pending_bytes(p: Pending) -> int:
     return nbytes(p.keep if p.keep is not None else p.out)
 
 
-def release(buf: torch.Tensor) -> Released:
-    """Free ``buf``'s storage, keeping the tensor object (and the views a graph saved of it)."""
-    version = torch.autograd._unsafe_preserve_version_counter(buf)
-    buf.untyped_storage().resize_(0)
-    return Released(buf, version)
+def release(buffers: tuple[torch.Tensor | None, torch.Tensor | None]) -> Released:
+    """Free each buffer's storage, keeping the tensor objects (and the views a graph saved of
+    them); None stays None."""
+    versions = tuple(torch.autograd._unsafe_preserve_version_counter(b)
+                     for b in buffers if b is not None)
+    for b in buffers:
+        if b is not None:
+            b.untyped_storage().resize_(0)
+    return Released(*buffers, versions)
 
 
 def regrow(buf: torch.Tensor) -> torch.Tensor:

@@ -19,10 +19,11 @@ from .engine import AutogradLayers, Produced, Stage, StagePieces
 from .state import Frame, StepState
 
 
-def gather_pieces(s: StepState, unit) -> list[tuple[bool, torch.Tensor]]:
+def gather_pieces(s: StepState, unit) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
     """What a unit gathers: its trained shard, cast to the compute dtype before the gather (bf16
-    moves half the bytes), and its frozen shard (stored in that dtype already), if any. A
-    unit of one layer gathers its row (1-D), of k layers its ``(k, shard)`` rows."""
+    moves half the bytes), its frozen shard (stored in that dtype already) or None, and
+    whether the trained one is a cast (the step's own memory). A unit of one layer gathers
+    its row (1-D), of k layers its ``(k, shard)`` rows."""
     frozen = s.model.frozen[unit.part]
     if unit.role is Role.STACK:
         rows = unit.rows
@@ -35,8 +36,9 @@ def gather_pieces(s: StepState, unit) -> list[tuple[bool, torch.Tensor]]:
     else:
         trained = s.params.parts[unit.part]
     compute_dtype = s.model.precision.compute
-    pieces = [(False, trained if trained.dtype == compute_dtype else trained.to(compute_dtype))]
-    return pieces if frozen is None else [*pieces, (True, frozen)]
+    if trained.dtype == compute_dtype:
+        return trained, frozen, False
+    return trained.to(compute_dtype), frozen, True
 
 
 def _shard_rows(s: StepState, part: int) -> tuple[torch.Tensor, ...]:

@@ -7,7 +7,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..schedule.schedule import Policy, Schedule
+from ..schedule.planner import Policy
+from ..schedule.schedule import Schedule
 from ..sharding.model import Params, ShardedModel
 from .traced import TracedLayers
 from .executor import execute
