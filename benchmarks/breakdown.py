@@ -127,7 +127,7 @@ def collectives_only(model, sched, spec: dict) -> None:
     from fz3.comm import collectives as c
 
     world = dist.get_world_size()
-    size = {u: len(unit.rows) * model.parts[unit.part].layout.padded for u, unit in enumerate(sched.units)}
+    size = {u: len(unit.layers) * model.parts[unit.part].layout.padded for u, unit in enumerate(sched.units)}
     times = []
     for s in range(spec["warmup"] + spec["steps"]):
         t0 = time.perf_counter()

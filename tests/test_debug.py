@@ -41,7 +41,7 @@ def step_through_ranks(rank, world):
         summed: dict[str, torch.Tensor] = {}
         for f in frames[:-1]:
             if f.phase == "forward" and f.name.startswith("blocks"):
-                last = sched.units[f.unit].rows[-1]
+                last = sched.units[f.unit].layers[-1]
                 torch.testing.assert_close(f.outputs, acts[last + 1], rtol=1e-5, atol=1e-6)
                 assert all(n.startswith(f"blocks.{i}.") for n in f.params for i in [int(n.split(".")[1])])
             if f.phase == "forward" and f.name == "pre":

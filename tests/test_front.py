@@ -29,10 +29,10 @@ def test_a_unit_of_no_layers_is_named_not_a_zero_division():
     # Before the unit list, Schedule(..., layers_per_unit=0) raised ZeroDivisionError; units
     # are data now, and a unit holding no rows is named as a bad field.
     plan = fz3.plan(2)
-    empty = tuple(u._replace(rows=range(0)) for u in plan.units)
-    with pytest.raises(fz3.ScheduleError, match=r"at its fields: unit 'pre' has no rows"):
+    empty = tuple(u._replace(layers=range(0)) for u in plan.units)
+    with pytest.raises(fz3.ScheduleError, match=r"at its fields: unit 'pre' has no layers"):
         fz3.validate(fz3.Schedule(plan.ops, empty))
-    assert "unit 'pre' has no rows" in str(fz3.Schedule(plan.ops, empty))  # printing does not raise
+    assert "unit 'pre' has no layers" in str(fz3.Schedule(plan.ops, empty))  # printing does not raise
     with pytest.raises(ValueError, match=r"layers_per_unit=0 must be >= 1"):
         fz3.Policy(layers_per_unit=0)
 

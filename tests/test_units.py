@@ -168,7 +168,7 @@ def gathered_bound_ranks(rank, world):
     batch = batches(BIG_VOCAB, world, per_rank=2)[rank]
     sched = fz3.plan(model, fz3.Policy())
     plan = fz3.memory_plan(model, sched, batch)
-    unit_bytes = sorted((len(u.rows) * model.parts[u.part].layout.padded * 4 for u in sched.units), reverse=True)
+    unit_bytes = sorted((len(u.layers) * model.parts[u.part].layout.padded * 4 for u in sched.units), reverse=True)
     assert plan.gathered <= unit_bytes[0] + unit_bytes[1], (plan.gathered, unit_bytes[:3])
     everything = sum(p.rows * p.layout.padded for p in model.parts) * 4
     assert plan.gathered < 0.6 * everything  # not embedding + head + layers, as with one outer unit

@@ -129,7 +129,7 @@ class _Timeline:
         self.comp_total = self.comm_total = self.exposed = self.sent = 0.0
 
     def layers_in(self, u: int) -> int:
-        return len(self.sched.units[u].rows)
+        return len(self.sched.units[u].layers)
 
     def run(self, op: Op) -> None:
         c = self.c
@@ -169,7 +169,7 @@ class _Timeline:
         if not c.overlap:
             self.t_comp += self.slow * c.collective_overhead
         unit = self.sched.units[op.unit]
-        elements = len(unit.rows) * self.work.parts[unit.part].numel
+        elements = len(unit.layers) * self.work.parts[unit.part].numel
         nbytes = elements * (self.work.param_bytes if gather else self.work.grad_bytes)
         passes = 2 if not gather and self.sched.reduce == "all_reduce" else 1
         # one rank gathers fp32 shards in place (fz3.comm): no copy
@@ -217,7 +217,7 @@ class WorkloadSizes:
 
     def _elements(self, u: int) -> int:
         unit = self.sched.units[u]
-        return len(unit.rows) * self.work.parts[unit.part].numel
+        return len(unit.layers) * self.work.parts[unit.part].numel
 
     def gathered(self, u: int) -> int:
         if self.ranks == 1 and self.work.param_bytes == 4:
@@ -245,7 +245,7 @@ class WorkloadSizes:
             return int(part.graph_bytes) + reads
         if op.kind != OpKind.BACKWARD:
             return 0
-        k = len(unit.rows) if op.unit in self.recomputes else 0
+        k = len(unit.layers) if op.unit in self.recomputes else 0
         return int(part.graph_bytes * k) + reads
 
 

@@ -76,7 +76,7 @@ class ModelSizes:
 
     def _elements(self, u: int) -> int:
         unit = self.schedule.units[u]
-        return len(unit.rows) * self.model.parts[unit.part].layout.padded
+        return len(unit.layers) * self.model.parts[unit.part].layout.padded
 
     def gathered(self, u: int) -> int:
         unit = self.schedule.units[u]
@@ -86,7 +86,7 @@ class ModelSizes:
             # new (with cuda_graphs, the ring's slots are copies: not counted here)
             cast = self.model.precision.compute != torch.float32
             return self._elements(u) * self.csize if cast else 0
-        return self._elements(u) * self.csize + (len(unit.rows) * frozen.padded * self.fsize
+        return self._elements(u) * self.csize + (len(unit.layers) * frozen.padded * self.fsize
                                                  if frozen else 0)
 
     def unreduced(self, u: int) -> int:
@@ -109,7 +109,7 @@ class ModelSizes:
         the op), and working set, or the per-parameter gradients waiting for the join into
         one flat gradient; for the loss op its input too."""
         unit = self.schedule.units[op.unit]
-        act, k = self.act[unit.part], len(unit.rows)
+        act, k = self.act[unit.part], len(unit.layers)
         if op.kind in (OpKind.FORWARD, OpKind.FORWARD_SAVE):
             # a forward that keeps its graph (forward_save; pre's and between's with
             # gradients): its temporaries beyond the graph, which the totals after it hold
@@ -150,7 +150,7 @@ def memory_plan(model: ShardedModel, schedule: Schedule, batch: Any, *,
     persistent = frozen_bytes + (shard_bytes * (1 + optimizer_states) if schedule.grad
                                  else shard_bytes)
     col = lambda f: max((getattr(b, f) for b in per_op), default=0)  # noqa: E731
-    during_graphs = max((len(schedule.units[op.unit].rows)
+    during_graphs = max((len(schedule.units[op.unit].layers)
                          * sizes.act[schedule.units[op.unit].part].graph
                          for op in schedule.ops if op.kind in (OpKind.BACKWARD, OpKind.LOSS)),
                         default=0)

@@ -104,7 +104,7 @@ def describe(model: ShardedModel, schedule: Schedule, f: Frame) -> StepFrame:
     part = model.parts[unit.part]
     stack = part.role is Role.STACK  # then (k, padded) buffers, a (world, k, n) gradient
     params, grads = {}, None if f.grad is None else {}
-    for j, row in enumerate(unit.rows if stack else [0]):
+    for j, row in enumerate(unit.layers if stack else [0]):
         prefix = part.prefix(row)
         params.update(part.layout.named_views(f.params[j] if stack else f.params, prefix))
         if f.frozen is not None:

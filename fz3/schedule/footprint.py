@@ -93,7 +93,7 @@ def _kept(unit: Unit, op: Op, sizes: Sizes) -> tuple[int, int]:
     if unit.role is not Role.STACK:
         return 0, sizes.graph_bytes(op.unit)
     if op.kind == OpKind.FORWARD_SAVE:
-        return 0, sizes.graph_bytes(op.unit) * len(unit.rows)
+        return 0, sizes.graph_bytes(op.unit) * len(unit.layers)
     return sizes.input_bytes(op.unit), 0
 
 

@@ -62,10 +62,10 @@ def schedule_units(parts: Sequence[PartShape], layers_per_unit: int) -> tuple[Un
             units.append(Unit(part.name, p, range(1), part.role))
             continue
         for a in range(0, part.rows, layers_per_unit):
-            rows = range(a, min(a + layers_per_unit, part.rows))
-            lo, hi = part.first + rows.start, part.first + rows.stop - 1
+            layers = range(a, min(a + layers_per_unit, part.rows))
+            lo, hi = part.first + layers.start, part.first + layers.stop - 1
             units.append(Unit(f"{part.path or part.name}.{lo}" + (f"-{hi}" if hi > lo else ""),
-                              p, rows, part.role))
+                              p, layers, part.role))
     return tuple(u._replace(reads=tuple(first[r] for r in parts[u.part].reads)) for u in units)
 
 

@@ -22,12 +22,13 @@ REDUCES = ("reduce_scatter", "all_reduce")
 
 
 class Unit(NamedTuple):
-    """One unit of a schedule: rows ``rows`` of the model's part ``part``."""
+    """One unit of a schedule: layers ``layers`` of the model's part ``part``."""
 
     name: str  # "pre", "blocks.0", "blocks.2-3", "post", "tied:tok.weight"
     part: int  # index into the model's parts
-    # the part's rows (layers) in this unit; range(0, 1) for a part that is not a stack
-    rows: range
+    # the part's layers (rows of its buffers) in this unit; range(0, 1) for a part that is not
+    # a stack
+    layers: range
     role: Role
     reads: tuple[int, ...] = ()  # units (of shared parts) whose parameters its compute also uses
 
@@ -90,7 +91,7 @@ class Schedule:
         return f"{kind} {name}"
 
     def fingerprint(self) -> bytes:
-        units = [(u.name, u.part, u.rows.start, u.rows.stop, u.role.value, u.reads)
+        units = [(u.name, u.part, u.layers.start, u.layers.stop, u.role.value, u.reads)
                  for u in self.units]
         return fingerprint((self.ops, units, self.reduce, self.grad))
 
@@ -176,8 +177,8 @@ def _field_error(s: Schedule) -> ScheduleError | None:
         return ScheduleError(None, None, "units must be fz3.schedule.Unit entries "
                                          "(take them from fz3.plan(model))")
     for u in s.units:
-        if len(u.rows) == 0 and u.role is not Role.STACK:
-            return ScheduleError(None, None, f"unit {u.name!r} has no rows")
+        if len(u.layers) == 0 and u.role is not Role.STACK:
+            return ScheduleError(None, None, f"unit {u.name!r} has no layers")
         bad = [r for r in u.reads
                if not 0 <= r < len(s.units) or s.units[r].role is not Role.SHARED]
         if bad:

@@ -151,17 +151,6 @@ def _written(name: object) -> str:
             f"(h = h.mul(0.5), or h = h.clone() first), or do it on every call")
 
 
-def layer_grad(grad: torch.Tensor, world: int, *, by_layer: bool) -> torch.Tensor:
-    """``(world, k, n)``: a unit of k layers' flat gradient, each layer's ``(world, n)`` in rank
-    order, from the gradient of its ``(k, padded)`` gathered buffer. ``by_layer``: the memory may
-    stay layer-major (an all-reduce sums in any order; for one layer both orders are the same
-    memory); otherwise it is made rank-major, since a reduce-scatter hands rank r the r-th
-    contiguous chunk."""
-    k = grad.shape[0]
-    layered = grad.view(k, world, -1).transpose(0, 1)
-    return layered if k == 1 or by_layer else layered.contiguous()
-
-
 def differentiable(extras: Extras) -> list[int]:
     """Positions of extras that carry gradient (floating tensors that require grad)."""
     return [i for i, e in enumerate(extras) if isinstance(e, torch.Tensor) and e.requires_grad]

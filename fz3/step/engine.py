@@ -42,6 +42,7 @@ from ..schedule.structure import Role
 from ..sharding import compute
 from ..sharding.binding import Binding
 from ..sharding.parts import Part
+from . import shapes
 
 
 class Pieces(NamedTuple):
@@ -103,10 +104,9 @@ class AutogradLayers:
 
     def _run(self, buffer: torch.Tensor, frozen: torch.Tensor | None, h: torch.Tensor,
              extras: tuple) -> torch.Tensor:
-        """The layers on ``h``, their parameters views of ``buffer`` (k, padded): a one-layer
-        buffer's row is a view whose backward is free (unbind's stacks the rows' gradients)."""
+        """The layers on ``h``, their parameters views of ``buffer`` (k, padded)."""
         part = self.part
-        rows = (buffer.view(-1),) if buffer.shape[0] == 1 else buffer.unbind(0)
+        rows = shapes.leaf_rows(buffer)
         tensors = [part.layout.views(row) + ([] if frozen is None else part.frozen.views(frozen[j]))
                    for j, row in enumerate(rows)]
         return compute.run_layers(self.bindings, tensors, h, extras, part.path,

@@ -54,8 +54,9 @@ from ..schedule.structure import Role
 from ..schedule.schedule import Schedule
 from ..sharding import compute
 from ..sharding.model import Params, ShardedModel
+from . import shapes
 from .engine import Produced
-from .state import Frame, Loss, Result, Saved, StepState
+from .state import Frame, Kept, Loss, Recompute, Result, StepState
 from .movement import (accumulate_op, free_op, gather_op, reduce_op, wait_op,
                        wait_reduce_op)
 from .unit_io import (add_gradients, detached, frame_of, layer_engine, or_zeros, stage_engine,
@@ -128,7 +129,7 @@ def _forward_stage(s: StepState, op: Op, index: int) -> Frame:
     x = None if s.schedule.units[u].role is Role.PRE else s.h
     if s.schedule.grad:
         (h, extras), graph = engine.forward(memory, x, s.batch)
-        s.saved[u] = Saved(x=graph.x, engine=engine, residuals=graph)
+        s.saved[u] = Kept(x=graph.x, engine=engine, residuals=graph)
         x = graph.x
     else:
         h, extras = engine.inference(memory, x, s.batch)
@@ -148,12 +149,12 @@ def _forward_layers(s: StepState, op: Op, index: int) -> Frame:
     engine = layer_engine(s, u, x, extras)
     if op.kind == OpKind.FORWARD_SAVE:
         s.h, residuals = engine.forward(s.gathered[u], x, extras)
-        s.saved[u] = Saved(x=x, engine=engine, residuals=residuals)
+        s.saved[u] = Kept(x=x, engine=engine, residuals=residuals)
     else:
         before = rng.capture(s.model.device) if s.schedule.grad else None
         s.h = engine.inference(s.gathered[u], x, extras)
         if s.schedule.grad:
-            s.saved[u] = Saved(x=x, engine=engine, rng=before)
+            s.saved[u] = Recompute(x=x, engine=engine, rng=before)
     return frame_of(s, op, index, x, s.h, None)
 
 
@@ -189,8 +190,9 @@ def _backward_layers(s: StepState, op: Op, index: int) -> Frame:
     saved = s.saved.pop(u)
     engine, memory = saved.engine, s.gathered[u]
     extras = s.produced[s.schedule.producers[u]]
-    residuals = saved.residuals
-    if residuals is None:  # recompute, replaying the forward's RNG
+    if isinstance(saved, Kept):
+        residuals = saved.residuals
+    else:  # recompute, replaying the forward's RNG
         # Nothing after the loss draws but recompute, which sets its own state; _finish
         # leaves the RNG as plain autograd would (rng_after), so none is kept here.
         rng.restore(saved.rng, model.device)
@@ -203,12 +205,8 @@ def _backward_layers(s: StepState, op: Op, index: int) -> Frame:
         if ge is not None:
             extras.grads[j] = ge if j not in extras.grads else extras.grads[j] + ge
     g_buffer = or_zeros(g_buffer, memory.buffer)
-    by_layer = s.schedule.reduce == "all_reduce"
-    if len(s.schedule.units[u].rows) == 1 and not by_layer:  # kept flat: (world*n,)
-        flat = g_buffer if g_buffer.dim() == 1 else g_buffer.view(-1)
-    else:
-        flat = compute.layer_grad(g_buffer.view(-1, g_buffer.shape[-1]), model.world_size,
-                                  by_layer=by_layer)
+    flat = shapes.flat_grad(s.schedule.units[u], g_buffer, model.world_size,
+                            by_layer=s.schedule.reduce == "all_reduce")
     reduce = model.precision.reduce
     s.unreduced[u] = flat if flat.dtype == reduce else flat.to(reduce)
     return frame_of(s, op, index, grad_out, s.grad_h, s.unreduced[u])

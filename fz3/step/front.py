@@ -73,7 +73,7 @@ def _covers(schedule: Schedule, model: ShardedModel) -> bool:
     for u in schedule.units:
         if not 0 <= u.part < len(model.parts) or u.role is not model.parts[u.part].role:
             return False
-        rows.setdefault(u.part, []).extend(u.rows)
+        rows.setdefault(u.part, []).extend(u.layers)
         reads = {schedule.units[r].part for r in u.reads}
         if reads != set(model.parts[u.part].reads):
             return False

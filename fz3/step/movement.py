@@ -13,8 +13,10 @@ from ..comm.collectives import all_gather, all_reduce, reduce_scatter, wait
 from ..schedule.ops import Op
 from ..schedule.schedule import Schedule
 from ..schedule.structure import Role
+from . import shapes
 from .engine import Pieces
-from .state import Gathering, Reducing, StepState, regrow, release
+from .shapes import regrow
+from .state import Gathering, Kept, Reducing, StepState, release
 from .unit_io import gather_pieces, result_shard
 
 
@@ -22,9 +24,8 @@ def gather_op(s: StepState, op: Op, index: int) -> None:
     u, comm = op.unit, s.model.comm
     unit = s.schedule.units[u]
     trained, frozen, cast = gather_pieces(s, unit)
-    # a one-layer unit (or a part) gathers back into the storage a live graph saved views of;
-    # a unit of k layers is copied into it by its wait
-    back = s.released.get(u) if len(unit.rows) == 1 else None
+    # gathered back into the storage a live graph saved views of (or copied into it by the wait)
+    back = s.released.get(u) if shapes.gathers_in_place(unit) else None
     label = Label(s.schedule, op)
     t = _gather(comm, trained, None if back is None else back.trained, label)
     f = None if frozen is None else _gather(comm, frozen, None if back is None else back.frozen,
@@ -45,12 +46,12 @@ def wait_op(s: StepState, op: Op, index: int) -> None:
     unit = s.schedule.units[u]
     gathering = s.gathering.pop(u)
     back = s.released.pop(u, None)
+    world = s.model.world_size
     out = wait(gathering.trained)
-    buffer = _arranged(s, unit, out, None if back is None else back.trained)
-    frozen = None if gathering.frozen is None else _arranged(
-        s, unit, wait(gathering.frozen), None if back is None else back.frozen)
-    rows = () if unit.role is not Role.STACK else (out,) if len(unit.rows) == 1 else \
-        buffer.unbind(0)  # a one-layer unit's row: as gathered
+    buffer = shapes.arranged(unit, out, world, None if back is None else back.trained)
+    frozen = None if gathering.frozen is None else shapes.arranged(
+        unit, wait(gathering.frozen), world, None if back is None else back.frozen)
+    rows = shapes.layer_rows(unit, out, buffer)
     if back is not None:
         # The graph's saved views now hold the same values again; collectives and the copy
         # bumped the version counters (gloo: when the work completes), which autograd would
@@ -61,28 +62,11 @@ def wait_op(s: StepState, op: Op, index: int) -> None:
     s.gathered[u] = Pieces(buffer, rows, frozen, gathering.owned)
 
 
-def _arranged(s: StepState, unit, out: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
-    """A gathered buffer in its unit's shape: a stack unit's layer-major ``(k, full)``, copied
-    out of the rank-major ``(world, k, n)`` gather (into ``into``'s regrown storage, if
-    released); as gathered otherwise."""
-    k = len(unit.rows)
-    if unit.role is not Role.STACK:
-        return out
-    if k == 1:
-        return out.view(1, -1)
-    ranked = out.view(s.model.world_size, k, -1).transpose(0, 1)
-    if into is None:
-        return ranked.reshape(k, -1)
-    regrow(into).view(ranked.shape).copy_(ranked)
-    return into
-
-
 def free_op(s: StepState, op: Op, index: int) -> None:
     u = op.unit
     saved = s.saved.get(u)
     # traced layers whose residuals view none of the buffer do not hold it
-    graph = saved is not None and saved.graph
-    held = (graph and (saved.engine is None or saved.engine.holds_buffer)
+    held = (isinstance(saved, Kept) and saved.engine.holds_buffer
             or held_by_a_reader(s, u))
     gathered = s.gathered.pop(u, None)
     if gathered is None or not held:
@@ -100,7 +84,7 @@ def held_by_a_reader(s: StepState, u: int) -> bool:
     backward (pre's, a between's, a saved layer's) would keep the whole buffer alive."""
     units = s.schedule.units
     return units[u].role is Role.SHARED and any(
-        saved.graph and u in units[v].reads for v, saved in s.saved.items())
+        isinstance(saved, Kept) and u in units[v].reads for v, saved in s.saved.items())
 
 
 def reduce_op(s: StepState, op: Op, index: int) -> None:

@@ -9,7 +9,7 @@ collectives are still in flight (to drain them when a step ends early).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Union
 
 import torch
 
@@ -52,20 +52,25 @@ class Loss(NamedTuple):
     has_aux: bool = False
 
 
-class Saved(NamedTuple):
-    """What a unit's forward kept for its backward (built by keyword)."""
+class Kept(NamedTuple):
+    """What a unit's forward kept for its backward: pre's and between's graphs, a layer unit's
+    residuals under ``forward_save`` (an autograd graph, or traced programs' tensors)."""
 
-    x: Any  # the unit's input: h (a layer unit recomputes from it; pre: None)
-    engine: Any = None  # what runs it (``fz3.step.engine``'s protocol)
-    # what its forward kept (pre and between: their graph; layers under ``forward_save``);
-    # None: a layer unit recomputed from x and rng
-    residuals: Any = None
-    rng: RngState | None = None  # recompute: the RNG state before the forward (dropout)
+    x: Any  # the unit's input (h; None for pre)
+    engine: Any  # what runs it (``fz3.step.engine``'s protocol)
+    residuals: Any
 
-    @property
-    def graph(self) -> bool:
-        """Whether it keeps a graph or residuals (not only its input)."""
-        return self.residuals is not None
+
+class Recompute(NamedTuple):
+    """A layer unit's forward under ``forward``: only its input and the RNG state it started
+    from are kept; its backward runs its forward again from them."""
+
+    x: torch.Tensor
+    engine: Any
+    rng: RngState | None  # the RNG state before the forward (dropout draws the same again)
+
+
+Saved = Union[Kept, Recompute]  # a tagged union: the record type says which
 
 
 class Gathering(NamedTuple):
@@ -149,7 +154,7 @@ class StepState:
         grads = sum(nbytes(g) for g in self.unreduced.values()) + \
             sum(pending_bytes(r.pending) for r in self.reducing.values())
         inputs = sum(nbytes(s.x) for s in self.saved.values()
-                     if not s.graph and isinstance(s.x, torch.Tensor))
+                     if isinstance(s, Recompute))
         return params, grads, inputs
 
     def moved_bytes(self, op: Op) -> int:
@@ -202,9 +207,3 @@ def release(buffers: tuple[torch.Tensor | None, torch.Tensor | None]) -> Release
         if b is not None:
             b.untyped_storage().resize_(0)
     return Released(*buffers, versions)
-
-
-def regrow(buf: torch.Tensor) -> torch.Tensor:
-    """Give a released buffer its storage back (contents undefined until written)."""
-    buf.untyped_storage().resize_(buf.numel() * buf.element_size())
-    return buf

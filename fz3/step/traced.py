@@ -39,6 +39,7 @@ from ..sharding.model import ShardedModel
 from ..sharding.parts import Part
 from ..sharding import compute
 from ..sharding.compute import LayerName
+from . import shapes
 from .engine import Pieces, Produced
 from .inductor import Kernels
 from .joint import Programs, TraceError, joint_trace, programs
@@ -86,7 +87,7 @@ class Layers(NamedTuple):
             out = self.programs[j].backward([*params, *residuals.pop(), g])
             grads[j], g = out[0], out[1]
             summed = list(out[2:]) if not summed else [a + b for a, b in zip(summed, out[2:])]
-        return (grads[0] if k == 1 else torch.stack(grads)), g, summed
+        return shapes.buffer_grad(grads), g, summed
 
 
 class Extras(NamedTuple):

@@ -15,6 +15,7 @@ import torch
 
 from ..schedule.ops import Op
 from ..schedule.structure import Role
+from . import shapes
 from .engine import AutogradLayers, Produced, Stage, StagePieces
 from .state import Frame, StepState
 
@@ -24,17 +25,10 @@ def gather_pieces(s: StepState, unit) -> tuple[torch.Tensor, torch.Tensor | None
     moves half the bytes), its frozen shard (stored in that dtype already) or None, and
     whether the trained one is a cast (the step's own memory). A unit of one layer gathers
     its row (1-D), of k layers its ``(k, shard)`` rows."""
-    frozen = s.model.frozen[unit.part]
-    if unit.role is Role.STACK:
-        rows = unit.rows
-        if len(rows) == 1:  # the part's rows, split once per step: one op for all its units
-            trained = _shard_rows(s, unit.part)[rows.start]
-            frozen = None if frozen is None else frozen[rows.start]
-        else:
-            trained = s.params.parts[unit.part][rows.start:rows.stop]
-            frozen = None if frozen is None else frozen[rows.start:rows.stop]
-    else:
-        trained = s.params.parts[unit.part]
+    # the part's rows, split once per step: one op for all its units
+    trained, frozen = shapes.gathered_shards(unit, s.params.parts[unit.part],
+                                             s.model.frozen[unit.part],
+                                             lambda: _shard_rows(s, unit.part))
     compute_dtype = s.model.precision.compute
     if trained.dtype == compute_dtype:
         return trained, frozen, False
@@ -85,12 +79,12 @@ def layer_engine(s: StepState, u: int, x: torch.Tensor, produced: Produced):
     if s.traced is not None:
         if produced.traced is None:  # at the first layer that reads them in this step
             produced.traced = s.traced.extras(produced.extras, produced.positions)
-        layers = s.traced.layers(unit.part, unit.rows.start, unit.rows.stop, x, produced.traced)
+        layers = s.traced.layers(unit.part, unit.layers.start, unit.layers.stop, x, produced.traced)
         if layers is not None:
             return layers
     part = s.model.parts[unit.part]
-    return AutogradLayers(s.model.functions[unit.part][unit.rows.start:unit.rows.stop], part,
-                          unit.rows.start, s.model.writes_input)
+    return AutogradLayers(s.model.functions[unit.part][unit.layers.start:unit.layers.stop], part,
+                          unit.layers.start, s.model.writes_input)
 
 
 def add_gradients(s: StepState, u: int, grads, leaves: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -122,8 +116,7 @@ def result_shard(s: StepState, unit) -> torch.Tensor:
         rows = s.grad_rows[unit.part] = grads.unbind(0) if part.role is Role.STACK else ()
     if unit.role is not Role.STACK:
         return s.grads[unit.part]
-    first = unit.rows.start
-    return rows[first] if len(unit.rows) == 1 else s.grads[unit.part][first:unit.rows.stop].view(-1)
+    return shapes.result_rows(unit, s.grads[unit.part], rows)
 
 
 def frame_of(s: StepState, op: Op, index: int, inputs: Any, outputs: Any,
@@ -134,8 +127,8 @@ def frame_of(s: StepState, op: Op, index: int, inputs: Any, outputs: Any,
         return None
     unit = s.schedule.units[op.unit]
     reads = unit.reads
-    if grad is not None and grad.dim() == 1 and unit.role is Role.STACK:
-        grad = grad.view(s.model.world_size, 1, -1)  # a one-layer unit's, kept flat
+    if grad is not None:
+        grad = shapes.frame_grad(unit, grad, s.model.world_size)
     gathered = s.gathered[op.unit]
     return Frame(index, op, gathered.buffer, inputs, outputs, grad,
                  {r: s.gathered[r].buffer for r in reads} if reads else None, gathered.frozen)
