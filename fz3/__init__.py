@@ -13,7 +13,7 @@ from .observe.step_through import StepFrame, any_rank, step_through
 from .observe.trace import chrome_trace, trace, trace_summary
 from .optim.masks import decay_mask
 from .schedule.ops import Category, Op, OpKind
-from .schedule.planner import Policy, deferred, plan
+from .schedule.planner import Keep, Policy, deferred, keep, plan
 from .schedule.schedule import Schedule, ScheduleError, Unit, validate
 from .schedule.structure import PartShape, Role
 from .sharding.layout import FlatLayout, Slot
@@ -37,11 +37,11 @@ from .storage.state_dict import full_state_dict, module_state_dict
 __all__ = [
     "Accumulate", "Category", "CheckpointDamagedError", "CheckpointError", "CheckpointReport",
     "CollectiveMismatchError", "CompileError", "Event", "ExportReport", "FlatLayout", "Frame",
-    "MemoryPlan", "NonFiniteError", "Op", "OpKind", "Params", "PartShape", "Policy", "Precision",
-    "Pretrained", "RankLostError", "Recorder", "Result", "Role", "Schedule", "ScheduleError",
-    "ShardedModel", "Slot", "StepFrame", "Unit", "ValueAndGrad", "accumulate", "any_rank", "apply",
-    "chrome_trace", "decay_mask", "deferred", "destroy", "export", "full_state_dict", "hf", "load",
-    "memory_plan", "module_state_dict", "optim", "plan", "read_export", "refreeze", "save",
-    "shard", "step_through", "trace", "trace_summary", "validate", "value_and_grad",
-    "verify_checkpoint",
+    "Keep", "MemoryPlan", "NonFiniteError", "Op", "OpKind", "Params", "PartShape", "Policy",
+    "Precision", "Pretrained", "RankLostError", "Recorder", "Result", "Role", "Schedule",
+    "ScheduleError", "ShardedModel", "Slot", "StepFrame", "Unit", "ValueAndGrad", "accumulate",
+    "any_rank", "apply", "chrome_trace", "decay_mask", "deferred", "destroy", "export",
+    "full_state_dict", "hf", "keep", "load", "memory_plan", "module_state_dict", "optim", "plan",
+    "read_export", "refreeze", "save", "shard", "step_through", "trace", "trace_summary",
+    "validate", "value_and_grad", "verify_checkpoint",
 ]

@@ -1,7 +1,8 @@
 """Compiled layers (``compile=True``): a stack's traced programs (``fz3.step.traced``) compiled
 once by inductor serve every layer (on the CPU its C++ backend); a layer that cannot be traced
 runs through autograd, with a warning; a program inductor fails on runs as Python with a
-warning, or raises ``fz3.CompileError`` with ``strict``.
+warning, or raises ``fz3.CompileError`` with ``strict``. Selective recompute's programs are
+compiled like the others.
 
 Reference: plain PyTorch autograd on the unsharded GPT over the concatenated batch. Tolerance
 rtol 1e-4 / atol 1e-5 instead of fp32's 1e-5 / 1e-6: inductor fuses kernels and sums
@@ -39,7 +40,8 @@ def compiled_ranks(rank, world):
         bs = batches(cfg, world)
         ref_loss, ref = reference_grads(module, bs)
         before, counts = counters["stats"]["unique_graphs"], []
-        for policy in (fz3.Policy(), fz3.Policy(activations="save", layers_per_unit=2)):
+        for policy in (fz3.Policy(), fz3.Policy(activations="save", layers_per_unit=2),
+                       fz3.Policy(activations="selective")):
             with warnings.catch_warnings():
                 warnings.filterwarnings("error", message="fz3:")  # no fallback, no recompile warning
                 step = fz3.value_and_grad(model, policy, compile=True)
@@ -58,9 +60,10 @@ def compiled_ranks(rank, world):
         assert counters["stats"]["unique_graphs"] == before, counters["stats"]
         compiles[layers] = counts
     # each step compiled each program once for all its layers: recompute its inference
-    # (forward without gradient), forward and backward programs; save its forward and backward,
-    # then apply the inference program on it; at 2 layers as at 6
-    assert compiles[2] == compiles[6] == [3, 2, 3], compiles
+    # (forward without gradient), forward and backward programs; save its forward and backward;
+    # selective its own forward and backward; then apply the inference program on it; at 2
+    # layers as at 6
+    assert compiles[2] == compiles[6] == [3, 2, 2, 3], compiles
     return "ok"
 
 

@@ -63,7 +63,10 @@ def check_lora(rank, world, family, dropout):
     model, params = fz3.shard(module)
     opt = fz3.optim.adamw(lr=1e-2)
     state = opt.init(params)
-    for policy in (fz3.Policy(), fz3.Policy(activations="save", layers_per_unit=2)):
+    # selective recompute on frozen weights and LoRA's (one family at one world size: its
+    # traces cost)
+    selective = (fz3.Policy(activations="selective"),) if (world, family) == (2, "llama") else ()
+    for policy in (fz3.Policy(), fz3.Policy(activations="save", layers_per_unit=2), *selective):
         torch.manual_seed(11)
         loss, grads = fz3.value_and_grad(model, policy)(params, bs[rank])
         what = f"LoRA {family} {policy} world={world} dropout={dropout}"

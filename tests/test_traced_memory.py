@@ -130,7 +130,8 @@ def test_traced_layers_keep_no_more_than_autograd(name):
 
 
 # The memory plan measures the engine that runs (issue 23): a traced layer by its programs
-# (its residuals read from the trace), one run through autograd by autograd's graph.
+# (its residuals read from the trace; selective recompute's by its own), one run through
+# autograd by autograd's graph.
 
 
 def _llama():
@@ -152,7 +153,8 @@ def plan_vs_live_ranks(rank, world):
     batch = {"input_ids": ids, "labels": ids.clone()}
     for dtype in (torch.float32, torch.bfloat16):
         model, params = fz3.shard(_llama(), precision=fz3.Precision(dtype, torch.float32))
-        for policy in (fz3.Policy(), fz3.Policy(activations="save")):
+        for policy in (fz3.Policy(), fz3.Policy(activations="save"),
+                       fz3.Policy(activations="selective")):
             sched = fz3.plan(model, policy)
             for trace in (True, False):
                 plan = fz3.memory_plan(model, sched, batch, trace=trace)
@@ -175,7 +177,14 @@ def plan_vs_live_ranks(rank, world):
 def test_memory_plan_measures_the_engine_that_runs():
     import dist
 
-    assert len(dist.run(2, plan_vs_live_ranks, timeout=300)[0]) == 8
+    got = {what[:3]: what[3:] for what in dist.run(2, plan_vs_live_ranks, timeout=300)[0]}
+    assert len(got) == 12
+    for dtype in ("torch.float32", "torch.bfloat16"):
+        # selective keeps less than save, more than recompute (live bytes)
+        assert got[dtype, "recompute", True][1] < got[dtype, "selective", True][1] \
+            < got[dtype, "save", True][1], got
+        # untraced, a selective unit runs as recompute and is planned so
+        assert got[dtype, "selective", False] == got[dtype, "recompute", False], got
 
 
 def plan_in_its_mode_ranks(rank, world):

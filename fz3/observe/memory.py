@@ -14,12 +14,13 @@ user's code holds.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import torch
 
 from ..schedule.footprint import footprint
-from ..schedule.ops import Op, OpKind
+from ..schedule.ops import FORWARD_KINDS, Op, OpKind
 from ..schedule.schedule import Schedule
 from ..schedule.structure import Role
 from ..sharding.model import ShardedModel
@@ -58,8 +59,15 @@ class MemoryPlan(NamedTuple):
 class ModelSizes:
     """``fz3.schedule.footprint.Sizes`` of a sharded model on one batch."""
 
-    def __init__(self, model: ShardedModel, schedule: Schedule, act: tuple[PartActivations, ...]):
+    def __init__(self, model: ShardedModel, schedule: Schedule, act: tuple[PartActivations, ...],
+                 selective: tuple[PartActivations, ...] | None = None):
+        """``act``: each part's sizes; ``selective``: its layers' under selective recompute,
+        which the units run as ``forward_selective`` keep instead."""
         self.model, self.schedule, self.act = model, schedule, act
+        chosen = {op.unit for op in schedule.ops if op.kind == OpKind.FORWARD_SELECTIVE}
+        # by unit: the sizes it runs with
+        self.unit_act = [selective[unit.part] if u in chosen and selective is not None
+                         else act[unit.part] for u, unit in enumerate(schedule.units)]
         self.csize = torch.empty((), dtype=model.precision.compute).element_size()
         self.rsize = torch.empty((), dtype=model.precision.reduce).element_size()
         self.fsize = torch.empty((), dtype=model.precision.frozen).element_size()
@@ -100,7 +108,7 @@ class ModelSizes:
         return self.act[self.schedule.units[u].part].input
 
     def graph_bytes(self, u: int) -> int:
-        return self.act[self.schedule.units[u].part].graph
+        return self.unit_act[u].graph
 
     def during(self, op: Op) -> int:
         """What lives only inside ``op`` beyond what the totals after it hold, measured on one
@@ -109,12 +117,13 @@ class ModelSizes:
         the op), and working set, or the per-parameter gradients waiting for the join into
         one flat gradient; for the loss op its input too."""
         unit = self.schedule.units[op.unit]
-        act, k = self.act[unit.part], len(unit.layers)
-        if op.kind in (OpKind.FORWARD, OpKind.FORWARD_SAVE):
-            # a forward that keeps its graph (forward_save; pre's and between's with
-            # gradients): its temporaries beyond the graph, which the totals after it hold
-            keeps = op.kind is OpKind.FORWARD_SAVE or (self.schedule.grad
-                                                       and unit.role is not Role.STACK)
+        act, k = self.unit_act[op.unit], len(unit.layers)
+        if op.kind in FORWARD_KINDS:
+            # a forward that keeps its graph (forward_save, forward_selective; pre's and
+            # between's with gradients): its temporaries beyond the graph, which the totals
+            # after it hold
+            keeps = op.kind is not OpKind.FORWARD or (self.schedule.grad
+                                                      and unit.role is not Role.STACK)
             return max(act.kept - act.graph, 0) if keeps else act.forward
         if op.kind not in (OpKind.BACKWARD, OpKind.LOSS):
             return 0
@@ -142,7 +151,9 @@ def memory_plan(model: ShardedModel, schedule: Schedule, batch: Any, *,
     allocate fewer temporaries: the plan errs high there).
     """
     traced = TracedLayers(model) if trace else None
-    sizes = ModelSizes(model, schedule, activation_sizes(model, batch, traced))
+    act = activation_sizes(model, batch, traced)
+    schedule, selective = _selective(model, schedule, batch, traced)
+    sizes = ModelSizes(model, schedule, act, selective)
     per_op = footprint(schedule, sizes)
     shard_bytes = sum(p.rows * p.layout.shard_numel for p in model.parts) * 4
     frozen_bytes = sum(t.numel() * t.element_size() for t in model.frozen if t is not None)
@@ -150,8 +161,7 @@ def memory_plan(model: ShardedModel, schedule: Schedule, batch: Any, *,
     persistent = frozen_bytes + (shard_bytes * (1 + optimizer_states) if schedule.grad
                                  else shard_bytes)
     col = lambda f: max((getattr(b, f) for b in per_op), default=0)  # noqa: E731
-    during_graphs = max((len(schedule.units[op.unit].layers)
-                         * sizes.act[schedule.units[op.unit].part].graph
+    during_graphs = max((len(schedule.units[op.unit].layers) * sizes.unit_act[op.unit].graph
                          for op in schedule.ops if op.kind in (OpKind.BACKWARD, OpKind.LOSS)),
                         default=0)
     return MemoryPlan(
@@ -165,3 +175,18 @@ def memory_plan(model: ShardedModel, schedule: Schedule, batch: Any, *,
         peak=persistent + peak_transient,
         per_op=tuple((b.gathered, b.unreduced, b.inputs, b.graphs) for b in per_op),
     )
+
+
+def _selective(model: ShardedModel, schedule: Schedule, batch: Any, traced: TracedLayers | None
+               ) -> tuple[Schedule, tuple[PartActivations, ...] | None]:
+    """The schedule as it runs, with its selective units' sizes: a ``forward_selective`` unit
+    whose layers are not traced (``trace=False``, or they cannot be) runs, so is planned, as
+    ``forward``."""
+    if not any(op.kind == OpKind.FORWARD_SELECTIVE for op in schedule.ops):
+        return schedule, None
+    selective = None if traced is None else activation_sizes(model, batch, traced,
+                                                             keep=schedule.keep)
+    failed = {i for i, p in enumerate(model.parts) if traced is None or p.name in traced.failed}
+    ops = tuple(Op(OpKind.FORWARD, op.unit) if op.kind == OpKind.FORWARD_SELECTIVE
+                and schedule.units[op.unit].part in failed else op for op in schedule.ops)
+    return replace(schedule, ops=ops), selective

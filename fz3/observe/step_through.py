@@ -9,7 +9,7 @@ import torch
 
 from ..comm.arrival import DEFAULT_TIMEOUT_S, arrive
 from ..comm.collectives import all_reduce, wait
-from ..schedule.ops import Op, OpKind
+from ..schedule.ops import FORWARD_KINDS, Op
 from ..schedule.structure import Role
 from ..schedule.planner import Policy
 from ..schedule.schedule import Schedule
@@ -99,7 +99,7 @@ def step_through(model: ShardedModel, params: Params, batch: Any,
 def describe(model: ShardedModel, schedule: Schedule, f: Frame) -> StepFrame:
     """A ``Frame`` with names: parameters and gradients as ``{module name: tensor}``."""
     kind, u = f.op
-    phase = "forward" if kind in (OpKind.FORWARD, OpKind.FORWARD_SAVE) else str(kind)
+    phase = "forward" if kind in FORWARD_KINDS else str(kind)
     unit = schedule.units[u]
     part = model.parts[unit.part]
     stack = part.role is Role.STACK  # then (k, padded) buffers, a (world, k, n) gradient

@@ -92,7 +92,7 @@ def _kept(unit: Unit, op: Op, sizes: Sizes) -> tuple[int, int]:
     input (``forward``, recomputed in backward)."""
     if unit.role is not Role.STACK:
         return 0, sizes.graph_bytes(op.unit)
-    if op.kind == OpKind.FORWARD_SAVE:
+    if op.kind in (OpKind.FORWARD_SAVE, OpKind.FORWARD_SELECTIVE):  # residuals, per layer
         return 0, sizes.graph_bytes(op.unit) * len(unit.layers)
     return sizes.input_bytes(op.unit), 0
 

@@ -7,7 +7,8 @@ A unit has three independent pieces of state:
 ==============  ===============================================================
 ``params``      ``ABSENT -> GATHERING -> GATHERED -> ABSENT`` (gather, wait, free)
 ``activation``  ``NONE -> KEPT -> NONE``: a forward keeps the unit's input (``forward``,
-                recompute in backward) or its graph (``forward_save``) until its backward
+                recompute in backward), its graph (``forward_save``) or the outputs
+                of its heavy ops (``forward_selective``) until its backward
 ``grad``        ``NONE -> UNREDUCED -> REDUCING -> REDUCED`` (backward, reduce,
                 wait_reduce), or ``UNREDUCED -> CARRIED`` (accumulate: summed into a
                 buffer that the next micro-batch reduces)
@@ -41,6 +42,9 @@ class OpKind(str, Enum):
     WAIT = "wait"  # block until the unit's gather is done
     FORWARD = "forward"  # compute the unit; keep its input (recompute in backward)
     FORWARD_SAVE = "forward_save"  # compute the unit; keep its autograd graph
+    # compute the unit; keep its heavy ops' outputs (``Schedule.keep``), recompute the rest
+    # in backward (traced layers; a layer that is not runs as ``forward``)
+    FORWARD_SELECTIVE = "forward_selective"
     LOSS = "loss"  # post + loss, and its vjp (the post unit)
     BACKWARD = "backward"  # vjp of the unit (recomputing it first after ``forward``)
     FREE = "free"  # release the unit's gathered parameters
@@ -64,10 +68,21 @@ _CATEGORY = {
     OpKind.GATHER: Category.ISSUE, OpKind.REDUCE: Category.ISSUE,
     OpKind.WAIT: Category.WAIT, OpKind.WAIT_REDUCE: Category.WAIT,
     OpKind.FORWARD: Category.COMPUTE, OpKind.FORWARD_SAVE: Category.COMPUTE,
+    OpKind.FORWARD_SELECTIVE: Category.COMPUTE,
     OpKind.LOSS: Category.COMPUTE, OpKind.BACKWARD: Category.COMPUTE,
     OpKind.FREE: Category.LIFETIME, OpKind.ACCUMULATE: Category.LIFETIME,
 }
 COMPUTE_KINDS = frozenset(k for k in OpKind if k.category is Category.COMPUTE)
+# a unit's forward, as each keeps what its backward needs
+FORWARD_KINDS = frozenset({OpKind.FORWARD, OpKind.FORWARD_SAVE, OpKind.FORWARD_SELECTIVE})
+# the ops whose outputs ``forward_selective`` keeps by default: matrix products, attention,
+# convolutions (ATen names, ``fz3.step.partition.op_name``); ``fz3.keep`` names others
+HEAVY_OPS = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "convolution", "_grouped_mm",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_attention_math", "_flash_attention_forward",
+    "_efficient_attention_forward"})
 # wait -> the issue it ends
 COMPLETES = {OpKind.WAIT: OpKind.GATHER, OpKind.WAIT_REDUCE: OpKind.REDUCE}
 
@@ -124,6 +139,8 @@ TABLE: dict[OpKind, tuple[Change, ...]] = {
     OpKind.WAIT: (_c("params", {Params.GATHERING}, Params.GATHERED),),
     OpKind.FORWARD: (_GATHERED, _c("activation", {Activation.NONE}, Activation.KEPT)),
     OpKind.FORWARD_SAVE: (_GATHERED, _c("activation", {Activation.NONE}, Activation.KEPT)),
+    OpKind.FORWARD_SELECTIVE: (_GATHERED,
+                               _c("activation", {Activation.NONE}, Activation.KEPT)),
     OpKind.LOSS: (_GATHERED, _c("grad", {Grad.NONE}, Grad.UNREDUCED)),
     OpKind.BACKWARD: (_GATHERED, _c("activation", {Activation.KEPT}, Activation.NONE),
                       _c("grad", {Grad.NONE}, Grad.UNREDUCED)),
@@ -139,6 +156,7 @@ _CONTRIBUTE = _c("grad", {Grad.NONE, Grad.UNREDUCED}, Grad.UNREDUCED)
 # a backward adds to its gradient, which stays unreduced until its last reader is done.
 READ_TABLE: dict[OpKind, tuple[Change, ...]] = {
     OpKind.FORWARD: (_GATHERED,), OpKind.FORWARD_SAVE: (_GATHERED,),
+    OpKind.FORWARD_SELECTIVE: (_GATHERED,),
     OpKind.LOSS: (_GATHERED, _CONTRIBUTE), OpKind.BACKWARD: (_GATHERED, _CONTRIBUTE),
 }
 

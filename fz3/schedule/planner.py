@@ -15,13 +15,39 @@ the schedule itself, its check and its table are ``fz3.schedule.schedule``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import Any, Iterable, Literal, NamedTuple, Sequence
 
-from .ops import Op, OpKind
+from .ops import HEAVY_OPS, Op, OpKind
 from .structure import PartShape, Role, check_structure, layers_only
 from .schedule import REDUCES, Schedule, Unit, compute_order, validate
 
-ACTIVATIONS = ("recompute", "save", "save_unsharded")
+ACTIVATIONS = ("recompute", "save", "save_unsharded", "selective")
+
+
+class Keep(NamedTuple):
+    """Selective recompute by a rule (``fz3.keep``): a layer's forward keeps the outputs of
+    these ops (ATen names: ``"mm"``, ``"_scaled_dot_product_flash_attention_for_cpu"``) and
+    its backward computes the rest again from them."""
+
+    ops: frozenset[str]
+
+
+def keep(ops: Iterable[Any]) -> Keep:
+    """``Policy(activations=fz3.keep(ops=["mm", "bmm"]))``: selective recompute keeping the
+    outputs of these ATen ops. Names as ``"mm"``, ``"aten.mm"`` or ``"aten.mm.default"``, or
+    the ops themselves (``torch.ops.aten.mm``)."""
+    names = []
+    for op in ([ops] if isinstance(ops, str) else list(ops)):
+        packet = getattr(op, "overloadpacket", op)  # an OpOverload's packet
+        name = op if isinstance(op, str) else getattr(packet, "__name__", None)
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"fz3.keep: {op!r} is not an op name; pass ATen names such as "
+                            f"'mm' or ops such as torch.ops.aten.mm")
+        parts = name.split(".")
+        names.append(parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[0])
+    if not names:
+        raise ValueError("fz3.keep(ops=[]) keeps nothing: use activations='recompute'")
+    return Keep(frozenset(names))
 
 
 @dataclass(frozen=True)
@@ -31,7 +57,10 @@ class Policy:
     prefetch: int = 1  # gathers issued ahead of the compute that needs them; 0 = no overlap
     # False: keep units gathered from forward until their backward
     reshard_after_forward: bool = True
-    activations: Literal["recompute", "save", "save_unsharded"] = "recompute"
+    # "selective": keep the heavy ops' outputs (``fz3.schedule.ops.HEAVY_OPS``), recompute the
+    # rest; or ``fz3.keep(ops=...)``, a rule of your own
+    activations: Literal["recompute", "save", "save_unsharded", "selective"] | Keep = \
+        "recompute"
     layers_per_unit: int = 1  # consecutive layers of a stack gathered and reduced as one unit
     reduce: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"
     # parts kept gathered for the whole step (DeepSpeed's persistence)
@@ -42,9 +71,9 @@ class Policy:
             raise ValueError(f"prefetch={self.prefetch} must be >= 0 (0 means no overlap)")
         if self.layers_per_unit < 1:
             raise ValueError(f"layers_per_unit={self.layers_per_unit} must be >= 1")
-        if self.activations not in ACTIVATIONS:
-            raise ValueError(f"activations={self.activations!r}: use 'recompute', 'save' or "
-                             f"'save_unsharded'")
+        if not isinstance(self.activations, Keep) and self.activations not in ACTIVATIONS:
+            raise ValueError(f"activations={self.activations!r}: use 'recompute', 'save', "
+                             f"'save_unsharded', 'selective' or fz3.keep(ops=[...])")
         if self.reduce not in REDUCES:
             raise ValueError(f"reduce={self.reduce!r}: use 'reduce_scatter' or 'all_reduce'")
         if isinstance(self.resident, str):
@@ -93,13 +122,17 @@ def plan(model: Any, policy: Policy = Policy(), *, grad: bool = True) -> Schedul
         raise ValueError(f"Policy(resident={policy.resident}): no part named {unknown}; parts are "
                          f"{[p.name for p in parts]}")
     units = schedule_units(parts, policy.layers_per_unit)
-    save = policy.activations != "recompute"
-    keep = policy.activations == "save_unsharded" or not policy.reshard_after_forward
-    fwd = OpKind.FORWARD_SAVE if save and grad else OpKind.FORWARD
-    steps = [Op(fwd, op.unit) if op.kind == OpKind.FORWARD else op
-             for op in compute_order(units, grad=grad)]
+    rule = policy.activations
+    selective = isinstance(rule, Keep) or rule == "selective"
+    stays = rule == "save_unsharded" or not policy.reshard_after_forward
+    fwd = (OpKind.FORWARD if not grad or rule == "recompute" else
+           OpKind.FORWARD_SELECTIVE if selective else OpKind.FORWARD_SAVE)
+    # selective: a layer unit's (pre's and between's keep their graph whatever their kind)
+    steps = [Op(fwd, op.unit) if op.kind == OpKind.FORWARD and (
+        not selective or units[op.unit].role is Role.STACK) else op
+        for op in compute_order(units, grad=grad)]
     resident = {u for u, unit in enumerate(units)
-                if keep or parts[unit.part].name in policy.resident}
+                if stays or parts[unit.part].name in policy.resident}
     spans = _residencies(steps, units, policy.prefetch, resident)
     # units by step: gathered from, gathered until, gradient complete after (built once: a
     # scan per step would make planning quadratic in the layers)
@@ -123,7 +156,8 @@ def plan(model: Any, policy: Policy = Policy(), *, grad: bool = True) -> Schedul
             ops += [Op(OpKind.WAIT_REDUCE, u) for u in waiting]
             waiting = done
     ops += [Op(OpKind.WAIT_REDUCE, u) for u in waiting]
-    return validate(Schedule(tuple(ops), units, policy.reduce, grad))
+    kept = rule.ops if isinstance(rule, Keep) else HEAVY_OPS
+    return validate(Schedule(tuple(ops), units, policy.reduce, grad, keep=kept))
 
 
 def _by_step(pairs) -> dict[int, list[int]]:
@@ -177,5 +211,6 @@ def deferred(schedule: Schedule) -> Schedule:
     the last of a gradient accumulation with the ``defer`` policy (see ``fz3.accumulate``)."""
     ops = tuple(Op(OpKind.ACCUMULATE, op.unit) if op.kind == OpKind.REDUCE else op
                 for op in schedule.ops if op.kind != OpKind.WAIT_REDUCE)
-    return validate(Schedule(ops, schedule.units, schedule.reduce, schedule.grad))
+    return validate(Schedule(ops, schedule.units, schedule.reduce, schedule.grad,
+                             keep=schedule.keep))
 

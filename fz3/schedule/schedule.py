@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, Sequence
 
 from ..compare import fingerprint
-from .ops import COMPUTE_KINDS, Grad, Op, OpKind, Params, UnitState, transition
+from .ops import (COMPUTE_KINDS, FORWARD_KINDS, HEAVY_OPS, Grad, Op, OpKind, Params, UnitState,
+                  transition)
 from .structure import FORWARD_ROLES, Role
 
 REDUCES = ("reduce_scatter", "all_reduce")
@@ -52,6 +53,8 @@ class Schedule:
     grad: bool = True  # False: a forward-only schedule (fz3.apply)
     # units gathered at once, resident ones aside
     max_live_units: int = field(default=0, compare=False)
+    # what ``forward_selective`` keeps: the ATen names of the ops whose outputs it keeps
+    keep: frozenset[str] = HEAVY_OPS
 
     def __post_init__(self) -> None:
         # Kinds given as strings become OpKind members; unknown ones stay for validate to name.
@@ -65,7 +68,7 @@ class Schedule:
         forward runs before its own (computed once per schedule)."""
         out, last = {}, -1
         for op in self.ops:
-            if op.kind in (OpKind.FORWARD, OpKind.FORWARD_SAVE):
+            if op.kind in FORWARD_KINDS:
                 if self.units[op.unit].role in (Role.PRE, Role.BETWEEN):
                     last = op.unit
                 elif self.units[op.unit].role is Role.STACK:
@@ -93,18 +96,22 @@ class Schedule:
     def fingerprint(self) -> bytes:
         units = [(u.name, u.part, u.layers.start, u.layers.stop, u.role.value, u.reads)
                  for u in self.units]
-        return fingerprint((self.ops, units, self.reduce, self.grad))
+        selective = any(op.kind == OpKind.FORWARD_SELECTIVE for op in self.ops)
+        keep = (sorted(self.keep),) if selective else ()
+        return fingerprint((self.ops, units, self.reduce, self.grad, *keep))
 
     def __str__(self) -> str:
         walked = walk(self)
         head = (f"Schedule: {len(self.ops)} ops over {len(self.units)} units, "
                 f"reduce={self.reduce}, at most {max(walked.live, default=0)} units gathered")
-        rows = [head, f"{'#':>4}  {'op':<12} {'unit':<18} gathered"]
+        if any(op[0] == OpKind.FORWARD_SELECTIVE for op in self.ops):
+            head += f"\nforward_selective keeps the outputs of: {', '.join(sorted(self.keep))}"
+        rows = [head, f"{'#':>4}  {'op':<17} {'unit':<18} gathered"]
         for i, op in enumerate(self.ops):
             name = self.describe(op).split(" ", 1)[1]
             live = str(walked.live[i]) if i < len(walked.live) else "?"
             mark = f"  <- {walked.error.reason}" if walked.error and walked.error.index == i else ""
-            rows.append(f"{i:>4}  {str(op[0]):<12} {name:<18} {live}{mark}")
+            rows.append(f"{i:>4}  {str(op[0]):<17} {name:<18} {live}{mark}")
         if walked.error is not None and (walked.error.index is None
                                          or walked.error.index >= len(self.ops)):
             rows.append(f"invalid: {walked.error}")
@@ -135,7 +142,7 @@ def validate(schedule: Schedule) -> Schedule:
     if walked.error is not None:
         raise walked.error
     return Schedule(schedule.ops, schedule.units, schedule.reduce, schedule.grad,
-                    max(walked.live, default=0))
+                    max(walked.live, default=0), schedule.keep)
 
 
 class Walk(NamedTuple):
@@ -202,12 +209,13 @@ def _step(s: Schedule, op: Op, states: dict[int, UnitState], order: list[Op], do
     if kind == OpKind.LOSS and s.units[u].role is not Role.POST:
         return (f"loss runs on the post unit ({s.units[s.post].name}, unit {s.post}), "
                 f"not {name}"), done
-    if kind == OpKind.FORWARD_SAVE and not s.grad:
-        return "forward_save keeps a graph for a backward; a forward-only schedule has none", done
+    if kind in (OpKind.FORWARD_SAVE, OpKind.FORWARD_SELECTIVE) and not s.grad:
+        return (f"{kind} keeps activations for a backward; a forward-only schedule has none",
+                done)
     if kind in (OpKind.REDUCE, OpKind.ACCUMULATE) and not s.grad:
         return "a forward-only schedule has no gradients to reduce", done
     if kind in COMPUTE_KINDS:
-        want = Op(OpKind.FORWARD if kind == OpKind.FORWARD_SAVE else kind, u)
+        want = Op(OpKind.FORWARD if kind in FORWARD_KINDS else kind, u)
         if done >= len(order) or order[done] != want:
             expected = ("nothing (all compute is done)" if done >= len(order)
                         else s.describe(order[done]))

@@ -27,7 +27,8 @@ from .executor import execute
 from ..sharding.model import Params, ShardedModel
 from ..schedule.planner import Policy, deferred
 from ..schedule.schedule import Schedule
-from .front import check_call, check_in_sync, drain, layer_runner, prepare
+from .front import (check_call, check_in_sync, drain, layer_runner, prepare,
+                    say_untraced_selective)
 
 
 class Accumulate:
@@ -87,5 +88,6 @@ def accumulate(model: ShardedModel, schedule: Schedule | Policy | None = None, *
     **Collective**: the schedule is compared across ranks here; every rank must call it."""
     traced = layer_runner(model, trace=trace, compile=compile, strict=strict)
     sync = model.device.type == "cpu" if check_sync is None else check_sync
-    return Accumulate(model, prepare(model, schedule, grad=True, entry="accumulate"), policy,
-                      traced, sync)
+    sched = prepare(model, schedule, grad=True, entry="accumulate")
+    say_untraced_selective(sched, traced)
+    return Accumulate(model, sched, policy, traced, sync)

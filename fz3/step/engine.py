@@ -15,7 +15,7 @@ The executor calls a unit of a stack's layers only through three methods:
 
 ``pieces`` are the unit's gathered memory (``Pieces``), ``extras`` the record of the pre or
 between unit whose extra outputs the layers take (``Produced``). Two implementations:
-``fz3.step.traced.Layers`` (traced programs, compiled by inductor with ``compile=True``) and
+``fz3.step.programs.Layers`` (traced programs, compiled by inductor with ``compile=True``) and
 ``AutogradLayers`` below (the layer's Python through autograd: ``trace=False``, and layers
 that cannot be traced). ``holds_buffer`` says whether residuals may view the gathered buffer
 (then ``free`` keeps its storage object, ``fz3.step.movement``).
@@ -64,7 +64,7 @@ class Produced:
 
     extras: tuple  # detached (rotary tables, masks, ...)
     positions: list[int]  # those that carry gradient
-    traced: Any = None  # as traced programs take them (``fz3.step.traced.Extras``), made once
+    traced: Any = None  # as traced programs take them (``fz3.step.programs.Extras``), made once
     grads: dict[int, torch.Tensor] = field(default_factory=dict)  # their gradients, summed
 
 
@@ -81,6 +81,7 @@ class AutogradLayers:
     """Layers ``first, ...`` of a stack part through autograd (see the module's Note)."""
 
     holds_buffer = True  # a graph holds views of the buffer
+    keep = None  # no selective recompute (``fz3.step.programs.Layers.keep``): run as recompute
 
     def __init__(self, bindings: Sequence[Binding], part: Part, first: int, writes: dict):
         self.bindings, self.part, self.first, self.writes = tuple(bindings), part, first, writes

@@ -142,12 +142,14 @@ def _forward_stage(s: StepState, op: Op, index: int) -> Frame:
 
 def _forward_layers(s: StepState, op: Op, index: int) -> Frame:
     """A layer unit through the layer protocol (``fz3.step.engine``): ``forward_save`` keeps
-    its residuals; ``forward`` keeps its input and RNG state, to run ``forward`` again in
-    backward (recompute)."""
+    its residuals, ``forward_selective`` its traced programs' heavy ops' outputs (a unit that
+    is not traced runs as ``forward``); ``forward`` keeps its input and RNG state, to run
+    ``forward`` again in backward (recompute)."""
     u, x = op.unit, s.h
     extras = s.produced[s.schedule.producers[u]]
-    engine = layer_engine(s, u, x, extras)
-    if op.kind == OpKind.FORWARD_SAVE:
+    selective = op.kind == OpKind.FORWARD_SELECTIVE
+    engine = layer_engine(s, u, x, extras, s.schedule.keep if selective else None)
+    if op.kind == OpKind.FORWARD_SAVE or selective and engine.keep is not None:
         s.h, residuals = engine.forward(s.gathered[u], x, extras)
         s.saved[u] = Kept(x=x, engine=engine, residuals=residuals)
     else:
@@ -228,7 +230,7 @@ def _backward_stage(s: StepState, op: Op, index: int) -> Frame:
 
 HANDLERS: dict[OpKind, Callable[[StepState, Op, int], Frame | None]] = {
     OpKind.GATHER: gather_op, OpKind.WAIT: wait_op, OpKind.FORWARD: _forward,
-    OpKind.FORWARD_SAVE: _forward,
+    OpKind.FORWARD_SAVE: _forward, OpKind.FORWARD_SELECTIVE: _forward,
     OpKind.LOSS: _loss, OpKind.BACKWARD: _backward, OpKind.FREE: free_op,
     OpKind.REDUCE: reduce_op, OpKind.WAIT_REDUCE: wait_reduce_op,
     OpKind.ACCUMULATE: accumulate_op,

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Generator, Sequence
 
+import logging
+
 import optree
 import torch
 
@@ -25,6 +27,8 @@ from ..sharding.model import Params, ShardedModel
 from ..sharding.params import check_tree
 from .state import Loss, Result
 from .traced import TracedLayers
+
+log = logging.getLogger(__name__)
 
 
 def prepare(model: ShardedModel, schedule: Schedule | Policy | None, *, grad: bool,
@@ -209,3 +213,11 @@ def layer_runner(model: ShardedModel, *, trace: bool, compile: bool,
         raise ValueError("strict=True asks compile=True to raise instead of running a program "
                          "inductor cannot compile as Python; pass compile=True with it")
     return TracedLayers(model, compile=compile, strict=strict) if trace else None
+
+
+def say_untraced_selective(schedule: Schedule, traced: TracedLayers | None) -> None:
+    """Selective recompute cuts traced programs: with ``trace=False`` a ``forward_selective``
+    unit runs as ``forward`` (recompute). Said once, at INFO."""
+    if traced is None and any(op.kind == OpKind.FORWARD_SELECTIVE for op in schedule.ops):
+        log.info("fz3: trace=False: forward_selective units run as recompute (selective "
+                 "recompute keeps what traced programs compute; pass trace=True)")

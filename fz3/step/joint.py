@@ -108,11 +108,13 @@ def joint_trace(layer: Layer, inputs: Sequence[torch.Tensor], frozen: bool,
     return Joint(joint_gm.graph, joint_gm.code, first, len(wrt))
 
 
-def programs(joint: Joint) -> Programs:
-    """``trace``'s second half: a joint graph split into programs (the graph is changed)."""
+def programs(joint: Joint, keep: frozenset[str] | None = None) -> Programs:
+    """``trace``'s second half: a joint graph split into programs (the graph is changed).
+    ``keep``: selective recompute, the names of the ops whose outputs the forward keeps
+    (``fz3.step.partition``); None: it keeps what autograd would."""
     first = joint.first
     _fold_transposes(joint.graph)
-    fwd, bwd = partition(joint.graph, params=range(first), grads=joint.grads)
+    fwd, bwd = partition(joint.graph, params=range(first), grads=joint.grads, keep=keep)
     aliases = _residuals_alias_params(fwd, params=first)
     # Forwards without gradient run the forward's ops, residuals not returned: the same
     # kernels as the recompute that follows them (eager may pick others without grad mode)

@@ -26,10 +26,13 @@ from torch import fx
 from .codegen import CONSTANT_FACTORIES
 
 
-def partition(joint: fx.Graph, params: range, grads: int) -> tuple[fx.Graph, fx.Graph]:
+def partition(joint: fx.Graph, params: range, grads: int,
+              keep: frozenset[str] | None = None) -> tuple[fx.Graph, fx.Graph]:
     """Split a joint graph (inputs ``(*inputs, g)``, outputs ``(out, *grads)``) into forward
     ``(*inputs) -> (out, *residuals)`` and backward ``(*param inputs, *residuals, g) -> grads``.
-    ``params``: the positions of the parameter rows, whose views the backward recomputes."""
+    ``params``: the positions of the parameter rows, whose views the backward recomputes.
+    ``keep`` (selective recompute, [Note: selective recompute]): the names of the ops whose
+    outputs are kept; the backward computes every other forward value it needs again."""
     places = [n for n in joint.nodes if n.op == "placeholder"]
     out_node = next(n for n in joint.nodes if n.op == "output")
     out, *grad_nodes = out_node.args[0]
@@ -47,9 +50,12 @@ def partition(joint: fx.Graph, params: range, grads: int) -> tuple[fx.Graph, fx.
     # residual, unless an op writes into it: that write happened in the forward
     rows.update(n for n in joint.nodes if n.op == "call_function" and not n.all_input_nodes
                 and n.target in CONSTANT_FACTORIES and not written(n))
-    # the backward recomputes what depends on g, the row views and those constants;
-    # everything else it reads (forward values, h, extras) is a residual
+    # the backward recomputes what depends on g, the row views and those constants (and,
+    # selective, the forward's cheap ops); everything else it reads (forward values, h,
+    # extras) is a residual
     computed = backward_side | rows
+    if keep is not None:
+        computed |= recomputable(joint, forward_side, keep)
     needed = _ancestors(grad_nodes, stop=lambda m: m not in computed)
     residuals = [m for m in joint.nodes if m in needed and m not in computed]
 
@@ -74,6 +80,54 @@ def partition(joint: fx.Graph, params: range, grads: int) -> tuple[fx.Graph, fx.
     bwd.output(tuple(benv[m] for m in grad_nodes))
     bwd.eliminate_dead_code()
     return fwd, bwd
+
+
+# [Note: selective recompute]
+# ``Policy(activations="selective")`` keeps the outputs of the compute-heavy ops
+# (``fz3.schedule.ops.HEAVY_OPS``: matrix products, attention, convolutions; ``fz3.keep``
+# names others) and recomputes the rest inside the backward
+# program from them, the layer's input, its extras and the re-gathered parameter rows: the
+# same ATen ops on the same values, so the results are bitwise those of eager autograd. What
+# is never recomputed, its output kept instead: an op that draws random numbers (dropout's
+# mask is the forward's own, no RNG is replayed), an op that writes in place, and any value
+# that is written into or read from something written into (recomputing it would read the
+# written value). The recomputed ops run at the start of the backward program, in forward
+# order, each freed after its last use.
+
+def op_name(node: fx.Node) -> str:
+    """An ATen op's name without namespace and overload: ``aten.mm.default`` -> ``mm``."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.overloadpacket.__name__
+    return getattr(target, "__name__", str(target))
+
+
+def recomputable(joint: fx.Graph, forward_side: set[fx.Node], keep: frozenset[str]
+                 ) -> set[fx.Node]:
+    """The forward's ops a selective backward computes again (see the Note above)."""
+    touched: set[fx.Node] = set()  # written into, and every view of or into such a value
+    for node in joint.nodes:
+        for value in written_args(node):
+            todo = [value]
+            while todo:
+                n = todo.pop()
+                if n in touched:
+                    continue
+                touched.add(n)
+                if _is_view(n) and n.args and isinstance(n.args[0], fx.Node):
+                    todo.append(n.args[0])
+                todo.extend(u for u in n.users if _is_view(u))
+    out: set[fx.Node] = set()
+    for node in joint.nodes:  # in order: a getitem after the op it picks from
+        if node.op != "call_function" or node not in forward_side or node in touched:
+            continue
+        if node.target is operator.getitem:
+            if node.args[0] in out:
+                out.add(node)
+        elif not (op_name(node) in keep or _draws_random(node) or written_args(node)
+                  or any(a in touched for a in node.all_input_nodes)):
+            out.add(node)
+    return out
 
 
 def _forward_side(joint: fx.Graph, out: fx.Node, g: fx.Node) -> set[fx.Node]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
 
 import optree
 import torch
@@ -39,68 +39,13 @@ from ..sharding.model import ShardedModel
 from ..sharding.parts import Part
 from ..sharding import compute
 from ..sharding.compute import LayerName
-from . import shapes
-from .engine import Pieces, Produced
 from .inductor import Kernels
 from .joint import Programs, TraceError, joint_trace, programs
+from .partition import op_name
 from .layer_groups import Groups, groups, hidden
+from .programs import Extras, Layers, Signature
 
 log = logging.getLogger(__name__)
-
-
-class Layers(NamedTuple):
-    """The programs of a unit's layers: the layer protocol (``fz3.step.engine``) over them.
-    No autograd here: the programs get gathered buffers, detached activations and detached
-    extras, none of which requires grad, so nothing records a graph."""
-
-    programs: tuple[Programs, ...]  # one per layer of the unit
-    # a residual may view the gathered buffer: ``free`` keeps its storage object (released)
-    holds_buffer: bool
-
-    def forward(self, pieces: Pieces, h: torch.Tensor, extras: Produced) -> tuple:
-        """``(h, residuals)``: residuals a list, one tuple per layer, in layer order."""
-        tensors, frozen, residuals = extras.traced.tensors, pieces.frozen, []
-        for j, (programs, row) in enumerate(zip(self.programs, pieces.rows)):
-            out = programs.forward(*((row,) if frozen is None else (row, frozen[j])), h,
-                                   *tensors)
-            h = out[0]
-            residuals.append(out[1:])
-        return h, residuals
-
-    def inference(self, pieces: Pieces, h: torch.Tensor, extras: Produced) -> torch.Tensor:
-        tensors, frozen = extras.traced.tensors, pieces.frozen
-        for j, (programs, row) in enumerate(zip(self.programs, pieces.rows)):
-            h = programs.inference(*((row,) if frozen is None else (row, frozen[j])), h,
-                                   *tensors)[0]
-        return h
-
-    def backward(self, pieces: Pieces, residuals: list, g: torch.Tensor,
-                 extras: Produced) -> tuple:
-        """Last layer first; the buffer's gradient is ``(padded,)`` for one layer, ``(k,
-        padded)`` for k. Empties ``residuals``: each is freed inside its program after its
-        last use."""
-        rows, frozen, k = pieces.rows, pieces.frozen, len(self.programs)
-        grads: list = [None] * k
-        summed: list = []
-        for j in reversed(range(k)):
-            params = [rows[j]] if frozen is None else [rows[j], frozen[j]]
-            out = self.programs[j].backward([*params, *residuals.pop(), g])
-            grads[j], g = out[0], out[1]
-            summed = list(out[2:]) if not summed else [a + b for a, b in zip(summed, out[2:])]
-        return shapes.buffer_grad(grads), g, summed
-
-
-class Extras(NamedTuple):
-    """A pre or between unit's extra outputs as the traced programs take them, made once per
-    step (``TracedLayers.extras``): every layer after that unit reads the same ones."""
-
-    tensors: tuple[torch.Tensor, ...]  # the tensors among them, flattened: the programs' inputs
-    flat: list  # each extra flattened, ``(leaves, spec)``
-    diff: tuple[int, ...]  # positions in ``tensors`` whose gradient the backward returns
-    # what programs are specialized to (the tensors' shapes, strides and dtypes, the other
-    # values); None: a value cannot be hashed, so the layers are not traced
-    consts: tuple | None
-    key: int  # ``consts``' number in this ``TracedLayers`` (a cheap per-layer lookup)
 
 
 class TracedLayers:
@@ -121,6 +66,9 @@ class TracedLayers:
         # (part, signature) -> the first group's graphs: a later group with others compiles again
         self._first: dict[tuple, tuple] = {}
         self._warned: set[int] = set()  # parts reported as compiling per layer
+        # parts said to run selective units as recompute, and said to have no op a rule keeps
+        self._warned_keep: set[str] = set()
+        self._kept_none: set[str] = set()
         for i, part in enumerate(model.parts):
             if part.role is Role.STACK:
                 self.groups[i] = groups(model.functions[i], part, self.failed)
@@ -158,23 +106,29 @@ class TracedLayers:
         return Extras(tuple(tensors), flat, diff, signature, key)
 
     def layers(self, part_index: int, first: int, stop: int, h: torch.Tensor,
-               extras: Extras) -> Layers | None:
+               extras: Extras, keep: frozenset[str] | None = None) -> Layers | None:
         """The programs for layers ``[first, stop)`` of a stack on ``h`` and ``extras``, or
-        None: they run through autograd. Traced at the first call per signature.
-        On the per-layer path: once traced, one dict lookup."""
+        None: they run through autograd. ``keep``: selective recompute's rule (``Layers.keep``).
+        Traced at the first call per signature. On the per-layer path: once traced, one dict
+        lookup."""
         unit = (part_index, first, stop, h.shape, h.stride(), h.dtype, self.model.training,
-                extras.key)
+                extras.key, keep)
         known = self._units.get(unit)
         if known is not None:
             return known
         part = self.model.parts[part_index]
         if part.name in self.failed or extras.consts is None:
-            return None
-        # what a program is specialized to: shapes, strides and dtypes, non-tensor values
-        signature = (tuple(h.shape), h.stride(), h.dtype, self.model.training, extras.consts)
-        layers = self._layers(part_index, part, first, stop, h, extras, signature)
+            layers = None
+        else:
+            signature = Signature(tuple(h.shape), h.stride(), h.dtype, self.model.training,
+                                  extras.consts, keep)
+            layers = self._layers(part_index, part, first, stop, h, extras, signature)
         if layers is not None:
             self._units[unit] = layers
+        elif keep is not None and part.name not in self._warned_keep:
+            self._warned_keep.add(part.name)
+            log.info("fz3: %s: selective units run as recompute (its layers run through "
+                     "autograd)", part.name)
         return layers
 
     def _layers(self, part_index: int, part: Part, first: int, stop: int, h: torch.Tensor,
@@ -185,7 +139,7 @@ class TracedLayers:
             if got is None:
                 return None
             programs.append(got)
-        return Layers(tuple(programs), any(p.aliases_params for p in programs))
+        return Layers(tuple(programs), any(p.aliases_params for p in programs), signature.keep)
 
     def _group(self, i: int, part: Part, layer: int, h: torch.Tensor, extras: Extras,
                signature: tuple) -> Programs | None:
@@ -262,10 +216,23 @@ class TracedLayers:
         alike = ("joint", joint.code, part.layout, part.frozen, signature)
         if alike not in self.model.traces:
             try:
-                self.model.traces[alike] = programs(joint)
+                self.model.traces[alike] = programs(joint, signature.keep)
             except TraceError as e:
                 self.model.traces[alike] = e
-        return self.model.traces[alike]
+        made = self.model.traces[alike]
+        if signature.keep is not None and not isinstance(made, TraceError):
+            self._keeps_some(part, made, signature.keep)
+        return made
+
+    def _keeps_some(self, part: Part, made: Programs, keep: frozenset[str]) -> None:
+        """A keep-rule that names no op of the layer: one warning per part, naming its ops."""
+        ops = {op_name(n) for n in made.graphs[0].nodes if n.op == "call_function"}
+        if not ops & keep and part.name not in self._kept_none:
+            self._kept_none.add(part.name)
+            warnings.warn(f"fz3: selective recompute keeps {sorted(keep)}, but no layer of "
+                          f"{part.name} runs any of them (its forward runs {sorted(ops)}): it "
+                          f"keeps only its input, like recompute. Name some of its ops in "
+                          f"fz3.keep(ops=...)", stacklevel=7)
 
     def _fail(self, part_index: int, part: Part, why: str) -> None:
         """Its layers run through autograd: all of them, also those of its units found traced

@@ -70,16 +70,19 @@ def stage_engine(s: StepState, u: int) -> Stage:
     return Stage(s.model.functions[unit.part], unit.role, unit.name)
 
 
-def layer_engine(s: StepState, u: int, x: torch.Tensor, produced: Produced):
+def layer_engine(s: StepState, u: int, x: torch.Tensor, produced: Produced,
+                 keep: frozenset[str] | None = None):
     """What runs a layer unit on ``x`` and its producer's extras ``produced``
-    (``fz3.step.engine``'s protocol): its traced programs (``fz3.step.traced.Layers``), or,
-    for layers that cannot be traced and with ``trace=False``, autograd. On the per-layer
+    (``fz3.step.engine``'s protocol): its traced programs (``fz3.step.programs.Layers``; with
+    ``keep``, selective recompute's), or, for layers that cannot be traced and with
+    ``trace=False``, autograd (``keep`` None: it has no selective form). On the per-layer
     path: once traced, a dict lookup."""
     unit = s.schedule.units[u]
     if s.traced is not None:
         if produced.traced is None:  # at the first layer that reads them in this step
             produced.traced = s.traced.extras(produced.extras, produced.positions)
-        layers = s.traced.layers(unit.part, unit.layers.start, unit.layers.stop, x, produced.traced)
+        layers = s.traced.layers(unit.part, unit.layers.start, unit.layers.stop, x,
+                                 produced.traced, keep)
         if layers is not None:
             return layers
     part = s.model.parts[unit.part]

@@ -13,7 +13,8 @@ from ..sharding.model import Params, ShardedModel
 from .traced import TracedLayers
 from .executor import execute
 from .finite import drain_checking_finite
-from .front import check_call, check_in_sync, drain, layer_runner, loss_of, prepare
+from .front import (check_call, check_in_sync, drain, layer_runner, loss_of, prepare,
+                    say_untraced_selective)
 
 
 class ValueAndGrad:
@@ -90,6 +91,7 @@ def value_and_grad(model: ShardedModel, schedule: Schedule | Policy | None = Non
             "compile=True, whose inductor programs have no Python between their kernels")
     traced = layer_runner(model, trace=trace, compile=compile, strict=strict)
     sched = prepare(model, schedule, grad=True, entry="value_and_grad")
+    say_untraced_selective(sched, traced)
     return ValueAndGrad(model, sched, loss=loss, has_aux=has_aux, recorder=recorder,
                         check_finite=check_finite, check_sync=check_sync, traced=traced)
 

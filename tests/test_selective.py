@@ -1,0 +1,203 @@
+"""Selective recompute (``Policy(activations="selective")``, ``fz3.keep``): a layer's forward
+program keeps the outputs of its heavy ops only, and its backward program computes the rest
+again from them (``fz3.step.partition``, [Note: selective recompute]).
+
+References: plain PyTorch autograd on the unsharded model (fp32 rtol 1e-5 / atol 1e-6, the
+suite's tolerance), and the same step with ``trace=False``, bit for bit: the programs run the
+same ATen ops on the same values as eager autograd, and dropout's mask is the forward's own
+(a random op is never recomputed). What it keeps is compared with ``save``'s residuals on the
+same layer, counted from the programs' fake tensors."""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+
+import optree
+import pytest
+import torch
+
+import dist
+import fz3
+from fz3.models import shard_gpt
+from fz3.models.gpt import GPTConfig
+from fz3.schedule.ops import HEAVY_OPS
+from fz3.step import joint
+from reference import (LayerNet, assert_close, batches, gpt, layer_post, layer_pre,
+                       reference_grads)
+from test_traced import ReadsHost
+from test_traced_memory import B, D, T, _layer
+
+CFG = GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=4, dropout=0.2)
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b)))
+
+
+def _programs(block, h, extras, keep):
+    names, shapes = zip(*((n, p.shape) for n, p in block.named_parameters()))
+    sizes = [math.prod(s) for s in shapes]
+
+    def layer(row, frozen_row, h, *extras):
+        params = {n: t.view(s) for n, t, s in zip(names, row.split(sizes), shapes)}
+        return torch.func.functional_call(block, params, (h, *extras))
+
+    row = torch.cat([p.detach().reshape(-1) for p in block.parameters()])
+    inputs = [row, h, *extras]
+    return joint.programs(joint.joint_trace(layer, inputs, False, []), keep), row
+
+
+def _kept_bytes(programs, row, h, extras) -> tuple[int, tuple]:
+    out, *residuals = programs.forward(row, h, *extras)
+    skip = {row.untyped_storage().data_ptr(), h.untyped_storage().data_ptr()}
+    stored = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in residuals
+              if t.untyped_storage().data_ptr() not in skip}
+    return sum(stored.values()), (out, residuals)
+
+
+@pytest.mark.parametrize("name", ["fz3 gpt", "llama", "phi3", "gpt2"])
+def test_selective_keeps_less_than_save_and_is_bitwise_the_same(name):
+    """Measured here (B=2, T=16, D=64): selective keeps 0.33-0.60x of save's residual bytes."""
+    block, extras = _layer(name)
+    block.eval()
+    h = torch.randn(B, T, D)
+    save, row = _programs(block, h, extras, None)
+    selective, _ = _programs(block, h, extras, HEAVY_OPS)
+    save_bytes, (want, save_res) = _kept_bytes(save, row, h, extras)
+    sel_bytes, (out, sel_res) = _kept_bytes(selective, row, h, extras)
+    assert sel_bytes <= 0.6 * save_bytes, (name, sel_bytes, save_bytes)
+    g = torch.randn_like(want)
+    assert torch.equal(out, want)
+    got, expected = selective.backward([row, *sel_res, g]), save.backward([row, *save_res, g])
+    assert all(torch.equal(a, b) for a, b in zip(got, expected)), name
+
+
+def selective_ranks(rank, world):
+    module = gpt(CFG)
+    model, params = shard_gpt(module)
+    bs = batches(CFG, world)
+    # against plain autograd on the unsharded model (dropout off: the same draws there too)
+    plain, plain_params = shard_gpt(gpt(GPTConfig(**{**CFG.__dict__, "dropout": 0.0})))
+    ref_loss, want = reference_grads(gpt(GPTConfig(**{**CFG.__dict__, "dropout": 0.0})), bs)
+    loss, grads = fz3.value_and_grad(plain, fz3.Policy(activations="selective"))(plain_params,
+                                                                                 bs[rank])
+    torch.testing.assert_close(loss.item(), ref_loss, rtol=1e-5, atol=1e-6)
+    if rank == 0:
+        assert_close(fz3.full_state_dict(plain, grads), want, what="selective vs plain")
+    else:
+        fz3.full_state_dict(plain, grads)  # collective
+    # with dropout, bit for bit against trace=False (itself tested against plain autograd)
+    for policy in (fz3.Policy(activations="selective"),
+                   fz3.Policy(activations="selective", layers_per_unit=2),
+                   fz3.Policy(activations=fz3.keep(ops=["addmm", "bmm"]))):
+        torch.manual_seed(1)
+        step = fz3.value_and_grad(model, policy)
+        loss, grads = step(params, bs[rank])
+        after = torch.rand(1)  # the RNG is left where autograd leaves it
+        torch.manual_seed(1)
+        want_loss, want_grads = fz3.value_and_grad(model, policy, trace=False)(params, bs[rank])
+        assert torch.equal(after, torch.rand(1)), policy
+        assert torch.equal(loss, want_loss) and _same(grads, want_grads), policy
+        assert step.traced.failed == {}, step.traced.failed
+    # one op kind per unit: a hand-made schedule mixing selective, save and recompute
+    sched = fz3.plan(model, fz3.Policy(activations="selective"))
+    kinds = {1: "forward_save", 2: "forward"}  # blocks.0 saves, blocks.1 recomputes
+    ops = [fz3.Op(kinds.get(op.unit, op.kind) if op.kind == "forward_selective" else op.kind,
+                  op.unit) for op in sched.ops]
+    mixed = fz3.Schedule(tuple(ops), sched.units)
+    torch.manual_seed(1)
+    loss, grads = fz3.value_and_grad(model, mixed)(params, bs[rank])
+    torch.manual_seed(1)
+    want_loss, want_grads = fz3.value_and_grad(model, mixed, trace=False)(params, bs[rank])
+    assert torch.equal(loss, want_loss) and _same(grads, want_grads)
+    # accumulate: two micro-batches, gradients summed across them
+    micro = batches(CFG, world, per_rank=1)
+    torch.manual_seed(1)
+    acc = fz3.accumulate(model, fz3.Policy(activations="selective"))(params, [bs[rank], micro[rank]])
+    torch.manual_seed(1)
+    acc_want = fz3.accumulate(model, fz3.Policy(activations="selective"),
+                              trace=False)(params, [bs[rank], micro[rank]])
+    assert torch.equal(acc[0], acc_want[0]) and _same(acc[1], acc_want[1])
+    return str(sched).splitlines()[1]
+
+
+def test_selective_equals_plain_autograd_and_trace_false_bit_for_bit():
+    header = dist.run(2, selective_ranks, timeout=300)[0]
+    assert header.startswith("forward_selective keeps the outputs of: ") and "addmm" in header
+
+
+def fallback_ranks(rank, world):
+    """An untraceable layer under selective runs as recompute, said once; so does trace=False."""
+    torch.manual_seed(0)
+    module = LayerNet([ReadsHost() for _ in range(3)])
+    model, params = fz3.shard(module, layers="layers", pre=layer_pre, post=layer_post)
+    g = torch.Generator().manual_seed(rank)
+    b = (torch.randint(0, 11, (2, 5), generator=g), torch.randint(0, 11, (2, 5), generator=g))
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("fz3")
+    logger.addHandler(handler)
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        step = fz3.value_and_grad(model, fz3.Policy(activations="selective"))
+        loss, grads = step(params, b)
+        step(params, b)
+        fz3.value_and_grad(model, fz3.Policy(activations="selective"), trace=False)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)
+    want_loss, want = fz3.value_and_grad(model, trace=False)(params, b)
+    assert torch.equal(loss, want_loss) and _same(grads, want)
+    said = [r.getMessage() for r in records if "selective" in r.getMessage()]
+    assert len(said) == 2, said
+    plan = fz3.memory_plan(model, fz3.plan(model, fz3.Policy(activations="selective")), b)
+    recompute = fz3.memory_plan(model, fz3.plan(model, fz3.Policy()), b)
+    assert plan.peak == recompute.peak, (plan.peak, recompute.peak)  # planned as recompute
+    return said
+
+
+def test_selective_falls_back_to_recompute_said_once():
+    said = dist.run(1, fallback_ranks, timeout=200)[0]
+    assert re.search(r"layers: selective units run as recompute", said[0]), said
+    assert "trace=False: forward_selective units run as recompute" in said[1], said
+
+
+def test_a_keep_rule_naming_no_op_of_a_layer_warns():
+    """fz3.keep(ops=...) of ops the layer never runs: a warning naming the layer's ops; it keeps
+    only the layer's input then, like recompute."""
+    assert dist.run(1, keep_none_ranks, timeout=200) == ["ok"]
+
+
+def keep_none_ranks(rank, world):
+    module = gpt(GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=2))
+    model, params = shard_gpt(module)
+    bs = batches(CFG, world)
+    step = fz3.value_and_grad(model, fz3.Policy(activations=fz3.keep(ops=["convolution"])))
+    with pytest.warns(UserWarning, match=r"no layer of blocks runs any of them \(its forward "
+                                         r"runs \[.*'addmm'"):
+        loss, grads = step(params, bs[rank])
+    want_loss, want = fz3.value_and_grad(model, trace=False)(params, bs[rank])
+    assert torch.equal(loss, want_loss) and _same(grads, want)
+    return "ok"
+
+
+def test_keep_names_ops_and_refuses_nothing():
+    assert fz3.keep(ops=["aten.mm.default", torch.ops.aten.bmm, torch.ops.aten.addmm.default,
+                         "convolution"]) == fz3.Keep(frozenset({"mm", "bmm", "addmm",
+                                                                "convolution"}))
+    with pytest.raises(ValueError, match=r"keeps nothing: use activations='recompute'"):
+        fz3.keep(ops=[])
+    with pytest.raises(TypeError, match=r"3 is not an op name"):
+        fz3.keep(ops=[3])
+    with pytest.raises(ValueError, match=r"'selective' or fz3.keep"):
+        fz3.Policy(activations="selected")
+    # a forward-only schedule keeps nothing for a backward
+    sched = fz3.plan(4, fz3.Policy(activations="selective"))
+    assert sum(op.kind == "forward_selective" for op in sched.ops) == 4
+    assert all(op.kind == "forward" for op in fz3.plan(4, fz3.Policy(activations="selective"),
+                                                       grad=False).ops if op.kind in
+               ("forward", "forward_selective"))
