@@ -13,7 +13,8 @@ from .observe.step_through import StepFrame, any_rank, step_through
 from .observe.trace import chrome_trace, trace, trace_summary
 from .optim.masks import decay_mask
 from .schedule.ops import Category, Op, OpKind
-from .schedule.planner import Keep, Policy, deferred, keep, plan
+from .observe.budget import plan
+from .schedule.planner import Keep, Policy, deferred, keep
 from .schedule.schedule import Schedule, ScheduleError, Unit, validate
 from .schedule.structure import PartShape, Role
 from .sharding.layout import FlatLayout, Slot

@@ -201,3 +201,45 @@ def test_keep_names_ops_and_refuses_nothing():
     assert all(op.kind == "forward" for op in fz3.plan(4, fz3.Policy(activations="selective"),
                                                        grad=False).ops if op.kind in
                ("forward", "forward_selective"))
+
+
+def budget_ranks(rank, world):
+    from fz3.observe.live_bytes import LiveBytes
+
+    module = gpt(CFG)
+    model, params = shard_gpt(module)
+    bs = batches(CFG, world)
+    peaks = {name: fz3.memory_plan(model, fz3.plan(model, fz3.Policy(**kw)), bs[rank]).peak
+             for name, kw in (("recompute", {}), ("recompute0", {"prefetch": 0}),
+                              ("selective", {"activations": "selective"}),
+                              ("save", {"activations": "save"}))}
+    assert peaks["recompute0"] < peaks["recompute"] < peaks["selective"] < peaks["save"], peaks
+    for budget in (peaks["recompute0"], (peaks["recompute"] + peaks["save"]) // 2,
+                   peaks["save"] * 2):
+        chosen = fz3.plan(model, memory=budget, batch=bs[rank], params=params)
+        plan = fz3.memory_plan(model, chosen, bs[rank])
+        assert plan.peak <= budget, (plan.peak, budget)
+        step = fz3.value_and_grad(model, chosen)
+        torch.manual_seed(1)
+        loss, grads = step(params, bs[rank])
+        with LiveBytes() as live:  # what the step itself holds (the plan's transient part)
+            torch.manual_seed(1)
+            again = step(params, bs[rank])
+            torch.distributed.barrier()
+        assert live.peak <= 1.05 * (plan.peak - plan.params - plan.optimizer), (live.peak, plan)
+        torch.manual_seed(1)
+        want_loss, want = fz3.value_and_grad(model, chosen, trace=False)(params, bs[rank])
+        assert torch.equal(loss, want_loss) and _same(grads, want) and _same(again[1], want)
+    with pytest.raises(ValueError, match=r"below the smallest planned peak "
+                                         rf"{peaks['recompute0'] / 2**20:.1f} MiB"):
+        fz3.plan(model, memory=peaks["recompute0"] - 1, batch=bs[rank])
+    with pytest.raises(TypeError, match=r"pass a policy or a memory budget, not both"):
+        fz3.plan(model, fz3.Policy(), memory=budget, batch=bs[rank])
+    return "ok"
+
+
+def test_a_schedule_planned_to_a_memory_budget_fits_it():
+    """At recompute's smallest peak (prefetch 0), between recompute's and save's, and above
+    save's: the planned peak fits, the step's live bytes stay within the plan (5%: the plan's
+    accuracy, ``test_traced_memory.py``), and its results are those of trace=False."""
+    assert dist.run(2, budget_ranks, timeout=300) == ["ok"] * 2

@@ -152,7 +152,36 @@ def memory_plan(model: ShardedModel, schedule: Schedule, batch: Any, *,
     """
     traced = TracedLayers(model) if trace else None
     act = activation_sizes(model, batch, traced)
-    schedule, selective = _selective(model, schedule, batch, traced)
+    selective = None
+    if any(op.kind == OpKind.FORWARD_SELECTIVE for op in schedule.ops):
+        selective = selective_sizes(model, batch, traced, schedule.keep)
+    return plan_of(model, schedule, act, selective, failed_parts(model, traced),
+                   optimizer_states)
+
+
+def selective_sizes(model: ShardedModel, batch: Any, traced: TracedLayers | None,
+                    keep: frozenset[str]) -> tuple[PartActivations, ...] | None:
+    """Each part's sizes under selective recompute keeping ``keep`` (None untraced: it runs
+    as recompute)."""
+    return None if traced is None else activation_sizes(model, batch, traced, keep=keep)
+
+
+def failed_parts(model: ShardedModel, traced: TracedLayers | None) -> set[int]:
+    """Parts whose layers run through autograd (all, untraced)."""
+    return {i for i, p in enumerate(model.parts) if traced is None or p.name in traced.failed}
+
+
+def plan_of(model: ShardedModel, schedule: Schedule, act: tuple[PartActivations, ...],
+            selective: tuple[PartActivations, ...] | None, failed: set[int],
+            optimizer_states: int = 2) -> MemoryPlan:
+    """``memory_plan`` from measured sizes (``activation_sizes``; ``selective``: under
+    selective recompute, ``failed``: parts whose layers run through autograd): a
+    ``forward_selective`` unit of a part that is not traced runs, so is planned, as
+    ``forward``."""
+    ops = tuple(Op(OpKind.FORWARD, op.unit) if op.kind == OpKind.FORWARD_SELECTIVE
+                and (selective is None or schedule.units[op.unit].part in failed) else op
+                for op in schedule.ops)
+    schedule = replace(schedule, ops=ops)
     sizes = ModelSizes(model, schedule, act, selective)
     per_op = footprint(schedule, sizes)
     shard_bytes = sum(p.rows * p.layout.shard_numel for p in model.parts) * 4
@@ -175,18 +204,3 @@ def memory_plan(model: ShardedModel, schedule: Schedule, batch: Any, *,
         peak=persistent + peak_transient,
         per_op=tuple((b.gathered, b.unreduced, b.inputs, b.graphs) for b in per_op),
     )
-
-
-def _selective(model: ShardedModel, schedule: Schedule, batch: Any, traced: TracedLayers | None
-               ) -> tuple[Schedule, tuple[PartActivations, ...] | None]:
-    """The schedule as it runs, with its selective units' sizes: a ``forward_selective`` unit
-    whose layers are not traced (``trace=False``, or they cannot be) runs, so is planned, as
-    ``forward``."""
-    if not any(op.kind == OpKind.FORWARD_SELECTIVE for op in schedule.ops):
-        return schedule, None
-    selective = None if traced is None else activation_sizes(model, batch, traced,
-                                                             keep=schedule.keep)
-    failed = {i for i, p in enumerate(model.parts) if traced is None or p.name in traced.failed}
-    ops = tuple(Op(OpKind.FORWARD, op.unit) if op.kind == OpKind.FORWARD_SELECTIVE
-                and schedule.units[op.unit].part in failed else op for op in schedule.ops)
-    return replace(schedule, ops=ops), selective
