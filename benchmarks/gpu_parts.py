@@ -114,9 +114,15 @@ def memory(device: torch.device, quick: bool) -> list[dict]:
                                                                 policy=fz3.Policy(activations="save"))),
                         ("plain + AC", lambda: systems.plain(cfg, device, dtype=bf, ac=True)),
                         ("FSDP2 + AC", lambda: systems.fsdp2(cfg, device, dtype=bf, ac=True)),
-                        ("fz3 recompute", lambda: systems.fz3_system(cfg, device, dtype=bf))):
+                        ("fz3 recompute", lambda: systems.fz3_system(cfg, device, dtype=bf)),
+                        # selective recompute (issue 25) and its like-for-like peers: per-op SAC
+                        ("plain + SAC", lambda: systems.plain(cfg, device, dtype=bf, sac=True)),
+                        ("FSDP2 + SAC", lambda: systems.fsdp2(cfg, device, dtype=bf, sac=True)),
+                        ("fz3 selective", lambda: systems.fz3_system(
+                            cfg, device, dtype=bf, policy=fz3.Policy(activations="selective")))):
         rows.append(_run(name, label, make, cfg, micro, device, steps=2, warmup=1))
-    for policy in (fz3.Policy(activations="save"), fz3.Policy()):
+    for policy in (fz3.Policy(activations="save"), fz3.Policy(),
+                   fz3.Policy(activations="selective")):
         model, params = shard_gpt(systems.build(cfg, device), device=device, precision=fz3.Precision(bf, torch.float32))
         batch = systems.rank_batch(cfg, micro, 0, 0, device)
         sched = fz3.plan(model, policy)

@@ -48,22 +48,43 @@ def build(cfg: GPTConfig, device: torch.device, seed: int = 0) -> GPT:
 
 
 class Checkpointed(nn.Module):
-    """Activation checkpointing of one block (recompute in backward), for like-for-like runs."""
+    """Activation checkpointing of one block (recompute in backward), for like-for-like runs;
+    ``sac``: torchtitan's per-op selective checkpointing instead (``create_selective_checkpoint_
+    contexts``): the outputs of fz3's heavy ops (``fz3.schedule.ops.HEAVY_OPS``: matrix products,
+    attention) saved, the rest recomputed, as fz3's ``selective`` keeps them."""
 
-    def __init__(self, block: nn.Module):
+    def __init__(self, block: nn.Module, sac: bool = False):
         super().__init__()
-        self.block = block
+        self.block, self.sac = block, sac
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint(self.block, x, use_reentrant=False)
+    def forward(self, *args, **kwargs):
+        if not self.sac:
+            return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
+        return checkpoint(self.block, *args, use_reentrant=False, context_fn=_sac_context,
+                          **kwargs)
 
 
-def _wrap_blocks(model: GPT, ac: bool, compile_blocks: bool) -> None:
-    """Activation checkpointing and/or ``torch.compile`` of each block (torchtitan's pattern)."""
+def _sac_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+    from fz3.schedule.ops import HEAVY_OPS
+
+    name = op.overloadpacket.__name__ if hasattr(op, "overloadpacket") else str(op)
+    return CheckpointPolicy.MUST_SAVE if name in HEAVY_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _sac_context():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_sac_policy)
+
+
+def _wrap_blocks(model: GPT, ac: bool, compile_blocks: bool, sac: bool = False) -> None:
+    """Activation checkpointing (``sac``: per-op selective) and/or ``torch.compile`` of each
+    block (torchtitan's pattern)."""
     for i, b in enumerate(model.blocks):
         if compile_blocks:
             b = torch.compile(b)
-        model.blocks[i] = Checkpointed(b) if ac else b
+        model.blocks[i] = Checkpointed(b, sac) if ac or sac else b
 
 
 def _torch_adamw(model: nn.Module) -> torch.optim.Optimizer:
@@ -93,11 +114,24 @@ def _torch_system(wrapped: nn.Module, opt: torch.optim.Optimizer, device: torch.
 
 
 def plain(cfg: GPTConfig, device: torch.device, *, ac: bool = False, dtype: torch.dtype | None = None,
-          compile_blocks: bool = False) -> System:
-    """The unsharded model, plain autograd (autocast for mixed precision), no communication."""
+          compile_blocks: bool = False, sac: bool = False, budget: float | None = None) -> System:
+    """The unsharded model, plain autograd (autocast for mixed precision), no communication.
+    ``budget``: the whole model under ``torch.compile`` with its min-cut rematerialisation at
+    ``activation_memory_budget=budget`` (0: recompute all it can, 1: save all)."""
     model = build(cfg, device)
-    _wrap_blocks(model, ac, compile_blocks)
-    return _torch_system(model, _torch_adamw(model), device, dtype)
+    _wrap_blocks(model, ac, compile_blocks, sac)
+    if budget is None:
+        return _torch_system(model, _torch_adamw(model), device, dtype)
+    system = _torch_system(torch.compile(model), _torch_adamw(model), device, dtype)
+    first = system.forward_backward
+
+    def forward_backward(batch):  # compiled at the first call, under the budget
+        import torch._functorch.config as functorch_config
+
+        with functorch_config.patch(activation_memory_budget=budget):
+            return first(batch)
+
+    return System(forward_backward, system.optimizer)
 
 
 def ddp(cfg: GPTConfig, device: torch.device, *, ac: bool = False, dtype: torch.dtype | None = None) -> System:
@@ -110,14 +144,14 @@ def ddp(cfg: GPTConfig, device: torch.device, *, ac: bool = False, dtype: torch.
 
 
 def fsdp2(cfg: GPTConfig, device: torch.device, *, ac: bool = False, dtype: torch.dtype | None = None,
-          root_only: bool = False, compile_blocks: bool = False) -> System:
+          root_only: bool = False, compile_blocks: bool = False, sac: bool = False) -> System:
     """FSDP2. Default: ``fully_shard`` on every block and the root, reshard after forward.
     ``root_only``: one ``fully_shard`` on the root with ``reshard_after_forward=False`` (the
     whole model gathered once per step: fz3's whole-stack unit, like for like)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = build(cfg, device)
-    _wrap_blocks(model, ac, compile_blocks)
+    _wrap_blocks(model, ac, compile_blocks, sac)
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
     if not root_only:
         for block in model.blocks:

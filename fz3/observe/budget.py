@@ -2,7 +2,7 @@
 peak fits a memory budget, choosing per layer unit among ``save``, ``selective`` and
 ``recompute`` (and the prefetch depth).
 
-How it chooses ([Note: planning to a budget]):
+How it chooses:
 - sizes: each part measured once on the batch (``fz3.observe.activations``, under both
   partitions), so a candidate's planned peak is a fold over its ops (``plan_of``), not a run;
 - times: steps run on the model itself, at most 2 per mode (the second is timed): every unit

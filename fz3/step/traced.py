@@ -13,8 +13,10 @@ file decides which layers share them and when they are made:
   joint graph reads the same (its printed code: ops and argument values; only the trace
   itself is paid again).
 - Programs are traced at a unit's first forward for each input signature (shapes and dtypes
-  of h and the tensor extras, the values of the other extras, train or eval mode) and kept
-  in the model (``ShardedModel.traces``): other step functions on it do not trace again.
+  of h and the tensor extras, the values of the other extras, train or eval mode, and
+  selective recompute's rule: a ``forward_selective`` unit's programs keep its heavy ops'
+  outputs, ``fz3.step.partition``) and kept in the model (``ShardedModel.traces``): other
+  step functions on it do not trace again.
 - ``compile``: programs compiled by inductor (``fz3.step.inductor``), shared as they are.
 
 A layer that cannot be traced (it reads a tensor's value on the host, branches on data,
