@@ -37,17 +37,15 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+import compare  # noqa: E402
 import fz3  # noqa: E402
 import systems  # noqa: E402
 from fz3.models import shard_gpt  # noqa: E402
 from fz3.models.gpt import GPTConfig  # noqa: E402
 from fz3.observe.live_bytes import LiveBytes  # noqa: E402
 
-CONFIGS = {
-    "thin": dict(vocab=256, seq=64, dim=64, heads=4, layers=24, batch=4),
-    "fat": dict(vocab=256, seq=256, dim=512, heads=8, layers=4, batch=4),
-    "gpt256": dict(vocab=256, seq=256, dim=256, heads=4, layers=4, batch=8),  # the demo GPT
-}
+CONFIGS = {**compare.CONFIGS,  # thin and fat
+           "gpt256": dict(vocab=256, seq=256, dim=256, heads=4, layers=4, batch=8)}  # the demo
 LLAMA = dict(vocab_size=256, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)
 LLAMA_SEQ, LLAMA_BATCH = 256, 4
@@ -244,11 +242,15 @@ def planned(cfg: GPTConfig, batch: int) -> dict:
                     lambda s: systems.fz3_system(cfg, cpu, policy=s))
 
 
-def measure(make, batch_of, steps: int) -> dict:
+def measure(make, batch_of, steps: int, live_bytes: bool = True) -> dict:
+    """``live_bytes=False``: no peak (a compiled model under ``LiveBytes``, a dispatch mode,
+    runs eagerly: its peak would be eager's)."""
     system = make()
     for s in range(2):  # warm: traces, compiles, optimizer state
         system.forward_backward(batch_of(s))
         system.optimizer()
+    if not live_bytes:
+        return dict(system=system, peak=None, fb=[], opt=[])
     b = batch_of(2)
     with LiveBytes() as live:
         before = live.now
@@ -287,7 +289,7 @@ def run_config(name: str, args) -> list[str]:
     results, failed = {}, []
     for k, (make, _, _) in makers.items():
         try:
-            results[k] = measure(make, batch_of, args.steps)
+            results[k] = measure(make, batch_of, args.steps, live_bytes="compiled" not in k)
         except Exception as e:  # noqa: BLE001 - a system that cannot run is reported, not fatal
             failed.append(f"- {k} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
     for _ in range(args.repeats):
@@ -306,13 +308,15 @@ def table(name: str, results: dict, makers: dict) -> list[str]:
         base = results[twins[family]]["peak"] if twins.get(family) in results else None
         full = (results[save[family]]["peak"] - base
                 if base is not None and save.get(family) in results else None)
-        kept = m["peak"] - base if base is not None else None
+        kept = m["peak"] - base if base is not None and m["peak"] is not None else None
         ratio = f"{kept / full:.2f}" if kept is not None and full else "-"
         _, budget, chosen = makers[k]
+        peak = "n/a" if m["peak"] is None else f"{m['peak'] / MiB:.1f}"
+        kept_mib = "-" if kept is None else f"{kept / MiB:.1f}"
+        planned = "-" if budget is None else f"{budget / MiB:.1f} ({chosen})"
         lines.append(f"| {k} | {statistics.median(m['fb']) * 1e3:.1f} | "
-                     f"{statistics.median(m['opt']) * 1e3:.1f} | {m['peak'] / MiB:.1f} | "
-                     f"{'-' if kept is None else f'{kept / MiB:.1f}'} | {ratio} | "
-                     f"{'-' if budget is None else f'{budget / MiB:.1f} ({chosen})'} |")
+                     f"{statistics.median(m['opt']) * 1e3:.1f} | {peak} | {kept_mib} | {ratio} | "
+                     f"{planned} |")
     return lines + [""]
 
 

@@ -11,7 +11,6 @@ same layer, counted from the programs' fake tensors."""
 from __future__ import annotations
 
 import logging
-import math
 import re
 
 import optree
@@ -26,8 +25,8 @@ from fz3.schedule.ops import HEAVY_OPS
 from fz3.step import joint
 from reference import (LayerNet, assert_close, batches, gpt, layer_post, layer_pre,
                        reference_grads)
-from test_traced import ReadsHost
-from test_traced_memory import B, D, T, _layer
+from test_traced import ReadsHost, same_as_untraced
+from test_traced_memory import B, D, T, _layer, as_layer
 
 CFG = GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=4, dropout=0.2)
 
@@ -37,16 +36,8 @@ def _same(a, b) -> bool:
 
 
 def _programs(block, h, extras, keep):
-    names, shapes = zip(*((n, p.shape) for n, p in block.named_parameters()))
-    sizes = [math.prod(s) for s in shapes]
-
-    def layer(row, frozen_row, h, *extras):
-        params = {n: t.view(s) for n, t, s in zip(names, row.split(sizes), shapes)}
-        return torch.func.functional_call(block, params, (h, *extras))
-
-    row = torch.cat([p.detach().reshape(-1) for p in block.parameters()])
-    inputs = [row, h, *extras]
-    return joint.programs(joint.joint_trace(layer, inputs, False, []), keep), row
+    layer, row = as_layer(block)
+    return joint.programs(joint.joint_trace(layer, [row, h, *extras], False, []), keep), row
 
 
 def _kept_bytes(programs, row, h, extras) -> tuple[int, tuple]:
@@ -92,26 +83,14 @@ def selective_ranks(rank, world):
     for policy in (fz3.Policy(activations="selective"),
                    fz3.Policy(activations="selective", layers_per_unit=2),
                    fz3.Policy(activations=fz3.keep(ops=["addmm", "bmm"]))):
-        torch.manual_seed(1)
-        step = fz3.value_and_grad(model, policy)
-        loss, grads = step(params, bs[rank])
-        after = torch.rand(1)  # the RNG is left where autograd leaves it
-        torch.manual_seed(1)
-        want_loss, want_grads = fz3.value_and_grad(model, policy, trace=False)(params, bs[rank])
-        assert torch.equal(after, torch.rand(1)), policy
-        assert torch.equal(loss, want_loss) and _same(grads, want_grads), policy
+        step = same_as_untraced(model, policy, params, bs[rank])
         assert step.traced.failed == {}, step.traced.failed
     # one op kind per unit: a hand-made schedule mixing selective, save and recompute
     sched = fz3.plan(model, fz3.Policy(activations="selective"))
     kinds = {1: "forward_save", 2: "forward"}  # blocks.0 saves, blocks.1 recomputes
     ops = [fz3.Op(kinds.get(op.unit, op.kind) if op.kind == "forward_selective" else op.kind,
                   op.unit) for op in sched.ops]
-    mixed = fz3.Schedule(tuple(ops), sched.units)
-    torch.manual_seed(1)
-    loss, grads = fz3.value_and_grad(model, mixed)(params, bs[rank])
-    torch.manual_seed(1)
-    want_loss, want_grads = fz3.value_and_grad(model, mixed, trace=False)(params, bs[rank])
-    assert torch.equal(loss, want_loss) and _same(grads, want_grads)
+    same_as_untraced(model, fz3.Schedule(tuple(ops), sched.units), params, bs[rank])
     # accumulate: two micro-batches, gradients summed across them
     micro = batches(CFG, world, per_rank=1)
     torch.manual_seed(1)

@@ -33,19 +33,26 @@ def _same(a, b) -> bool:
     return all(torch.equal(x, y) for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b)))
 
 
+def same_as_untraced(model, policy, params, batch):
+    """One traced step and one ``trace=False`` step from the same seed: loss, gradients and
+    the RNG state after them bitwise equal. Returns the traced step function."""
+    torch.manual_seed(1)
+    step = fz3.value_and_grad(model, policy)
+    loss, grads = step(params, batch)
+    after = torch.rand(1)  # the RNG is left where autograd leaves it
+    torch.manual_seed(1)
+    want_loss, want = fz3.value_and_grad(model, policy, trace=False)(params, batch)
+    assert torch.equal(after, torch.rand(1)), policy
+    assert torch.equal(loss, want_loss) and _same(grads, want), policy
+    return step
+
+
 def traced_ranks(rank, world):
     model, params = shard_gpt(gpt(CFG))
     bs = batches(CFG, world)
     stack = model.parts[model.part_index("blocks")].name
     for policy in POLICIES:
-        torch.manual_seed(1)
-        step = fz3.value_and_grad(model, policy)
-        loss, grads = step(params, bs[rank])
-        after = torch.rand(1)  # the RNG is left where autograd leaves it
-        torch.manual_seed(1)
-        want_loss, want = fz3.value_and_grad(model, policy, trace=False)(params, bs[rank])
-        assert torch.equal(after, torch.rand(1)), policy
-        assert torch.equal(loss, want_loss) and _same(grads, want), policy
+        step = same_as_untraced(model, policy, params, bs[rank])
         # it ran traced: every layer shares one group, and nothing fell back
         assert step.traced.failed == {} and step.traced.groups[model.part_index("blocks")].own \
             == [0] * CFG.layers, (policy, step.traced.failed)

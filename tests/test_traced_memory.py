@@ -87,8 +87,9 @@ def _stored(tensors, skip: set[int]) -> dict[int, tuple[int, tuple]]:
     return out
 
 
-def traced_residuals(block: nn.Module, h: torch.Tensor, extras) -> tuple[dict, torch.Tensor]:
-    """The block as fz3 traces a layer: a pure function of one flat parameter row."""
+def as_layer(block: nn.Module):
+    """The block as fz3 traces a layer: ``(a pure function of one flat parameter row, the
+    row)``."""
     names, shapes = zip(*((n, p.shape) for n, p in block.named_parameters()))
     sizes = [math.prod(s) for s in shapes]
 
@@ -96,7 +97,11 @@ def traced_residuals(block: nn.Module, h: torch.Tensor, extras) -> tuple[dict, t
         params = {n: t.view(s) for n, t, s in zip(names, row.split(sizes), shapes)}
         return torch.func.functional_call(block, params, (h, *extras))
 
-    row = torch.cat([p.detach().reshape(-1) for p in block.parameters()])
+    return layer, torch.cat([p.detach().reshape(-1) for p in block.parameters()])
+
+
+def traced_residuals(block: nn.Module, h: torch.Tensor, extras) -> tuple[dict, torch.Tensor]:
+    layer, row = as_layer(block)
     programs = joint.trace(layer, [row, h, *extras], False, [])
     out, *residuals = programs.forward(row, h, *extras)
     assert all(isinstance(t, torch.Tensor) for t in residuals), [type(t) for t in residuals]
