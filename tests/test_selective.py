@@ -222,3 +222,41 @@ def test_a_schedule_planned_to_a_memory_budget_fits_it():
     save's: the planned peak fits, the step's live bytes stay within the plan (5%: the plan's
     accuracy, ``test_traced_memory.py``), and its results are those of trace=False."""
     assert dist.run(2, budget_ranks, timeout=300) == ["ok"] * 2
+
+
+def test_the_budget_search_takes_the_best_savings_per_byte_that_fit():
+    """``fz3.observe.budget.search`` with given savings (the timed steps are noise on this
+    machine; the search itself is not): it upgrades a stack's last layers first, takes the
+    largest saving per byte, makes a part resident when that pays, and never exceeds the
+    budget. Peaks here are a toy model of bytes: 10 per selective layer, 30 per saved one,
+    5 for a resident part."""
+    from fz3.observe.budget import search
+    from fz3.schedule.structure import PartShape, Role
+
+    parts = (PartShape("pre", Role.PRE, 1), PartShape("blocks", Role.STACK, 4),
+             PartShape("post", Role.POST, 1))
+    cost = {"forward": 0, "forward_selective": 10, "forward_save": 30}
+
+    def build(resident, kinds):
+        base = fz3.plan(parts, fz3.Policy(resident=tuple(sorted(resident))))
+        ops = tuple(fz3.Op(kinds[op.unit], op.unit) if op.kind == "forward" and op.unit in kinds
+                    else op for op in base.ops)
+        return fz3.validate(fz3.Schedule(ops, base.units, base.reduce, base.grad))
+
+    def peak(s):
+        kept = sum(cost[str(op.kind)] for op in s.ops if str(op.kind).startswith("forward")
+                   and s.units[op.unit].role is Role.STACK)
+        resident = 5 * (sum(op.kind == "gather" for op in build(frozenset(), {}).ops)
+                        - sum(op.kind == "gather" for op in s.ops))
+        return 100 + kept + resident
+
+    saves = {1: {fz3.OpKind.FORWARD: 0.0, fz3.OpKind.FORWARD_SELECTIVE: 2.0,
+                 fz3.OpKind.FORWARD_SAVE: 3.0}, "resident": {"pre": 1.0, "post": 0.0}}
+    start = build(frozenset(), {})
+    for memory, want in ((100, ([], [])), (125, (["blocks.2", "blocks.3"], ["pre"])),
+                         (160, (["blocks.0", "blocks.1", "blocks.2", "blocks.3"], ["pre"]))):
+        chosen, resident, kinds = search(start, build, peak, memory, saves)
+        assert peak(chosen) <= memory, (memory, peak(chosen))
+        selective = sorted(start.units[u].name for u, k in kinds.items()
+                           if k == fz3.OpKind.FORWARD_SELECTIVE)
+        assert (selective, sorted(resident)) == want, (memory, selective, resident, kinds)

@@ -1,18 +1,21 @@
 """``fz3.plan(model, memory=bytes, batch=batch)``: the fastest schedule found whose planned
 peak fits a memory budget, choosing per layer unit among ``save``, ``selective`` and
-``recompute`` (and the prefetch depth).
+``recompute``, which parts that are not stacks stay gathered for the step (``resident``),
+and the prefetch depth.
 
 How it chooses:
 - sizes: each part measured once on the batch (``fz3.observe.activations``, under both
   partitions), so a candidate's planned peak is a fold over its ops (``plan_of``), not a run;
 - times: steps run on the model itself, at most 2 per mode (the second is timed): every unit
-  recomputing, then, for each stack, its units all ``selective`` and all ``save``. The time a
-  mode saves over recompute, per layer of that stack, is what upgrading one of its layers
-  saves. Times are the slowest rank's, so every rank chooses the same;
-- search: from recompute everywhere (prefetch 1, or 0 when only that fits), upgrade one unit
-  at a time (recompute -> selective -> save, a stack's last layers first: their activations
-  live the shortest), always the upgrade that saves the most time per byte of planned peak
-  among those that still fit, until none fits or saves time. A greedy search over a
+  recomputing, then, for each stack, its units all ``selective`` and all ``save``, and (with
+  more than one rank: one rank gathers nothing) each other part resident. The time a mode
+  saves over recompute, per layer of that stack, is what upgrading one of its layers saves.
+  Times are the slowest rank's, so every rank chooses the same;
+- search: from recompute everywhere (prefetch 1, or 0 when only that fits), take one upgrade
+  at a time (a unit from recompute to selective or save, or selective to save, a stack's
+  last layers first: their activations live the shortest; or a part made resident), always
+  the one that saves the most time per byte of planned peak among those that still fit,
+  until none fits or saves time. A greedy search over a
   knapsack: what it returns fits, and is the fastest only when savings add up per layer.
 
 **Collective**: the timed steps are; every rank must call it with batches of one shape.
@@ -35,7 +38,7 @@ from ..sharding.model import Params, ShardedModel
 from ..step.traced import TracedLayers
 from ..step.value_and_grad import value_and_grad
 from .activations import activation_sizes
-from .memory import MemoryPlan, failed_parts, plan_of, selective_sizes
+from .memory import failed_parts, plan_of, selective_sizes
 
 log = logging.getLogger(__name__)
 MiB = 2**20
@@ -72,54 +75,68 @@ def fit(model: ShardedModel, memory: int, batch: Any, params: Params | None) -> 
         model, batch, traced, HEAVY_OPS)
     failed = failed_parts(model, traced)
 
-    def peak(s: Schedule) -> MemoryPlan:
-        return plan_of(model, s, act, selective, failed)
+    def peak(s: Schedule) -> int:
+        return plan_of(model, s, act, selective, failed).peak
 
     bases = [plan_policy(model, Policy(prefetch=p)) for p in (1, 0)]
-    fits = [b for b in bases if peak(b).peak <= memory]
+    fits = [b for b in bases if peak(b) <= memory]
     if not fits:
-        least = min(peak(b).peak for b in bases)
         raise ValueError(
             f"fz3.plan: memory={memory / MiB:.1f} MiB is below the smallest planned peak "
-            f"{least / MiB:.1f} MiB (recompute everywhere, prefetch 0) of this model on this "
-            f"batch; a smaller micro-batch, more ranks (smaller shards) or a larger budget "
-            f"would fit")
-    base = fits[0]
-    prefetch = 1 if base is bases[0] else 0
+            f"{min(peak(b) for b in bases) / MiB:.1f} MiB (recompute everywhere, prefetch 0) "
+            f"of this model on this batch; a smaller micro-batch, more ranks (smaller shards) "
+            f"or a larger budget would fit")
+    prefetch = 1 if fits[0] is bases[0] else 0
+
+    def build(resident: frozenset[str], kinds: dict[int, OpKind]) -> Schedule:
+        return _with(plan_policy(model, Policy(prefetch=prefetch,
+                                               resident=tuple(sorted(resident)))), kinds)
+
     params = params if params is not None else _zeros(model)
-    saves = _savings(model, base, params, batch, failed)
-    kinds = {op.unit: op.kind for op in base.ops if op.kind in UPGRADES
-             and base.units[op.unit].role is Role.STACK}
-    chosen, planned = base, peak(base)
-    while True:
-        best = None
-        for u, kind in _candidates(base, kinds):
-            gain = (saves[base.units[u].part][kind] - saves[base.units[u].part][kinds[u]]) \
-                * len(base.units[u].layers)
-            if gain <= 0:
-                continue
-            trial = _with(base, {**kinds, u: kind})
-            cost = peak(trial).peak
-            if cost > memory:
-                continue
-            rate = gain / max(cost - planned.peak, 1)
-            if best is None or rate > best[0]:
-                best = (rate, u, kind, trial, cost)
-        if best is None:
-            break
-        _, u, kind, chosen, _ = best
-        kinds[u] = kind
-        planned = peak(chosen)
-    _say(chosen, kinds, planned, memory, saves, prefetch)
+    saves = _savings(model, build, params, batch, failed)
+    chosen, resident, kinds = search(fits[0], build, peak, memory, saves)
+    _say(chosen, kinds, resident, peak(chosen), memory, saves, prefetch)
     return chosen
 
 
-def _candidates(base: Schedule, kinds: dict[int, OpKind]) -> list[tuple[int, OpKind]]:
-    """Per stack part and current kind, its last unit of that kind, with each upgrade."""
+def search(start: Schedule, build, peak, memory: int, saves: dict
+           ) -> tuple[Schedule, frozenset[str], dict[int, OpKind]]:
+    """The greedy search from ``start`` (recompute everywhere, nothing resident): ``build
+    (resident, kinds) -> Schedule``, ``peak(schedule) -> bytes``, ``saves`` as ``_savings``
+    measures them. Returns the schedule, its resident parts and its layer units' kinds."""
+    resident, kinds = frozenset(), {u: OpKind.FORWARD for u, unit in enumerate(start.units)
+                                    if unit.role is Role.STACK}
+    chosen = start
+    while True:
+        best = None  # (time saved per byte, resident, kinds, schedule)
+        for trial_resident, trial_kinds, gain in _candidates(chosen, resident, kinds, saves):
+            trial = build(trial_resident, trial_kinds)
+            cost = peak(trial)
+            if gain > 0 and cost <= memory:
+                rate = gain / max(cost - peak(chosen), 1)
+                if best is None or rate > best[0]:
+                    best = (rate, trial_resident, trial_kinds, trial)
+        if best is None:
+            return chosen, resident, kinds
+        _, resident, kinds, chosen = best
+
+
+def _candidates(base: Schedule, resident: frozenset[str], kinds: dict[int, OpKind],
+                saves: dict) -> list[tuple[frozenset, dict, float]]:
+    """The next upgrades, each with the seconds it saves: per stack part and current kind,
+    its last unit of that kind to each better kind; each part not yet resident, made so."""
     last: dict[tuple[int, OpKind], int] = {}
     for u, kind in kinds.items():
         last[base.units[u].part, kind] = max(u, last.get((base.units[u].part, kind), -1))
-    return [(u, up) for (_, kind), u in last.items() for up in UPGRADES[kind]]
+    out = []
+    for (part, kind), u in last.items():
+        for up in UPGRADES[kind]:
+            gain = (saves[part][up] - saves[part][kind]) * len(base.units[u].layers)
+            out.append((resident, {**kinds, u: up}, gain))
+    for name, gain in saves["resident"].items():
+        if name not in resident:
+            out.append((resident | {name}, kinds, gain))
+    return out
 
 
 def _with(base: Schedule, kinds: dict[int, OpKind]) -> Schedule:
@@ -128,34 +145,47 @@ def _with(base: Schedule, kinds: dict[int, OpKind]) -> Schedule:
     return validate(Schedule(ops, base.units, base.reduce, base.grad, keep=HEAVY_OPS))
 
 
-def _savings(model: ShardedModel, base: Schedule, params: Params, batch: Any,
-             failed: set[int]) -> dict[int, dict[OpKind, float]]:
-    """Seconds a layer of each stack part saves per step under each kind, against recompute:
-    from steps timed on the model (the slowest rank's), 0 where it saves nothing."""
-    stacks = sorted({base.units[u].part for u in range(len(base.units))
-                     if base.units[u].role is Role.STACK})
-    modes = [{}] + [{p: k} for p in stacks for k in (OpKind.FORWARD_SELECTIVE,
-                                                      OpKind.FORWARD_SAVE)
-                    if not (k == OpKind.FORWARD_SELECTIVE and p in failed)]
-    times = []
-    for mode in modes:
-        kinds = {u: mode[unit.part] for u, unit in enumerate(base.units) if unit.part in mode}
-        step = value_and_grad(model, _with(base, kinds))
-        for _ in range(2):  # the first traces
-            start = time.perf_counter()
-            step(params, batch)
-            if model.device.type == "cuda":
-                torch.cuda.synchronize(model.device)
-            elapsed = time.perf_counter() - start
-        times.append(round(elapsed * 1e6))
+def _savings(model: ShardedModel, build, params: Params, batch: Any, failed: set[int]) -> dict:
+    """Seconds each choice saves per step against recompute everywhere, from steps timed on
+    the model (the slowest rank's), 0 where it saves nothing: ``saves[part][kind]`` per
+    layer of a stack part, ``saves["resident"][name]`` for keeping a part that is not a
+    stack gathered (only with other ranks to gather from)."""
+    parts = model.parts
+    stacks = [p for p, part in enumerate(parts) if part.role is Role.STACK]
+    modes: list[tuple[frozenset, dict]] = [(frozenset(), {})]
+    modes += [(frozenset(), {p: k}) for p in stacks
+              for k in (OpKind.FORWARD_SELECTIVE, OpKind.FORWARD_SAVE)
+              if not (k == OpKind.FORWARD_SELECTIVE and p in failed)]
+    if model.world_size > 1:
+        modes += [(frozenset({part.name}), {}) for part in parts if part.role is not Role.STACK]
+    units = build(frozenset(), {}).units  # every choice has the same units
+    times = [_timed(model, build(resident, {u: by_part[unit.part] for u, unit in
+                                            enumerate(units) if unit.part in by_part}),
+                    params, batch) for resident, by_part in modes]
     _, rows = differing_ranks(model.comm, times, model.device, "fz3.plan's timings")
     slowest = rows.max(dim=0).values.tolist()  # microseconds, per mode
-    out = {p: {OpKind.FORWARD: 0.0, OpKind.FORWARD_SELECTIVE: 0.0, OpKind.FORWARD_SAVE: 0.0}
-           for p in stacks}
-    for mode, t in zip(modes[1:], slowest[1:]):
-        (p, kind), = mode.items()
-        out[p][kind] = max(slowest[0] - t, 0) * 1e-6 / max(model.parts[p].rows, 1)
+    out: dict = {p: {k: 0.0 for k in UPGRADES} for p in stacks}
+    out["resident"] = {}
+    for (resident, by_part), t in zip(modes[1:], slowest[1:]):
+        saved = max(slowest[0] - t, 0) * 1e-6
+        if resident:
+            out["resident"][next(iter(resident))] = saved
+        else:
+            (p, kind), = by_part.items()
+            out[p][kind] = saved / max(parts[p].rows, 1)
     return out
+
+
+def _timed(model: ShardedModel, schedule: Schedule, params: Params, batch: Any) -> int:
+    """Microseconds of the second of two steps (the first traces)."""
+    step = value_and_grad(model, schedule)
+    for _ in range(2):
+        start = time.perf_counter()
+        step(params, batch)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize(model.device)
+        elapsed = time.perf_counter() - start
+    return round(elapsed * 1e6)
 
 
 def _zeros(model: ShardedModel) -> Params:
@@ -165,17 +195,17 @@ def _zeros(model: ShardedModel) -> Params:
                         for p in model.parts))
 
 
-def _say(chosen: Schedule, kinds: dict[int, OpKind], planned: MemoryPlan, memory: int,
-         saves: dict[int, dict[OpKind, float]], prefetch: int) -> None:
+def _say(chosen: Schedule, kinds: dict[int, OpKind], resident: frozenset[str], peak: int,
+         memory: int, saves: dict, prefetch: int) -> None:
     """One INFO line: what it chose, per kind, with the planned peak and time saved."""
     names = {"forward": "recompute", "forward_selective": "selective", "forward_save": "save"}
     by_kind: dict[str, list[str]] = {}
-    saved = 0.0
+    saved = sum(saves["resident"].get(name, 0.0) for name in resident)
     for u, kind in kinds.items():
         unit = chosen.units[u]
         by_kind.setdefault(names[kind.value], []).append(unit.name)
         saved += saves[unit.part][kind] * len(unit.layers)
-    log.info("fz3.plan: memory=%.1f MiB: %s; prefetch %d; planned peak %.1f MiB, %.1f ms "
-             "per step saved over recompute", memory / MiB,
-             "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(by_kind.items())), prefetch,
-             planned.peak / MiB, saved * 1e3)
+    log.info("fz3.plan: memory=%.1f MiB: %s; resident: %s; prefetch %d; planned peak %.1f "
+             "MiB, %.1f ms per step saved over recompute", memory / MiB,
+             "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(by_kind.items())),
+             ", ".join(sorted(resident)) or "none", prefetch, peak / MiB, saved * 1e3)
