@@ -10,6 +10,7 @@ the default."""
 
 from __future__ import annotations
 
+import logging
 import re
 
 import optree
@@ -382,3 +383,20 @@ def writes_input_ranks(rank, world):
 
 def test_a_layer_writing_into_its_input_gives_plain_pytorchs_results():
     assert dist.run(2, writes_input_ranks, timeout=300) == ["ok"] * 2
+
+
+def test_a_failing_fake_kernel_prints_no_traceback(caplog):
+    """A layer whose fake kernel refuses its inputs (``_grouped_mm`` takes bf16 only, an fp32
+    MoE layer on CPU): the trace fails with a one-line reason, and torch's fake-tensor logger
+    prints no traceback (issue 30: ~30 lines of ERROR per rank for a harmless fallback)."""
+
+    def layer(row, frozen_row, h):
+        offs = torch.tensor([2, 4], dtype=torch.int32)
+        return h + torch._grouped_mm(h, row[:32].view(2, 4, 4), offs=offs)
+
+    with caplog.at_level(logging.DEBUG), \
+            pytest.raises(joint.TraceError, match=r"^RuntimeError: Expected inputs of BF16 type"):
+        joint.trace(layer, [torch.randn(64), torch.randn(4, 4)], False, [])
+    printed = [r for r in caplog.records if r.name.startswith("torch._subclasses")]
+    assert not printed, [r.getMessage()[:200] for r in printed]
+    assert logging.getLogger("torch._subclasses.fake_tensor").level == logging.NOTSET

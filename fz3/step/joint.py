@@ -17,6 +17,8 @@ same order, so results are bitwise equal to it (``tests/test_traced.py``).
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from typing import Callable, NamedTuple, Sequence
 
 import torch
@@ -96,7 +98,8 @@ def joint_trace(layer: Layer, inputs: Sequence[torch.Tensor], frozen: bool,
 
     plain = [t.detach() for t in inputs]
     try:
-        joint_gm = make_fx(joint, tracing_mode="fake")(*plain, torch.empty_like(plain[first]))
+        with _quiet(FAKE_TENSOR_LOG):
+            joint_gm = make_fx(joint, tracing_mode="fake")(*plain, torch.empty_like(plain[first]))
     except TraceError:
         raise
     except Exception as e:  # noqa: BLE001 - tracing fails in many ways; each means: fall back
@@ -106,6 +109,24 @@ def joint_trace(layer: Layer, inputs: Sequence[torch.Tensor], frozen: bool,
     _refuse_input_mutation(joint_gm.graph)
     _refuse_tensor_constants(joint_gm.graph)
     return Joint(joint_gm.graph, joint_gm.code, first, len(wrt))
+
+
+# torch's fake-tensor logger prints an op's whole traceback at ERROR when its fake kernel
+# raises (``_grouped_mm``'s takes bf16 only, so an fp32 MoE layer's trace fails): during a
+# trace that is the failure ``joint_trace`` reports as ``TraceError`` (its first line), and the
+# layer falls back to autograd with one INFO line. Nothing else is silenced.
+FAKE_TENSOR_LOG = "torch._subclasses.fake_tensor"
+
+
+@contextlib.contextmanager
+def _quiet(name: str):
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def programs(joint: Joint, keep: frozenset[str] | None = None) -> Programs:
