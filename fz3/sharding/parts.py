@@ -108,10 +108,15 @@ def partition(module: nn.Module, paths: Sequence[str], world: int, *, between: S
     gap between two paths, whether a between function runs there (a part exists only then)."""
     stacks = [(path, resolve_layers(module, path)) for path in paths]
     _check_path_order(module, paths)
-    runs = [(path, first, [_named_params(b) for b in stack[first:first + k]])
-            for path, stack in stacks for first, k in _runs(stack)]
+    assign = assign or {}
+    # a parameter of a layer named by ``assign`` leaves its layer: the layers are compared
+    # and stacked without it (T5's block 0 owns the position bias every block reads)
+    kept = {path: [_named_params(b, f"{path}.{i}.", assign) for i, b in enumerate(stack)]
+            for path, stack in stacks}
+    runs = [(path, first, kept[path][first:first + k])
+            for path, _ in stacks for first, k in _runs(kept[path])]
     in_stack = _stack_parameters(paths, runs, module)
-    segments = _segments(module, paths, assign or {}, between)
+    segments = _segments(module, paths, assign, between)
     by_id: dict[int, tuple[list[str], nn.Parameter]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         if id(p) not in in_stack:
@@ -157,18 +162,29 @@ def partition(module: nn.Module, paths: Sequence[str], world: int, *, between: S
     return Partition(tuple(parts), tuple(params))
 
 
-def _named_params(module: nn.Module) -> Named:
-    """``(all names, param)`` in first-appearance order; tied parameters appear once."""
+def _named_params(module: nn.Module, prefix: str = "",
+                  assign: Mapping[str, str] | None = None) -> Named:
+    """``(all names, param)`` in first-appearance order; tied parameters appear once. With
+    ``assign``, those whose full name (``prefix + name``) it names are left out."""
     by_id: dict[int, tuple[list[str], nn.Parameter]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
+        if assign and _assigned(prefix + name, assign) is not None:
+            continue
         by_id.setdefault(id(p), ([], p))[0].append(name)
     return [(tuple(names), p) for names, p in by_id.values()]
 
 
-def _runs(stack: nn.ModuleList) -> list[tuple[int, int]]:
-    """``(first, count)`` of each run of structurally identical consecutive layers."""
-    sigs = [[(names, tuple(p.shape), p.dtype, p.requires_grad) for names, p in _named_params(b)]
-            for b in stack]
+def _assigned(name: str, assign: Mapping[str, str]) -> str | None:
+    """The longest ``assign`` key that is ``name`` or a prefix of it, or None."""
+    return max((k for k in assign if name == k or name.startswith(k + ".")), key=len,
+               default=None)
+
+
+def _runs(layers: Sequence[Named]) -> list[tuple[int, int]]:
+    """``(first, count)`` of each run of structurally identical consecutive layers (each given
+    by its named parameters)."""
+    sigs = [[(names, tuple(p.shape), p.dtype, p.requires_grad) for names, p in layer]
+            for layer in layers]
     runs: list[tuple[int, int]] = []
     for i, sig in enumerate(sigs):
         if runs and sigs[runs[-1][0]] == sig:
@@ -214,11 +230,11 @@ def _segments(module: nn.Module, paths: Sequence[str], assign: Mapping[str, str]
     started = 0  # stacks whose parameters have begun
     for name, _ in module.named_parameters(remove_duplicate=False):
         inside = [i for i, path in enumerate(paths) if name.startswith(path + ".")]
+        match = _assigned(name, assign)
         if inside:
             started = max(started, inside[0] + 1)
-            continue
-        match = max((k for k in assign if name == k or name.startswith(k + ".")), key=len,
-                    default=None)
+            if match is None:
+                continue
         if match is not None:
             out[name] = assign[match]
         elif started in (0, n):
