@@ -161,3 +161,31 @@ def test_hf_models_dropout_off(world):
 def test_hf_models_dropout_on_world1():
     want = [f"ok {expected_version()}"]
     assert dist.run(1, hf_ranks, ("gpt2", "roberta"), True, (False,)) == want
+
+
+def logits_ranks(rank, world):
+    """``fz3.apply(model.eval(), params, batch, output="logits")``: this rank's logits, bitwise
+    the model's own (fp32, eval), with a padded row for the decoders; no labels needed."""
+    for family in ("gpt2", "llama", "roberta"):
+        module = build(family, dropout=False).eval()
+        model, params = fz3.shard(module)
+        b = batch(family, rank, module.config.vocab_size)
+        if family != "roberta":
+            mask = torch.ones_like(b["input_ids"])
+            mask[0, :3] = 0  # left padding on one row
+            b["attention_mask"] = mask
+        inputs = {k: v for k, v in b.items() if k != "labels"}
+        got = fz3.apply(model.eval(), params, inputs, output="logits")
+        with torch.no_grad():
+            want = module(**inputs).logits
+        assert got.shape == want.shape and got.dtype == torch.float32, (family, got.shape)
+        assert torch.equal(got, want), (family, (got - want).abs().max())
+    with pytest.raises(ValueError, match=r"takes no loss= or has_aux="):
+        fz3.apply(model, params, inputs, output="logits", has_aux=True)
+    with pytest.raises(ValueError, match=r"outputs \['logits'\]"):
+        fz3.apply(model, params, inputs, output="hidden")
+    return "ok"
+
+
+def test_apply_returns_the_models_own_logits():
+    assert dist.run(2, logits_ranks, timeout=300) == ["ok"] * 2

@@ -36,6 +36,9 @@ class Adapter(NamedTuple):
     layer: Callable[..., torch.Tensor]  # (block, h, *extras) -> h
     # (batch) -> why it has nothing to learn from, or None; raises naming what it expects
     check_batch: Callable[[Any], str | None]
+    # (m, h, batch) -> (B, T, V) logits, as the model's own forward returns them
+    # (``fz3.apply(..., output="logits")``)
+    logits: Callable[..., torch.Tensor]
 
 
 def _positions(ids: torch.Tensor) -> torch.Tensor:
@@ -55,9 +58,13 @@ def _gpt2_layer(block: nn.Module, h: torch.Tensor, mask, pos) -> torch.Tensor:
     return compat.block_output(block(h, attention_mask=mask, position_ids=pos))
 
 
+def _gpt2_logits(m: nn.Module, h: torch.Tensor, batch: dict) -> torch.Tensor:
+    return m.lm_head(m.transformer.ln_f(h))
+
+
 def _gpt2_post(m: nn.Module, h: torch.Tensor, batch: dict) -> torch.Tensor:
-    logits = m.lm_head(m.transformer.ln_f(h))
-    return m.loss_function(logits=logits, labels=batch["labels"], vocab_size=m.config.vocab_size)
+    return m.loss_function(logits=_gpt2_logits(m, h, batch), labels=batch["labels"],
+                           vocab_size=m.config.vocab_size)
 
 
 # Llama (LlamaForCausalLM): embed_tokens, rotary tables once, layers model.layers, norm, lm_head.
@@ -73,9 +80,13 @@ def _llama_layer(block: nn.Module, h: torch.Tensor, mask, rotary, pos) -> torch.
     return block(h, attention_mask=mask, position_ids=pos, position_embeddings=rotary)
 
 
+def _llama_logits(m: nn.Module, h: torch.Tensor, batch: dict) -> torch.Tensor:
+    return m.lm_head(m.model.norm(h))
+
+
 def _llama_post(m: nn.Module, h: torch.Tensor, batch: dict) -> torch.Tensor:
-    logits = m.lm_head(m.model.norm(h))
-    return m.loss_function(logits=logits, labels=batch["labels"], vocab_size=m.config.vocab_size)
+    return m.loss_function(logits=_llama_logits(m, h, batch), labels=batch["labels"],
+                           vocab_size=m.config.vocab_size)
 
 
 # RoBERTa (RobertaForMaskedLM): embeddings, bidirectional mask, roberta.encoder.layer, lm_head.
@@ -92,23 +103,28 @@ def _roberta_layer(block: nn.Module, h: torch.Tensor, mask) -> torch.Tensor:
     return block(h, mask)
 
 
+def _roberta_logits(m: nn.Module, h: torch.Tensor, batch: dict) -> torch.Tensor:
+    return m.lm_head(h)
+
+
 def _roberta_post(m: nn.Module, h: torch.Tensor, batch: dict) -> torch.Tensor:
-    scores = m.lm_head(h)
+    scores = _roberta_logits(m, h, batch)
     labels = batch["labels"].view(-1)
     return nn.functional.cross_entropy(scores.view(-1, m.config.vocab_size), labels)
 
 
-def _adapter(name: str, layers: str, pre, post, layer, shifted: bool = True) -> Adapter:
-    return Adapter(layers, pre, post, layer, partial(check_batch, name, shifted=shifted))
+def _adapter(name: str, layers: str, pre, post, layer, logits, shifted: bool = True) -> Adapter:
+    return Adapter(layers, pre, post, layer, partial(check_batch, name, shifted=shifted), logits)
 
 
 ADAPTERS: dict[str, Adapter] = {
     "GPT2LMHeadModel": _adapter("GPT2LMHeadModel", "transformer.h", _gpt2_pre, _gpt2_post,
-                                _gpt2_layer),
+                                _gpt2_layer, _gpt2_logits),
     "LlamaForCausalLM": _adapter("LlamaForCausalLM", "model.layers", _llama_pre, _llama_post,
-                                 _llama_layer),
+                                 _llama_layer, _llama_logits),
     "RobertaForMaskedLM": _adapter("RobertaForMaskedLM", "roberta.encoder.layer", _roberta_pre,
-                                   _roberta_post, _roberta_layer, shifted=False),
+                                   _roberta_post, _roberta_layer, _roberta_logits,
+                                   shifted=False),
 }
 
 
@@ -124,7 +140,8 @@ def adapter_for(module: nn.Module) -> Adapter:
             raise TypeError(peft_models.no_adapter_message(module, inner, path, sorted(ADAPTERS)))
         found = adapter_for(inner)
         layers, pre, post = peft_models.through(path, found.layers, found.pre, found.post)
-        return found._replace(layers=layers, pre=pre, post=post)
+        _, _, logits = peft_models.through(path, found.layers, found.pre, found.logits)
+        return found._replace(layers=layers, pre=pre, post=post, logits=logits)
     name = type(module).__name__
     if name not in ADAPTERS:
         raise TypeError(f"fz3.shard got no layers=/pre=/post= and has no built-in adapter for "

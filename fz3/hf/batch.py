@@ -18,17 +18,19 @@ REQUIRED = ("input_ids", "labels")
 OPTIONAL = ("attention_mask",)
 
 
-def check_batch(model: str, batch: Any, shifted: bool = True) -> str | None:
+def check_batch(model: str, batch: Any, shifted: bool = True, labels: bool = True) -> str | None:
     """Raise TypeError/ValueError, naming ``model`` (the adapter's class name) and ``EXPECTED``,
     unless ``batch`` is a mapping with exactly the keys, dtypes and equal (B, T) shapes above.
     Returns why the batch has nothing to learn from (no labelled token: every label -100, or
     only the first of each row where the labels are ``shifted`` as a causal LM's are), else
-    None; read on the host for CPU batches only (a device batch would cost a sync)."""
+    None; read on the host for CPU batches only (a device batch would cost a sync).
+    ``labels=False`` (an output, no loss: ``fz3.apply(..., output=)``): labels are optional."""
     where = f"fz3's {model} adapter takes {EXPECTED}"
     if not isinstance(batch, Mapping):
         raise TypeError(f"{where}; got a {type(batch).__name__}. Name the fields: "
                         f"{{'input_ids': ids, 'labels': labels}}")
-    missing = [k for k in REQUIRED if k not in batch]
+    required = REQUIRED if labels else REQUIRED[:1]
+    missing = [k for k in required if k not in batch]
     if missing:
         raise ValueError(f"{where}; the batch has no {missing} (keys: {sorted(batch)})")
     extra = sorted(set(batch) - set(REQUIRED) - set(OPTIONAL))
@@ -39,7 +41,7 @@ def check_batch(model: str, batch: Any, shifted: bool = True) -> str | None:
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{where}; batch[{key!r}] is a {type(value).__name__}: "
                             f"make it a torch.Tensor")
-    for key in REQUIRED:
+    for key in (k for k in REQUIRED if k in batch):
         if batch[key].dtype != torch.long:
             raise TypeError(f"{where}; batch[{key!r}] is {batch[key].dtype}: "
                             f"convert it with .long()")
@@ -55,10 +57,12 @@ def check_batch(model: str, batch: Any, shifted: bool = True) -> str | None:
         if value.shape != shape:
             raise ValueError(f"{where}; batch[{key!r}] has shape {tuple(value.shape)} but "
                              f"input_ids has {tuple(shape)}: they must be equal")
-    labels = batch["labels"]
-    if labels.device.type != "cpu":
+    if "labels" not in batch or not labels:
         return None
-    scored = labels[:, 1:] if shifted else labels
+    given = batch["labels"]
+    if given.device.type != "cpu":
+        return None
+    scored = given[:, 1:] if shifted else given
     if bool((scored != -100).any()):
         return None
     where = " after the first token of each row (a causal LM predicts the next one)"

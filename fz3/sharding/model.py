@@ -60,6 +60,9 @@ class ShardedModel:
     training: bool = True  # dropout and the like on; set per model copy, never in place
     # the adapter's batch check (local), if any: raises, or says why a batch is empty (or None)
     check_batch: Callable[[Any], str | None] | None = None
+    # the adapter's outputs beside the loss, ``name -> fn(m, h, batch)`` with post's parameters
+    # (``fz3.apply(..., output="logits")``); empty for a model sharded with pre/post given
+    outputs: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
     # traced layer programs (``fz3.step.traced``), shared by every step function on this model
     # and its copies; keyed by the binding and layouts they were traced from, and by their
     # joint graph's code (layers traced alike share programs)
@@ -134,6 +137,7 @@ Reader = Callable[[nn.Module, torch.device], Callable[..., torch.Tensor]]
 
 def build(module: nn.Module, paths: Sequence[str], pre: PreFn, post: PostFn,
           call_layer: CallLayer | None, *, check_batch: Callable[[Any], str | None] | None,
+          outputs: Mapping[str, Callable[..., Any]] | None = None,
           between: Sequence[BetweenFn | None], assign: Mapping[str, str] | None,
           group: dist.ProcessGroup | None, mesh: Any, device: torch.device | str | None,
           precision: Precision, read: Reader | None,
@@ -162,7 +166,7 @@ def build(module: nn.Module, paths: Sequence[str], pre: PreFn, post: PostFn,
                    for part, rows in zip(split.parts, split.params))
     frozen_size = torch.empty((), dtype=precision.frozen).element_size()
     model = ShardedModel(Parts(split.parts, frozen_size), frozen, functions, skeleton, comm,
-                         precision, device, mesh, module.training, check_batch)
+                         precision, device, mesh, module.training, check_batch, dict(outputs or {}))
     check_same_on_all_ranks(comm, split.parts, device)
     return model, Params(shards)
 

@@ -85,13 +85,14 @@ def _covers(schedule: Schedule, model: ShardedModel) -> bool:
 
 
 def check_call(model: ShardedModel, params: Params, *batches: Any,
-               entry: str = "the step") -> list[str]:
+               entry: str = "the step", labels: bool = True) -> list[str]:
     """Params and batches, locally, before any collective; then the call is counted
     (``enter``). Returns why batches have nothing to learn from (``check_batch``), for
-    ``check_in_sync`` to say on every rank."""
+    ``check_in_sync`` to say on every rank. ``labels=False``: a forward for an output, which
+    needs none."""
     refuse_destroyed(model.comm, entry)
     check_params(model, params)
-    empty = [why for why in (check_batch(model, b) for b in batches) if why is not None]
+    empty = [why for why in (check_batch(model, b, labels) for b in batches) if why is not None]
     enter(model)
     return empty
 
@@ -115,7 +116,7 @@ def check_params(model: ShardedModel, params: Params) -> None:
                              f"e.g. optree.tree_map(torch.Tensor.contiguous, params)")
 
 
-def check_batch(model: ShardedModel, batch: Any) -> str | None:
+def check_batch(model: ShardedModel, batch: Any, labels: bool = True) -> str | None:
     """Every tensor in the batch lives on the model's device, and the model's adapter (if
     any) accepts it. Returns why the batch has nothing to learn from (0 rows, or the adapter's
     say: no labelled token), else None."""
@@ -128,7 +129,9 @@ def check_batch(model: ShardedModel, batch: Any) -> str | None:
                             f"t.to('{model.device}'), batch))")
     if any(isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == 0 for t in leaves):
         return "0 rows"
-    return model.check_batch(batch) if model.check_batch is not None else None
+    if model.check_batch is None:
+        return None
+    return model.check_batch(batch) if labels else model.check_batch(batch, labels=False)
 
 
 def check_in_sync(model: ShardedModel, step: int, entry: str, batches: Sequence[Any],

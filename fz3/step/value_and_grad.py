@@ -99,14 +99,19 @@ def value_and_grad(model: ShardedModel, schedule: Schedule | Policy | None = Non
 def apply(model: ShardedModel, params: Params, batch: Any, *,
           schedule: Schedule | Policy | None = None, loss: Callable[..., Any] | None = None,
           has_aux: bool = False, recorder=None, compile: ValueAndGrad | bool = False,
-          trace: bool = True):
+          trace: bool = True, output: str | None = None):
     """The mean loss over ranks, forward only: no graph, no gradients, units freed after use.
     ``loss``/``has_aux`` as in ``value_and_grad`` (returns ``(loss, aux)`` with ``has_aux``).
+    ``output="logits"`` (a model with a built-in adapter, ``model.outputs``): returns this
+    rank's ``(B, T, V)`` logits instead, as the model's own forward computes them (not
+    sharded: ``B * T * V`` values on every rank), no loss.
     ``trace``/``compile`` as in ``value_and_grad``; ``compile`` may also be a
     ``value_and_grad`` step, whose traced and compiled layers are then shared (new ones each
     call would trace and compile again).
     **Collective**: every rank must call it (the schedule is compared across ranks first)."""
-    check_call(model, params, batch, entry="fz3.apply")  # local: a bad batch fails here
+    if output is not None:  # local: refused before any collective
+        loss, has_aux = _output(model, output, loss, has_aux), True
+    check_call(model, params, batch, entry="fz3.apply", labels=output is None)
     if isinstance(compile, ValueAndGrad):
         traced = compile.traced
     else:  # local too: refused options fail before the schedule's collective
@@ -114,4 +119,24 @@ def apply(model: ShardedModel, params: Params, batch: Any, *,
     sched = prepare(model, schedule, grad=False, entry="apply")
     result = drain(execute(model, sched, params, batch, recorder,
                            loss=loss_of(model, loss, has_aux), traced=traced, frames=False))
+    if output is not None:
+        return result.aux
     return (result.loss, result.aux) if has_aux else result.loss
+
+
+def _output(model: ShardedModel, output: str, loss, has_aux: bool) -> Callable[..., Any]:
+    """``apply``'s loss function for ``output=``: a zero loss, the output as its aux."""
+    if loss is not None or has_aux:
+        raise ValueError(f"fz3.apply(output={output!r}) returns that output; it takes no loss= "
+                         f"or has_aux= (pass one or the other)")
+    if output not in model.outputs:
+        raise ValueError(f"fz3.apply(output={output!r}): this model has outputs "
+                         f"{sorted(model.outputs) or 'none'} (the built-in Hugging Face adapters "
+                         f"give 'logits'); for another model pass loss=lambda m, h, batch: "
+                         f"(torch.zeros(()), what_you_want(m, h)) with has_aux=True")
+    fn = model.outputs[output]
+
+    def out(m, h, batch):
+        return h.new_zeros(()).float(), fn(m, h, batch)
+
+    return out
