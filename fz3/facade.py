@@ -8,7 +8,8 @@ timeout=120)``, its arguments:
 
 - module: an unchanged ``nn.Module``; it is not modified (``del`` it to free its memory).
   With none of layers/pre/post given, a built-in adapter is used (Hugging Face
-  ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``RobertaForMaskedLM``: see ``fz3.hf``).
+  ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``RobertaForMaskedLM``, and the decoders of
+  ``fz3.hf.decoders.FAMILIES``: see ``fz3.hf``).
 - layers: dotted path of an ``nn.ModuleList`` of layers, or a list of them in compute order.
   Consecutive structurally identical layers are stacked and scanned; a list of layers of
   several kinds (``[A, A, B, B, B]``) becomes one stack per run.

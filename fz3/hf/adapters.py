@@ -8,7 +8,9 @@ An adapter says where the stack lives and what each layer needs: the attention m
 ids and (Llama) the rotary tables are computed once in ``pre`` and passed to every layer;
 ``post`` applies the final norm and head and the model's own loss on ``batch["labels"]``.
 Each follows the installed model's own ``forward``; the mask builders it shares with it are
-called through ``compat``, which adapts to the release's argument names.
+called through ``compat``, which adapts to the release's argument names. The decoders built
+on transformers' Llama template share one adapter, chosen by ``config.model_type``
+(``decoders.py``).
 
 Batches are dicts: ``input_ids`` (B, T), ``labels`` (B, T) and optionally ``attention_mask``
 (B, T); ``Adapter.check_batch(batch)`` checks that before a step (see ``batch.py``). The loss
@@ -25,7 +27,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import nn
 
-from . import compat, peft_models
+from . import compat, decoders, peft_models
 from .batch import check_batch
 
 
@@ -143,12 +145,32 @@ def adapter_for(module: nn.Module) -> Adapter:
         _, _, logits = peft_models.through(path, found.layers, found.pre, found.logits)
         return found._replace(layers=layers, pre=pre, post=post, logits=logits)
     name = type(module).__name__
+    decoder = _decoder_for(module)
+    if decoder is not None:
+        import transformers
+
+        compat.check_version(transformers.__version__)
+        return decoder
     if name not in ADAPTERS:
         raise TypeError(f"fz3.shard got no layers=/pre=/post= and has no built-in adapter for "
-                        f"{name} (built in: {', '.join(sorted(ADAPTERS))}); pass layers='<dotted "
+                        f"{name} (built in: {', '.join(sorted(ADAPTERS))}, and the "
+                        f"ForCausalLM models of config.model_type "
+                        f"{', '.join(sorted(decoders.FAMILIES))}); pass layers='<dotted "
                         f"path of the nn.ModuleList>', pre=(m, batch) -> h and "
                         f"post=(m, h, batch) -> loss")
     import transformers
 
     compat.check_version(transformers.__version__)
     return ADAPTERS[name]
+
+
+def _decoder_for(module: nn.Module) -> Adapter | None:
+    """The template decoders' adapter (``decoders.py``) for a ``...ForCausalLM`` whose
+    ``config.model_type`` is listed, else None."""
+    model_type = getattr(getattr(module, "config", None), "model_type", None)
+    family = decoders.FAMILIES.get(model_type)
+    if family is None or not type(module).__name__.endswith("ForCausalLM"):
+        return None
+    return _adapter(type(module).__name__, "model.layers", partial(decoders.pre, family),
+                    partial(decoders.post, family), decoders.layer,
+                    partial(decoders.logits, family))

@@ -73,6 +73,18 @@ def causal_mask(config: Any, embeds: torch.Tensor, attention_mask: torch.Tensor 
     return call_by_name(create_causal_mask, values, needs=_NEEDS)
 
 
+def sliding_window_mask(config: Any, embeds: torch.Tensor, attention_mask: torch.Tensor | None,
+                        position_ids: torch.Tensor | None) -> Any:
+    """``create_sliding_window_causal_mask`` (``config.sliding_window`` tokens back); arguments
+    as for ``causal_mask``."""
+    from transformers.masking_utils import create_sliding_window_causal_mask
+
+    seq = torch.arange(embeds.shape[1], device=embeds.device)
+    values = dict(config=config, embeds=embeds, attention_mask=attention_mask, cache=None,
+                  cache_position=seq, position_ids=position_ids)
+    return call_by_name(create_sliding_window_causal_mask, values, needs=_NEEDS)
+
+
 def bidirectional_mask(config: Any, embeds: torch.Tensor,
                        attention_mask: torch.Tensor | None) -> Any:
     """``create_bidirectional_mask`` (encoders: every token sees every unpadded token);

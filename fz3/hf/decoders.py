@@ -1,0 +1,130 @@
+"""One adapter for the Hugging Face decoders built on transformers' Llama template, by
+``config.model_type``: ``model.embed_tokens``, the rotary tables (``model.rotary_emb``), the
+masks, ``model.layers``, ``model.norm``, ``lm_head`` and the model's own loss.
+
+Each family follows its installed model's ``forward`` (transformers 5.x), and only what
+differs is written per family (``FAMILIES``):
+
+- which masks: one causal mask (the model's own ``_update_causal_mask`` where its release still
+  has one: StableLM in 5.0); or, with ``config.sliding_window`` (Mistral), a sliding one;
+  or one per entry of ``config.layer_types`` (Qwen2, Qwen3, Gemma2, Gemma3: sliding and full
+  layers), each layer taking its own type's (``config.layer_types[layer_idx]``, as the
+  model's loop does);
+- the rotary tables: one pair, or one per layer type (Gemma3);
+- the embedding's multiplier (Granite; Gemma's sqrt(hidden) where the release applies it in
+  the model's forward) and the logits' scaling (Granite) or soft-capping (Gemma2, Gemma3).
+
+Only the listed types are used; an unlisted one is refused even when it looks like the
+template (``fz3.hf.adapters.adapter_for``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import torch
+from torch import nn
+
+from . import compat
+
+
+class Family(NamedTuple):
+    """What one family does differently from the template."""
+
+    # the masks' keys: "full" (one causal, or sliding with config.sliding_window) or
+    # "layer_types" (one per type in config.layer_types)
+    masks: str = "full"
+    rotary_per_type: bool = False  # Gemma3: rotary tables per layer type
+    embed: Callable[[Any, torch.Tensor], torch.Tensor] | None = None  # (base model, h) -> h
+    logits: Callable[[Any, torch.Tensor], torch.Tensor] | None = None  # (config, logits)
+
+
+def _granite_embed(base, h):
+    return h * base.config.embedding_multiplier
+
+
+def _gemma_embed(base, h):
+    """Gemma's sqrt(hidden) scale: in its embedding module since transformers 5.x moved it
+    there (5.24), in the model's forward before (5.0)."""
+    if hasattr(base.embed_tokens, "embed_scale"):
+        return h
+    return h * torch.tensor(base.config.hidden_size**0.5, dtype=h.dtype)
+
+
+def _granite_logits(config, logits):
+    return logits / config.logits_scaling
+
+
+def _softcap(config, logits):
+    cap = config.final_logit_softcapping
+    if cap is None:
+        return logits
+    return torch.tanh(logits / cap) * cap
+
+
+FAMILIES: dict[str, Family] = {
+    "mistral": Family(),
+    "qwen2": Family(masks="layer_types"),
+    "qwen3": Family(masks="layer_types"),
+    "phi3": Family(),
+    "olmo": Family(),
+    "olmo2": Family(),
+    "stablelm": Family(),
+    "granite": Family(embed=_granite_embed, logits=_granite_logits),
+    "gemma": Family(embed=_gemma_embed),
+    "gemma2": Family(masks="layer_types", embed=_gemma_embed, logits=_softcap),
+    "gemma3_text": Family(masks="layer_types", rotary_per_type=True, logits=_softcap),
+}
+
+
+def pre(family: Family, m: nn.Module, batch: dict):
+    """``(h, masks, rotary, types, positions)``: what every layer takes, computed once."""
+    base, ids = m.model, batch["input_ids"]
+    config = base.config
+    pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+    h = base.embed_tokens(ids)
+    if family.embed is not None:
+        h = family.embed(base, h)
+    given = batch.get("attention_mask")
+    legacy = getattr(base, "_update_causal_mask", None)
+    if legacy is not None:  # StableLM before transformers 5.x moved it (5.0): its own builder
+        seq = torch.arange(ids.shape[1], device=ids.device)
+        masks = {"full_attention": legacy(given, h, seq, None, False)}
+        return h, masks, base.rotary_emb(h, position_ids=pos), None, pos
+    if family.masks == "layer_types":
+        types = tuple(config.layer_types)
+        masks = {t: _mask(t, config, h, given, pos) for t in sorted(set(types))}
+    else:
+        types = None
+        kind = "sliding_attention" if getattr(config, "sliding_window", None) else \
+            "full_attention"
+        masks = {"full_attention": _mask(kind, config, h, given, pos)}
+    if family.rotary_per_type:
+        rotary = {t: base.rotary_emb(h, pos, t) for t in sorted(set(types))}
+    else:
+        rotary = base.rotary_emb(h, position_ids=pos)
+    return h, masks, rotary, types, pos
+
+
+def _mask(kind: str, config, h, given, pos):
+    if kind == "sliding_attention":
+        return compat.sliding_window_mask(config, h, given, pos)
+    return compat.causal_mask(config, h, given, pos)
+
+
+def layer(block: nn.Module, h: torch.Tensor, masks: dict, rotary, types, pos) -> torch.Tensor:
+    """One decoder layer, with its own type's mask (and rotary tables, per type)."""
+    kind = "full_attention" if types is None else types[block.self_attn.layer_idx]
+    tables = rotary[kind] if isinstance(rotary, dict) else rotary
+    return compat.block_output(block(h, attention_mask=masks[kind], position_ids=pos,
+                                     position_embeddings=tables))
+
+
+def logits(family: Family, m: nn.Module, h: torch.Tensor, batch: dict) -> torch.Tensor:
+    out = m.lm_head(m.model.norm(h))
+    return out if family.logits is None else family.logits(m.config, out)
+
+
+def post(family: Family, m: nn.Module, h: torch.Tensor, batch: dict) -> torch.Tensor:
+    return m.loss_function(logits=logits(family, m, h, batch), labels=batch["labels"],
+                           vocab_size=m.config.vocab_size)

@@ -1,0 +1,131 @@
+"""Hugging Face decoder families out of the box (``fz3/hf/decoders.py``):
+``fz3.shard(AutoModelForCausalLM.from_config(cfg))`` with no ``layers``/``pre``/``post`` for
+Mistral (sliding window), Qwen2 (sliding and full layers), Qwen3, Phi3, OLMo, OLMo2, StableLM,
+Granite (multipliers), Gemma, Gemma2 and Gemma3 (alternating layer types, soft-capping, rotary
+tables per type).
+
+Reference: plain autograd on the unsharded HF model, ``model(**batch).loss`` over every
+rank's batch concatenated, then backward. fp32, rtol 1e-5 / atol 1e-6 on the loss and every
+gradient (measured: equal bit for bit at world size 1). World size 2, the default policy,
+traced (nothing may fall back), 2 layers of hidden 32, a left-padded row on every rank. A
+family the installed transformers lacks is skipped, by name (``.ci/hf-range`` runs this on
+the lowest supported release)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import dist
+import fz3
+from reference import assert_close
+from test_hf import expected_version
+
+COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+# model_type -> (config class name, its extra settings): each family's own features switched on
+FAMILIES = {
+    "mistral": ("MistralConfig", dict(sliding_window=4)),
+    "qwen2": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
+    "qwen3": ("Qwen3Config", dict(head_dim=8)),
+    "phi3": ("Phi3Config", {}),
+    "olmo": ("OlmoConfig", {}),
+    "olmo2": ("Olmo2Config", {}),
+    "stablelm": ("StableLmConfig", {}),
+    "granite": ("GraniteConfig", dict(embedding_multiplier=2.0, logits_scaling=4.0,
+                                      residual_multiplier=0.5, attention_multiplier=0.3)),
+    "gemma": ("GemmaConfig", dict(head_dim=8)),
+    "gemma2": ("Gemma2Config", dict(head_dim=8, sliding_window=4, final_logit_softcapping=5.0,
+                                    attn_logit_softcapping=None)),
+    "gemma3_text": ("Gemma3TextConfig", dict(head_dim=8, sliding_window=4,
+                                             final_logit_softcapping=5.0,
+                                             sliding_window_pattern=2)),
+}
+
+
+def build(family: str):
+    import transformers as tf
+
+    name, extra = FAMILIES[family]
+    config_class = getattr(tf, name, None)
+    if config_class is None:
+        return None
+    torch.manual_seed(0)
+    return tf.AutoModelForCausalLM.from_config(config_class(**COMMON, **extra))
+
+
+def batch(rank: int) -> dict:
+    g = torch.Generator().manual_seed(100 + rank)
+    ids = torch.randint(3, 97, (2, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[1, 0] = -100  # the same number of labelled tokens on every rank
+    labels[1, 1] = -100
+    labels[1, 2] = -100
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def families_ranks(rank, world):
+    import transformers
+
+    assert transformers.__version__ == expected_version()
+    bs = [batch(r) for r in range(world)]
+    done, missing = [], []
+    for family in FAMILIES:
+        module = build(family)
+        if module is None:
+            missing.append(family)
+            continue
+        ref = copy.deepcopy(module)
+        ref_loss = ref(**{k: torch.cat([b[k] for b in bs]) for k in bs[0]}).loss
+        ref_loss.backward()
+        want = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)
+                if p.grad is not None}
+        model, params = fz3.shard(module)
+        step = fz3.value_and_grad(model)
+        loss, grads = step(params, bs[rank])
+        assert step.traced.failed == {}, (family, step.traced.failed)
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6, msg=family)
+        got = fz3.full_state_dict(model, grads)
+        if rank == 0:
+            assert_close(got, want, what=family)
+        done.append(family)
+    return done, missing
+
+
+def test_decoder_families_equal_plain_hf():
+    got = dist.run(2, families_ranks, timeout=400)
+    done, missing = got[0]
+    assert got[0] == got[1]
+    if missing:  # only on an older transformers than the pinned one
+        assert expected_version() != transformers_pinned(), missing
+    assert done, "no family ran"
+
+
+def transformers_pinned() -> str:
+    import pathlib
+
+    for line in (pathlib.Path(__file__).parent.parent / "constraints.txt").read_text().splitlines():
+        if line.startswith("transformers=="):
+            return line.split("==")[1]
+    return ""
+
+
+def test_an_unlisted_decoder_is_refused_by_name():
+    """A model type fz3 does not list is refused though it looks like the template."""
+    import transformers as tf
+
+    class TinyLlamaLike(tf.LlamaForCausalLM):
+        pass
+
+    module = TinyLlamaLike(tf.LlamaConfig(**COMMON))
+    module.config.model_type = "my_llama"
+    from fz3.hf.adapters import adapter_for
+
+    with pytest.raises(TypeError, match=r"no built-in adapter for TinyLlamaLike .*model_type "
+                                        r"gemma, gemma2, .*qwen3, stablelm\); pass layers="):
+        adapter_for(module)
