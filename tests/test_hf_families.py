@@ -129,3 +129,51 @@ def test_an_unlisted_decoder_is_refused_by_name():
     with pytest.raises(TypeError, match=r"no built-in adapter for TinyLlamaLike .*model_type "
                                         r"gemma, gemma2, .*qwen3, stablelm\); pass layers="):
         adapter_for(module)
+
+
+FINETUNED = ("qwen2", "gemma2")  # one Llama-like, one Gemma-like (sliding layers, soft-capping)
+
+
+def finetune_ranks(rank, world, folder):
+    """``weights=``: the shards read from ``save_pretrained``'s folder into a meta model equal
+    the real model's (bitwise: the same values); PEFT LoRA (``init_lora_weights=False``, so
+    ``lora_B`` is not zero) against plain PEFT autograd at 1e-5 / 1e-6."""
+    import os
+
+    from peft import LoraConfig, get_peft_model
+    from test_hf_pretrained import on_meta
+
+    bs = [batch(r) for r in range(world)]
+    for family in FINETUNED:
+        real = build(family)
+        if real is None:
+            continue
+        model, params = fz3.shard(real)
+        want = fz3.value_and_grad(model)(params, bs[rank])
+        meta_model, meta_params = fz3.shard(on_meta(real), weights=os.path.join(folder, family))
+        got = fz3.value_and_grad(meta_model)(meta_params, bs[rank])
+        assert torch.equal(got[0], want[0]), family
+        assert all(torch.equal(a, b) for a, b in zip(got[1].parts, want[1].parts)), family
+        torch.manual_seed(1)
+        peft = get_peft_model(build(family), LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                        target_modules=["q_proj", "v_proj"]))
+        ref = copy.deepcopy(peft)
+        ref_loss = ref(**{k: torch.cat([b[k] for b in bs]) for k in bs[0]}).loss
+        ref_loss.backward()
+        expected = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+        assert expected and all(".lora_" in n for n in expected), sorted(expected)[:4]
+        model, params = fz3.shard(peft)
+        loss, grads = fz3.value_and_grad(model)(params, bs[rank])
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6, msg=family)
+        lora = fz3.full_state_dict(model, grads)
+        if rank == 0:
+            assert_close(lora, expected, what=f"LoRA {family}")
+    return "ok"
+
+
+def test_decoder_families_fine_tune_from_disk_and_with_lora(tmp_path):
+    for family in FINETUNED:
+        module = build(family)
+        if module is not None:
+            module.save_pretrained(tmp_path / family)
+    assert dist.run(2, finetune_ranks, str(tmp_path), timeout=400) == ["ok"] * 2

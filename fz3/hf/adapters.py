@@ -138,7 +138,7 @@ def adapter_for(module: nn.Module) -> Adapter:
     wrapped = peft_models.inner_model(module)
     if wrapped is not None:
         inner, path = wrapped
-        if type(inner).__name__ not in ADAPTERS:
+        if type(inner).__name__ not in ADAPTERS and _decoder_for(inner) is None:
             raise TypeError(peft_models.no_adapter_message(module, inner, path, sorted(ADAPTERS)))
         found = adapter_for(inner)
         layers, pre, post = peft_models.through(path, found.layers, found.pre, found.post)
