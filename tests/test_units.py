@@ -130,7 +130,17 @@ def assignment_ranks(rank, world):
     module = Late()
     b = _batch(rank, 11)
     model, params = fz3.shard(module, "layers", pre, post)  # norm counted as pre's: post cannot use it
-    with pytest.raises(ValueError, match=r"post used a parameter outside its part.*assign="):
+    with pytest.raises(ValueError, match=r"post used a parameter outside its part \(norm\.(weight|bias)\)"
+                                         r".*assign="):
+        fz3.value_and_grad(model)(params, b)
+
+    def pre_reads_the_head(m, b):  # an extra from post's head: pre is blamed, not a layer
+        return m.emb(b[0]), m.head.weight.sum()
+
+    model, params = fz3.shard(Late(), "layers", pre_reads_the_head, post,
+                              assign={"norm": "post"})
+    with pytest.raises(ValueError, match=r"^pre used a parameter outside its part "
+                                         r"\(head\.weight\): its extra output 0 is on the meta"):
         fz3.value_and_grad(model)(params, b)
     model, params = fz3.shard(module, "layers", pre, post, assign={"norm": "post"})
     assert [s.name for s in model.parts[model.part_index("post")].layout.slots] == ["norm.weight", "norm.bias",
