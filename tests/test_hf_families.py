@@ -177,3 +177,46 @@ def test_decoder_families_fine_tune_from_disk_and_with_lora(tmp_path):
         if module is not None:
             module.save_pretrained(tmp_path / family)
     assert dist.run(2, finetune_ranks, str(tmp_path), timeout=400) == ["ok"] * 2
+
+
+def _readme_pattern() -> dict:
+    """The README's GPT-NeoX block, executed as written."""
+    import pathlib
+
+    text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    start = text.index("  # GPT-NeoX, a model fz3 has no adapter for")
+    block = text[start:text.index("  ```", start)]
+    code = "\n".join(line[2:] for line in block.splitlines())
+    code = code[:code.index("model, params = fz3.shard(neox")]
+    scope = {"torch": torch, "fz3": fz3}
+    exec(compile(code, "README.md", "exec"), scope)
+    return scope
+
+
+def readme_pattern_ranks(rank, world):
+    import transformers as tf
+
+    scope = _readme_pattern()
+    torch.manual_seed(0)
+    neox = tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=64, pad_token_id=0))
+    bs = [batch(r) for r in range(world)]
+    ref = copy.deepcopy(neox)
+    ref_loss = ref(**{k: torch.cat([b[k] for b in bs]) for k in bs[0]}).loss
+    ref_loss.backward()
+    want = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    model, params = fz3.shard(neox, layers="gpt_neox.layers", pre=scope["neox_pre"],
+                              post=scope["neox_post"], call_layer=scope["neox_layer"])
+    step = fz3.value_and_grad(model)
+    loss, grads = step(params, bs[rank])
+    assert step.traced.failed == {}, step.traced.failed
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    got = fz3.full_state_dict(model, grads)
+    if rank == 0:
+        assert_close(got, want, what="GPT-NeoX through the README's pattern")
+    return "ok"
+
+
+def test_the_readme_pattern_for_a_model_without_an_adapter():
+    assert dist.run(2, readme_pattern_ranks, timeout=300) == ["ok"] * 2

@@ -1,7 +1,12 @@
-"""Hugging Face models: built-in adapters (``adapters.py``), PEFT wrappers (``peft_models.py``)
-and their adapters' export (``peft_export.py``)."""
+"""Hugging Face models: built-in adapters (``adapters.py``, ``decoders.py``), PEFT wrappers
+(``peft_models.py``) and their adapters' export (``peft_export.py``). For a model with no
+built-in adapter, the mask builders the built-ins use, following the installed transformers
+release's argument names (``compat.py``): ``causal_mask``, ``sliding_window_mask``,
+``bidirectional_mask``, and ``block_output`` (a block's hidden states, tuple or not)."""
 
+from .compat import bidirectional_mask, block_output, causal_mask, sliding_window_mask
 from .peft_export import export_peft
 from .peft_models import init_lora
 
-__all__ = ["export_peft", "init_lora"]
+__all__ = ["bidirectional_mask", "block_output", "causal_mask", "export_peft", "init_lora",
+           "sliding_window_mask"]
