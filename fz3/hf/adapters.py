@@ -142,8 +142,8 @@ def adapter_for(module: nn.Module) -> Adapter:
             raise TypeError(peft_models.no_adapter_message(module, inner, path, sorted(ADAPTERS)))
         found = adapter_for(inner)
         layers, pre, post = peft_models.through(path, found.layers, found.pre, found.post)
-        _, _, logits = peft_models.through(path, found.layers, found.pre, found.logits)
-        return found._replace(layers=layers, pre=pre, post=post, logits=logits)
+        return found._replace(layers=layers, pre=pre, post=post,
+                              logits=peft_models.through_head(path, found.logits))
     name = type(module).__name__
     decoder = _decoder_for(module)
     if decoder is not None:

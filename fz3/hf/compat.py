@@ -73,6 +73,17 @@ def causal_mask(config: Any, embeds: torch.Tensor, attention_mask: torch.Tensor 
     return call_by_name(create_causal_mask, values, needs=_NEEDS)
 
 
+def own_causal_mask(model: Any, embeds: torch.Tensor, attention_mask: torch.Tensor | None,
+                    position_ids: torch.Tensor | None) -> Any:
+    """The causal mask a base model's own ``forward`` builds: its ``_update_causal_mask`` where
+    its release still has one (StableLM in 5.0), else ``causal_mask``."""
+    legacy = getattr(model, "_update_causal_mask", None)
+    if legacy is None:
+        return causal_mask(model.config, embeds, attention_mask, position_ids)
+    seq = torch.arange(embeds.shape[1], device=embeds.device)
+    return legacy(attention_mask, embeds, seq, None, False)
+
+
 def sliding_window_mask(config: Any, embeds: torch.Tensor, attention_mask: torch.Tensor | None,
                         position_ids: torch.Tensor | None) -> Any:
     """``create_sliding_window_causal_mask`` (``config.sliding_window`` tokens back); arguments

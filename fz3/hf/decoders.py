@@ -5,11 +5,11 @@ masks, ``model.layers``, ``model.norm``, ``lm_head`` and the model's own loss.
 Each family follows its installed model's ``forward`` (transformers 5.x), and only what
 differs is written per family (``FAMILIES``):
 
-- which masks: one causal mask (the model's own ``_update_causal_mask`` where its release still
-  has one: StableLM in 5.0); or, with ``config.sliding_window`` (Mistral), a sliding one;
-  or one per entry of ``config.layer_types`` (Qwen2, Qwen3, Gemma2, Gemma3: sliding and full
-  layers), each layer taking its own type's (``config.layer_types[layer_idx]``, as the
-  model's loop does);
+- which masks: one causal mask (``compat.own_causal_mask``: the model's own builder where
+  its release still has one, StableLM in 5.0); or, with ``config.sliding_window``
+  (Mistral), a sliding one; or one per entry of ``config.layer_types`` (Qwen2, Qwen3,
+  Gemma2, Gemma3: sliding and full layers), each layer taking its own type's
+  (``config.layer_types[layer_idx]``, as the model's loop does);
 - the rotary tables: one pair, or one per layer type (Gemma3);
 - the embedding's multiplier (Granite; Gemma's sqrt(hidden) where the release applies it in
   the model's forward) and the logits' scaling (Granite) or soft-capping (Gemma2, Gemma3).
@@ -86,19 +86,14 @@ def pre(family: Family, m: nn.Module, batch: dict):
     if family.embed is not None:
         h = family.embed(base, h)
     given = batch.get("attention_mask")
-    legacy = getattr(base, "_update_causal_mask", None)
-    if legacy is not None:  # StableLM before transformers 5.x moved it (5.0): its own builder
-        seq = torch.arange(ids.shape[1], device=ids.device)
-        masks = {"full_attention": legacy(given, h, seq, None, False)}
-        return h, masks, base.rotary_emb(h, position_ids=pos), None, pos
     if family.masks == "layer_types":
         types = tuple(config.layer_types)
-        masks = {t: _mask(t, config, h, given, pos) for t in sorted(set(types))}
+        masks = {t: _mask(t, base, h, given, pos) for t in sorted(set(types))}
     else:
         types = None
         kind = "sliding_attention" if getattr(config, "sliding_window", None) else \
             "full_attention"
-        masks = {"full_attention": _mask(kind, config, h, given, pos)}
+        masks = {"full_attention": _mask(kind, base, h, given, pos)}
     if family.rotary_per_type:
         rotary = {t: base.rotary_emb(h, pos, t) for t in sorted(set(types))}
     else:
@@ -106,10 +101,10 @@ def pre(family: Family, m: nn.Module, batch: dict):
     return h, masks, rotary, types, pos
 
 
-def _mask(kind: str, config, h, given, pos):
+def _mask(kind: str, base: nn.Module, h, given, pos):
     if kind == "sliding_attention":
-        return compat.sliding_window_mask(config, h, given, pos)
-    return compat.causal_mask(config, h, given, pos)
+        return compat.sliding_window_mask(base.config, h, given, pos)
+    return compat.own_causal_mask(base, h, given, pos)
 
 
 def layer(block: nn.Module, h: torch.Tensor, masks: dict, rotary, types, pos) -> torch.Tensor:

@@ -46,7 +46,13 @@ def through(
     path: str, layers: str, pre: Callable[..., Any], post: Callable[..., torch.Tensor]
 ) -> tuple[str, Callable[..., Any], Callable[..., Any]]:
     """An inner model's ``(layers, pre, post)`` for the wrapper whose submodule ``path`` it is."""
-    return f"{path}.{layers}", partial(_through_pre, path, pre), partial(_through_post, path, post)
+    return f"{path}.{layers}", partial(_through_pre, path, pre), through_head(path, post)
+
+
+def through_head(path: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """An inner model's ``fn(m, h, batch)`` (post, or an output such as its logits) for the
+    wrapper whose submodule ``path`` it is."""
+    return partial(_through_post, path, fn)
 
 
 def no_adapter_message(module: nn.Module, inner: nn.Module, path: str, built_in: list[str]) -> str:

@@ -129,9 +129,7 @@ def check_batch(model: ShardedModel, batch: Any, labels: bool = True) -> str | N
                             f"t.to('{model.device}'), batch))")
     if any(isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == 0 for t in leaves):
         return "0 rows"
-    if model.check_batch is None:
-        return None
-    return model.check_batch(batch) if labels else model.check_batch(batch, labels=False)
+    return None if model.check_batch is None else model.check_batch(batch, labels=labels)
 
 
 def check_in_sync(model: ShardedModel, step: int, entry: str, batches: Sequence[Any],
