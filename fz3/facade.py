@@ -55,7 +55,7 @@ from torch import nn
 
 from .comm.arrival import DEFAULT_TIMEOUT_S
 from .hf.adapters import adapter_for
-from .hf.peft_models import checkpoint_names
+from .hf.checkpoint_names import checkpoint_names
 from .sharding.model import (BetweenFn, CallLayer, Params, PostFn, PreFn, Reader, ShardedModel,
                              build)
 from .sharding.checks import check_not_wrapped
@@ -77,30 +77,32 @@ def shard(module: nn.Module, layers: str | Sequence[str] | None = None,
     (``help(fz3.facade)``). **Collective**: every rank must call it (one small all-gather
     checks the ranks agree)."""
     check_not_wrapped(module)  # before an adapter is looked up for a wrapper's class
-    paths, pre, post, call_layer, check_batch, outputs = _functions_given(module, layers, pre,
-                                                                          post, call_layer)
+    paths, pre, post, call_layer, check_batch, outputs, assigned = _functions_given(
+        module, layers, pre, post, call_layer)
     read = None if weights is None else _checkpoint(weights, module)
     return build(module, paths, pre, post, call_layer, check_batch=check_batch, outputs=outputs,
-                 between=between,
-                 assign=assign, group=group, mesh=mesh, device=device, precision=precision,
+                 between=between, assign={**assigned, **(assign or {})}, group=group,
+                 mesh=mesh, device=device, precision=precision,
                  read=read, timeout=timeout)
 
 
 def _functions_given(module: nn.Module, layers, pre, post, call_layer):
-    """``(paths, pre, post, call_layer, check_batch, outputs)``: the user's, or the built-in
-    adapter's when none of layers/pre/post is given (its outputs: ``{"logits": fn}``)."""
-    check_batch, outputs = None, {}
+    """``(paths, pre, post, call_layer, check_batch, outputs, assign)``: the user's, or the
+    built-in adapter's when none of layers/pre/post is given (its outputs: ``{"logits": fn}``,
+    and the ``assign=`` it needs, which the user's adds to)."""
+    check_batch, outputs, assign = None, {}, {}
     if layers is None and pre is None and post is None:
         adapter = adapter_for(module)
         layers, pre, post = adapter.layers, adapter.pre, adapter.post
         call_layer = call_layer or adapter.layer
         check_batch, outputs = adapter.check_batch, {"logits": adapter.logits}
+        assign = adapter.assign
     if layers is None or pre is None or post is None:
         raise TypeError("fz3.shard needs layers=, pre= and post= (or none of them, for a model "
                         "with a built-in adapter): layers='<path of the nn.ModuleList>', "
                         "pre(m, batch) -> h, post(m, h, batch) -> loss")
     paths = [layers] if isinstance(layers, str) else list(layers)
-    return paths, pre, post, call_layer, check_batch, outputs
+    return paths, pre, post, call_layer, check_batch, outputs, assign
 
 
 def _checkpoint(weights, module: nn.Module) -> Reader:
@@ -110,7 +112,7 @@ def _checkpoint(weights, module: nn.Module) -> Reader:
 
     def read(skeleton: nn.Module, device: torch.device):
         source = weights if isinstance(weights, Pretrained) else Pretrained(weights)
-        names = checkpoint_names(module)
+        names = checkpoint_names(module, source.files)
         pretrained.materialize_buffers(skeleton, source, names, device)
         return functools.partial(pretrained.piece, source, names)
 

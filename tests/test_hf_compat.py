@@ -97,3 +97,26 @@ def test_an_unknown_signature_names_the_release_and_the_range():
 def test_block_output():
     h = torch.ones(1)
     assert compat.block_output(h) is h and compat.block_output((h, "attention weights")) is h
+
+
+def test_blocks_are_called_with_each_release_s_names():
+    """``compat.call_block`` passes each value under a name the block takes: a None it does
+    not take is left out (5.0's GPT-J block makes its own rotary tables), a value it does not
+    take or an argument it requires and is not given is an ImportError naming the release."""
+
+    class Old(torch.nn.Module):
+        def forward(self, hidden_states, attention_mask=None, position_ids=None):
+            return hidden_states + 1, None
+
+    class Needs(torch.nn.Module):
+        def forward(self, hidden_states, alibi, attention_mask=None):
+            return hidden_states + alibi
+
+    h = torch.zeros(1)
+    out = compat.call_block(Old(), h, attention_mask=None, position_embeddings=None)
+    assert torch.equal(out, h + 1)
+    with pytest.raises(ImportError, match=r"Old\.forward.* takes no \['position_embeddings'\]"):
+        compat.call_block(Old(), h, position_embeddings=h)
+    with pytest.raises(ImportError, match=r"Needs\.forward.* needs \['alibi'\]"):
+        compat.call_block(Needs(), h, attention_mask=None)
+    assert torch.equal(compat.call_block(Needs(), h, alibi=h + 2), h + 2)

@@ -1,4 +1,5 @@
-"""Hugging Face models: built-in adapters (``adapters.py``, ``decoders.py``), PEFT wrappers
+"""Hugging Face models: built-in adapters (``adapters.py`` looks them up by ``config.model_type``;
+``decoders.py``, ``causal.py``, ``encoders.py`` write the families out), PEFT wrappers
 (``peft_models.py``) and their adapters' export (``peft_export.py``). For a model with no
 built-in adapter, the mask builders the built-ins use, following the installed transformers
 release's argument names (``compat.py``): ``causal_mask``, ``sliding_window_mask``,

@@ -45,6 +45,9 @@ _ALIASES = {
     "cache": "cache", "past_key_values": "cache",
     "cache_position": "cache_position",
     "position_ids": "position_ids",
+    # the older models' own builders (``_update_causal_mask``, 5.0)
+    "input_tensor": "embeds", "output_attentions": "output_attentions", "alibi": "alibi",
+    "allow_is_causal_skip": "allow_is_causal_skip",
 }
 # What a mask builder must take: one that took attention_mask under an unknown name with a
 # default of None would silently build a mask without the padding.
@@ -74,14 +77,59 @@ def causal_mask(config: Any, embeds: torch.Tensor, attention_mask: torch.Tensor 
 
 
 def own_causal_mask(model: Any, embeds: torch.Tensor, attention_mask: torch.Tensor | None,
-                    position_ids: torch.Tensor | None) -> Any:
+                    position_ids: torch.Tensor | None, *, fill: bool = False,
+                    skip_causal: bool = True) -> Any:
     """The causal mask a base model's own ``forward`` builds: its ``_update_causal_mask`` where
-    its release still has one (StableLM in 5.0), else ``causal_mask``."""
+    its release still has one (StableLM, GPT-J, OPT, BLOOM, Falcon in 5.0), else
+    ``causal_mask``. ``fill``: the old builder is given an all-ones mask where none is (as
+    OPT's and BLOOM's 5.0 forwards do before building); ``skip_causal=False``: a mask is made
+    even where ``is_causal`` would do (Falcon's ``allow_is_causal_skip=False``)."""
     legacy = getattr(model, "_update_causal_mask", None)
-    if legacy is None:
-        return causal_mask(model.config, embeds, attention_mask, position_ids)
     seq = torch.arange(embeds.shape[1], device=embeds.device)
-    return legacy(attention_mask, embeds, seq, None, False)
+    if legacy is None:
+        values = dict(config=model.config, embeds=embeds, attention_mask=attention_mask,
+                      cache=None, cache_position=seq, position_ids=position_ids)
+        needs = _NEEDS
+        if not skip_causal:
+            values["allow_is_causal_skip"] = False
+            needs += ("allow_is_causal_skip",)
+        from transformers.masking_utils import create_causal_mask
+
+        return call_by_name(create_causal_mask, values, needs=needs)
+    if fill and attention_mask is None:
+        attention_mask = torch.ones(embeds.shape[:2], device=embeds.device)
+    values = dict(embeds=embeds, attention_mask=attention_mask, cache=None, cache_position=seq,
+                  output_attentions=False, alibi=None)
+    return call_by_name(legacy, values, needs=("embeds", "attention_mask"))
+
+
+def call_block(block: Any, h: torch.Tensor, **values: Any) -> torch.Tensor:
+    """``block(h, **values)``'s hidden states, each value passed by name where the installed
+    release's block takes it (their arguments changed within 5.x: GPT-J's block took no
+    rotary tables in 5.0, computing them itself from ``position_ids``). A value that is not
+    None and that the block does not take, or an argument it requires and is not given,
+    means a release fz3 does not follow: ImportError naming it."""
+    names, required = _block_arguments(type(block).forward)
+    given = {k: v for k, v in values.items() if k in names}
+    lost = [k for k, v in values.items() if v is not None and k not in names]
+    missing = [k for k in required if k not in given]
+    if lost or missing:
+        raise ImportError(f"transformers {_version()}: {type(block).__name__}.forward"
+                          f"{inspect.signature(type(block).forward)} takes no {lost} or needs "
+                          f"{missing}; fz3's Hugging Face adapters follow transformers{RANGE} "
+                          f"as tested in CI. Install a supported release or pass layers=, "
+                          f"pre= and post= to fz3.shard")
+    return block_output(block(h, **given))
+
+
+@functools.cache
+def _block_arguments(forward: Callable[..., Any]) -> tuple[frozenset[str], tuple[str, ...]]:
+    """A block's keyword arguments after ``self`` and the hidden states, and the required
+    ones among them: read once per class."""
+    params = list(inspect.signature(forward).parameters.values())[2:]
+    plain = [p for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return (frozenset(p.name for p in plain),
+            tuple(p.name for p in plain if p.default is p.empty))
 
 
 def sliding_window_mask(config: Any, embeds: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -94,6 +142,16 @@ def sliding_window_mask(config: Any, embeds: torch.Tensor, attention_mask: torch
     values = dict(config=config, embeds=embeds, attention_mask=attention_mask, cache=None,
                   cache_position=seq, position_ids=position_ids)
     return call_by_name(create_sliding_window_causal_mask, values, needs=_NEEDS)
+
+
+def bidirectional_sliding_window_mask(config: Any, embeds: torch.Tensor,
+                                      attention_mask: torch.Tensor | None) -> Any:
+    """``create_bidirectional_sliding_window_mask`` (ModernBERT's local layers: every unpadded
+    token within ``config.sliding_window`` on either side); arguments as for ``causal_mask``."""
+    from transformers.masking_utils import create_bidirectional_sliding_window_mask
+
+    values = dict(config=config, embeds=embeds, attention_mask=attention_mask, cache=None)
+    return call_by_name(create_bidirectional_sliding_window_mask, values, needs=_NEEDS)
 
 
 def bidirectional_mask(config: Any, embeds: torch.Tensor,

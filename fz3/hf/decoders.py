@@ -63,6 +63,7 @@ def _softcap(config, logits):
 
 
 FAMILIES: dict[str, Family] = {
+    "llama": Family(),
     "mistral": Family(),
     "qwen2": Family(masks="layer_types"),
     "qwen3": Family(masks="layer_types"),

@@ -77,13 +77,6 @@ def checkpoint_name(path: str, name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
-def checkpoint_names(module: nn.Module) -> Callable[[str], str] | None:
-    """How ``module``'s parameter names map to its base model's checkpoint: ``checkpoint_name``
-    for a PEFT wrapper, None (the same names) otherwise."""
-    wrapped = inner_model(module)
-    return None if wrapped is None else partial(checkpoint_name, wrapped[1])
-
-
 def init_lora(module: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
     """Give the LoRA weights of a PEFT model built on the meta device real values on
     ``device``, by PEFT's own init (``reset_lora_parameters``: ``lora_A`` as ``nn.Linear``,

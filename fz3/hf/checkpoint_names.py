@@ -1,0 +1,57 @@
+"""How a module's parameter names map to the names in a Hugging Face checkpoint folder
+(``fz3.shard(..., weights=folder)``): a PEFT wrapper's base weights are looked up under the base
+model's names (``peft_models.checkpoint_name``), and a model whose release renames weights on
+load (``from_pretrained``: GPT-NeoX's ``embed_out`` is ``lm_head`` in transformers 5.24, and
+``save_pretrained`` writes the old name back) is read under the checkpoint's names, renamed as
+the release's own loader renames them. Local: no collective."""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+from typing import Callable, Collection, Mapping
+
+from torch import nn
+
+from .peft_models import checkpoint_name, inner_model
+
+
+def checkpoint_names(module: nn.Module, keys: Collection[str]) -> Callable[[str], str] | None:
+    """``name -> the checkpoint's name`` for the parameters and buffers of ``module`` in a
+    checkpoint holding ``keys``, or None where every name is its own."""
+    wrapped = inner_model(module)
+    inner, path = wrapped if wrapped is not None else (module, None)
+    renamed = {k: v for k, v in _loader_names(inner, keys).items() if k not in keys}
+    if path is None and not renamed:
+        return None
+    return partial(_rename, path, renamed)
+
+
+def _rename(path: str | None, renamed: Mapping[str, str], name: str) -> str:
+    base = name if path is None else checkpoint_name(path, name)
+    return renamed.get(base, base)
+
+
+def _loader_names(model: nn.Module, keys: Collection[str]) -> dict[str, str]:
+    """``{the model's name: the checkpoint's key}`` for each key the release's loader renames
+    (``transformers.conversion_mapping``: its ``WeightRenaming`` transforms; what merges or
+    splits tensors is not a name and cannot be read by slices, so it is left out and the
+    parameter is reported missing)."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return {}
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:  # a release without load-time renaming
+        return {}
+    renamings = [t for t in get_model_conversion_mapping(model)
+                 if isinstance(t, WeightRenaming)]
+    out = {}
+    for key in keys:
+        name = key
+        for renaming in renamings:
+            name, _ = renaming.rename_source_key(name)
+        if name != key:
+            out[name] = key
+    return out

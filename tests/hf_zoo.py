@@ -1,0 +1,25 @@
+"""The whole Hugging Face matrix, opt-in (``.ci/hf-zoo``; not collected by the README's test
+command, whose ``tests/test_hf_families.py`` runs each family once and fine-tunes one per
+group): for every family of ``test_hf_families.FAMILIES``, at world size 2 against plain HF
+(fp32, rtol 1e-5 / atol 1e-6): the default policy (traced), ``save`` and ``trace=False``;
+``weights=`` from a ``save_pretrained`` folder (bitwise); ``fz3.export`` read back by
+``from_pretrained`` with its logits equal to ``fz3.apply(..., output="logits")`` (bitwise);
+PEFT LoRA on the attention projections against plain PEFT, and ``fz3.hf.export_peft`` read
+back by ``PeftModel.from_pretrained``. A family the installed transformers lacks is
+skipped, by name."""
+
+from __future__ import annotations
+
+import pytest
+
+import dist
+from test_hf_families import EVERY_STEP, FAMILIES, build, finetune_ranks, save_families
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_trains_fine_tunes_and_exports(family, tmp_path):
+    if build(family) is None:
+        pytest.skip(f"the installed transformers has no {family}")
+    save_families(tmp_path, [family])
+    assert dist.run(2, finetune_ranks, str(tmp_path), [family], EVERY_STEP, True,
+                    timeout=600) == ["ok"] * 2
