@@ -309,6 +309,17 @@ class ThroughAView(Lin):
         return h + torch.tanh(self.lin(h)) + total
 
 
+class NormalisesInPlace(Lin):
+    """An MoE router's pattern: the top-k of a softmax normalised in place, whose derivative
+    needs the values before the write (autograd copies them before it: the traced forward must
+    too, not its backward, which would read the normalised ones)."""
+
+    def forward(self, h):
+        top, _ = torch.topk(torch.softmax(self.lin(h), -1), 3, dim=-1)
+        top /= top.sum(-1, keepdim=True)
+        return h + torch.tanh(h) * top.sum(-1, keepdim=True) + top[..., :1] * h
+
+
 class Later(Lin):
     """Writes into its input after its first ``calls`` calls (counted in a list it appends
     to: state no trace or first call can see)."""
@@ -345,7 +356,7 @@ def writes_input_ranks(rank, world):
           for _ in range(world)]
     policies = (fz3.Policy(), fz3.Policy(activations="save"), fz3.Policy(layers_per_unit=2),
                 fz3.Policy(activations="save", layers_per_unit=2))
-    for kind in (Halves, ThroughAView):
+    for kind in (Halves, ThroughAView, NormalisesInPlace):
         torch.manual_seed(0)
         net = LayerNet([kind() for _ in range(4)])
         want_loss, want = _plain(net, concat(bs))

@@ -150,6 +150,16 @@ def _forward_side(joint: fx.Graph, out: fx.Node, g: fx.Node) -> set[fx.Node]:
             if _writes_into(node, side) or _draws_random(node):
                 side |= _ancestors([node], stop=lambda m: False)
                 grew = True
+    # A value read before an op writes into it is read as it was: what the trace ran before
+    # the forward's last write (autograd's copy of an in-place op's input for its derivative:
+    # ``div_``'s original ``self``, cloned before the write) runs there, in the forward, as
+    # eager runs it; in the backward it would read the written value (MoE routers normalise
+    # their top-k weights in place: their gradient was wrong in the backward program)
+    order = list(joint.nodes)
+    writes = [i for i, n in enumerate(order) if n in side and written_args(n)]
+    if writes:
+        side |= {n for n in order[:writes[-1]]
+                 if n.op == "call_function" and n not in depends_on_g}
     # an output of a forward op with several (layer norm's mean and rstd): picked out where
     # the op runs, so a residual is always a tensor, never the op's whole tuple
     side |= {n for n in joint.nodes if n.target is operator.getitem and n.args[0] in side
