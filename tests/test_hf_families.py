@@ -3,9 +3,11 @@
 ``AutoModelForMaskedLM``) with no ``layers``/``pre``/``post`` for Llama, Mistral (sliding
 window), Qwen2 (sliding and full layers), Qwen3, Phi3, OLMo, OLMo2, StableLM, Granite
 (multipliers), Gemma, Gemma2 and Gemma3 (alternating layer types, soft-capping, rotary tables
-per type), GPT-NeoX, GPT-J, OPT (a projection in and out), BLOOM (ALiBi), Falcon (the new
-decoder architecture), BERT and ModernBERT (global and local layers, a first layer of its
-own). GPT-2 and RoBERTa: ``tests/test_hf.py``.
+per type), the mixture-of-experts Mixtral, Qwen2-MoE (a dense layer after a sparse one: two
+stacks), Qwen3-MoE and OLMoE (without the router's loss, transformers' default), GPT-NeoX,
+GPT-J, OPT (a projection in and out), BLOOM (ALiBi), Falcon (the new decoder architecture),
+BERT and ModernBERT (global and local layers, a first layer of its own). GPT-2 and RoBERTa:
+``tests/test_hf.py``.
 
 Reference: plain autograd on the unsharded HF model, ``model(**batch).loss`` over every
 rank's batch concatenated, then backward. fp32, rtol 1e-5 / atol 1e-6 on the loss and every
@@ -33,6 +35,8 @@ COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_la
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
               pad_token_id=0, bos_token_id=1, eos_token_id=2)
 NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # BERT's
+# 4 experts, 2 per token (each family reads its own names)
+MOE = dict(num_local_experts=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 # model_type -> (config class name, its extra settings): each family's own features switched
 # on, dropout off where it defaults on (each rank draws its own masks)
 FAMILIES = {
@@ -57,16 +61,25 @@ FAMILIES = {
     "opt": ("OPTConfig", dict(ffn_dim=64, dropout=0.0, word_embed_proj_dim=16)),
     "bloom": ("BloomConfig", dict(n_layer=2, n_head=4)),
     "falcon": ("FalconConfig", dict(num_kv_heads=2, new_decoder_architecture=True)),
+    "mixtral": ("MixtralConfig", MOE),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(MOE, mlp_only_layers=[1],
+                                         shared_expert_intermediate_size=32)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(MOE, head_dim=8)),
+    "olmoe": ("OlmoeConfig", MOE),
     "bert": ("BertConfig", NO_DROPOUT),
     "modernbert": ("ModernBertConfig", dict(num_hidden_layers=3, global_attn_every_n_layers=2,
                                             local_attention=4, cls_token_id=1,
                                             sep_token_id=2)),
 }
 MASKED = ("bert", "modernbert")  # AutoModelForMaskedLM; the others AutoModelForCausalLM
-# model_type -> what its stack's fallback to autograd says, where it may fall back: Falcon's
+# model_type -> what its stacks' fallback to autograd says, where they may fall back: Falcon's
 # attention makes a tensor from Python values; 5.0's GPT-J attention holds its rotary table as
-# a buffer (later releases compute it once in the model, and GPT-J traces there)
-FALLS_BACK = {"falcon": "makes a tensor from Python values", "gptj": "attn has buffers"}
+# a buffer (later releases compute it once in the model, and GPT-J traces there); the MoE
+# families' experts in fp32
+FALLS_BACK = {"falcon": "makes a tensor from Python values", "gptj": "attn has buffers",
+              # torch's fake kernel for the experts' grouped matmul takes bf16 only
+              **dict.fromkeys(("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"),
+                              "Expected inputs of BF16")}
 
 
 def build(family: str):
@@ -170,6 +183,30 @@ def test_an_unlisted_decoder_is_refused_by_name():
                                         r".*llama \(\.\.\.ForCausalLM\), .*\); pass layers=.*"
                                         r"'A model without a built-in adapter'"):
         adapter_for(module)
+
+
+def bf16_moe_ranks(rank, world):
+    """Mixtral in bf16 (the common training dtype, whose fake grouped matmul kernel exists):
+    its layers trace, and the traced step equals the untraced one bit for bit."""
+    model, params = fz3.shard(build("mixtral"),
+                              precision=fz3.Precision(param_dtype=torch.bfloat16))
+    b = batch(rank)
+    got = []
+    for trace in (True, False):
+        step = fz3.value_and_grad(model, trace=trace)
+        got.append(step(params, b))
+        if trace:
+            assert step.traced.failed == {}, step.traced.failed
+    (loss, grads), (want_loss, want) = got
+    assert torch.equal(loss, want_loss)
+    assert all(torch.equal(a, w) for a, w in zip(grads.parts, want.parts))
+    return "ok"
+
+
+def test_an_moe_layer_traces_in_bf16_and_equals_untraced():
+    if build("mixtral") is None:
+        pytest.skip("the installed transformers has no mixtral")
+    assert dist.run(2, bf16_moe_ranks, timeout=300) == ["ok"] * 2
 
 
 # model_type -> LoRA targets (its attention's query and value projections, as PEFT's own
@@ -319,6 +356,9 @@ def test_configs_fz3_cannot_follow_are_refused_by_name():
     refused = {
         "opt": (dict(layerdrop=0.1), r"OPT's layerdrop=0\.1 skips random layers"),
         "falcon": (dict(alibi=True), r"Falcon with config\.alibi=True .* pass layers="),
+        "mixtral": (dict(output_router_logits=True),
+                    r"mixtral with config\.output_router_logits=True adds the router's "
+                    r"load-balancing loss.*set config\.output_router_logits = False"),
         "modernbert": (dict(sparse_prediction=True),
                        r"ModernBERT with config\.sparse_prediction=True"),
     }

@@ -92,6 +92,7 @@ def _typed_for(module: nn.Module) -> Adapter | None:
     family = decoders.FAMILIES.get(model_type)
     if family is not None and name.endswith("ForCausalLM"):
         _check_release()
+        _refuse(name, decoders.check(family, module))
         return make(name, "model.layers", partial(decoders.pre, family),
                     partial(decoders.post, family), decoders.layer,
                     partial(decoders.logits, family))
@@ -99,11 +100,14 @@ def _typed_for(module: nn.Module) -> Adapter | None:
     if typed is None or not name.endswith(typed.head):
         return None
     _check_release()
-    why = typed.check(module)
-    if why is not None:
-        raise ValueError(f"fz3's built-in adapter for {name}: {why}")
+    _refuse(name, typed.check(module))
     return make(name, typed.layers, typed.pre, partial(causal.post, typed), typed.layer,
                 typed.logits, shifted=typed.head != "ForMaskedLM", assign=typed.assign(module))
+
+
+def _refuse(name: str, why: str | None) -> None:
+    if why is not None:
+        raise ValueError(f"fz3's built-in adapter for {name}: {why}")
 
 
 def _check_release() -> None:

@@ -12,7 +12,12 @@ differs is written per family (``FAMILIES``):
   (``config.layer_types[layer_idx]``, as the model's loop does);
 - the rotary tables: one pair, or one per layer type (Gemma3);
 - the embedding's multiplier (Granite; Gemma's sqrt(hidden) where the release applies it in
-  the model's forward) and the logits' scaling (Granite) or soft-capping (Gemma2, Gemma3).
+  the model's forward) and the logits' scaling (Granite) or soft-capping (Gemma2, Gemma3);
+- mixture-of-experts layers (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): run as any layer, their
+  experts sharded like other weights (Qwen2-MoE's ``mlp_only_layers`` make layers of two
+  kinds: one stack per run of alike layers); the router's load-balancing loss
+  (``output_router_logits=True``) is refused by ``check`` until the scan can carry a
+  per-layer output to the loss.
 
 Only the listed types are used; an unlisted one is refused even when it looks like the
 template (``fz3.hf.adapters.adapter_for``).
@@ -37,6 +42,7 @@ class Family(NamedTuple):
     rotary_per_type: bool = False  # Gemma3: rotary tables per layer type
     embed: Callable[[Any, torch.Tensor], torch.Tensor] | None = None  # (base model, h) -> h
     logits: Callable[[Any, torch.Tensor], torch.Tensor] | None = None  # (config, logits)
+    router: bool = False  # mixture-of-experts layers (a router's load-balancing loss)
 
 
 def _granite_embed(base, h):
@@ -74,8 +80,23 @@ FAMILIES: dict[str, Family] = {
     "granite": Family(embed=_granite_embed, logits=_granite_logits),
     "gemma": Family(embed=_gemma_embed),
     "gemma2": Family(masks="layer_types", embed=_gemma_embed, logits=_softcap),
+    "mixtral": Family(router=True),
+    "qwen2_moe": Family(masks="layer_types", router=True),  # mlp_only_layers: two stacks
+    "qwen3_moe": Family(router=True),
+    "olmoe": Family(router=True),
     "gemma3_text": Family(masks="layer_types", rotary_per_type=True, logits=_softcap),
 }
+
+
+def check(family: Family, m: nn.Module) -> str | None:
+    """Why fz3 cannot follow this model's ``forward``, or None."""
+    if family.router and getattr(m.config, "output_router_logits", False):
+        return (f"{m.config.model_type} with config.output_router_logits=True adds the "
+                f"router's load-balancing loss, computed from every layer's router logits at "
+                f"once, which fz3's layer scan cannot hand to the loss yet: set "
+                f"config.output_router_logits = False (the loss without it, transformers' "
+                f"default)")
+    return None
 
 
 def pre(family: Family, m: nn.Module, batch: dict):

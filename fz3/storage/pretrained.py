@@ -32,9 +32,10 @@ import torch
 from torch import nn
 
 
-Rename = (
-    Callable[[str], str] | None
-)  # a module's name -> its name in the checkpoint (None: the same)
+# a module's name -> its name in the checkpoint, or the names of the tensors it is the
+# concatenation of, flattened in that order (an MoE layer's stacked experts: one tensor per
+# expert on disk); None: the same name
+Rename = Callable[[str], str | tuple[str, ...]] | None
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -50,16 +51,33 @@ class Pretrained:
         self._open: dict[str, object] = {}  # file -> safe_open handle
         self.bytes_read = 0
 
-    def find(self, names: Iterable[str], rename: Rename) -> str | None:
-        """The checkpoint's name for the first of a parameter's ``names`` it holds, or None."""
+    def find(self, names: Iterable[str], rename: Rename) -> str | tuple[str, ...] | None:
+        """The checkpoint's name (or names, concatenated) for the first of a parameter's
+        ``names`` it holds, or None."""
         for name in names:
             key = rename(name) if rename else name
-            if key in self.files:
+            if all(k in self.files for k in ((key,) if isinstance(key, str) else key)):
                 return key
         return None
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._slice(key).get_shape())
+
+    def numel(self, key: str | tuple[str, ...]) -> int:
+        keys = (key,) if isinstance(key, str) else key
+        return sum(math.prod(self.shape(k)) for k in keys)
+
+    def read_joined(self, keys: tuple[str, ...], start: int, end: int) -> torch.Tensor:
+        """Elements ``[start, end)`` of the concatenation of tensors ``keys`` flattened: only
+        the rows of each that cover them are read."""
+        out, offset = [], 0
+        for key in keys:
+            n = math.prod(self.shape(key))
+            lo, hi = max(start, offset), min(end, offset + n)
+            if lo < hi:
+                out.append(self.read(key, lo - offset, hi - offset))
+            offset += n
+        return torch.cat(out) if len(out) != 1 else out[0]
 
     def read(self, key: str, start: int, end: int) -> torch.Tensor:
         """Elements ``[start, end)`` of tensor ``key`` flattened, (end - start,): only the rows
@@ -110,6 +128,14 @@ def piece(source: Pretrained, rename: Rename, part, row: int, slot, param: torch
     names, shape, start, end = ([part.prefix(row) + n for n in slot.names], slot.shape,
                                 elements.start, elements.stop)
     key = source.find(names, rename)
+    if isinstance(key, tuple):
+        if source.numel(key) != math.prod(shape):
+            raise ValueError(
+                f"checkpoint {source.folder} holds {names[0]} as {len(key)} tensors "
+                f"({key[0]}, ...) of {source.numel(key)} elements in all; the module's is "
+                f"{list(shape)}: build the module from the checkpoint's config"
+            )
+        return source.read_joined(key, start, end)
     if key is not None:
         if source.shape(key) != tuple(shape):
             raise ValueError(
