@@ -7,9 +7,8 @@ assign=None, group=None, mesh=None, device=None, precision=Precision(), weights=
 timeout=120)``, its arguments:
 
 - module: an unchanged ``nn.Module``; it is not modified (``del`` it to free its memory).
-  With none of layers/pre/post given, a built-in adapter is used (Hugging Face
-  ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``RobertaForMaskedLM``, and the decoders of
-  ``fz3.hf.decoders.FAMILIES``: see ``fz3.hf``).
+  With none of layers/pre/post given, a built-in adapter is used (Hugging Face models, by
+  ``config.model_type`` and head: ``fz3.hf.adapters``).
 - layers: dotted path of an ``nn.ModuleList`` of layers, or a list of them in compute order.
   Consecutive structurally identical layers are stacked and scanned; a list of layers of
   several kinds (``[A, A, B, B, B]``) becomes one stack per run.
@@ -25,7 +24,8 @@ timeout=120)``, its arguments:
 - call_layer: how to call one layer, ``call_layer(layer, h, *extra) -> h``; default
   ``layer(h, *extra)`` (pass one for layers that return tuples).
 - assign: ``{name prefix: "pre" | "post" | "between.i"}`` for parameters whose registration
-  order does not say which function uses them.
+  order does not say which function uses them; added to a built-in adapter's own (OPT's final
+  norm).
 - group, mesh: the sharding group (default: the default process group). A 1-D
   ``DeviceMesh`` names it; a 2-D mesh ``(replicate, shard)`` gives hybrid sharding:
   parameters are sharded inside each row (dim 1) and replicated across rows (dim 0);
@@ -37,7 +37,9 @@ timeout=120)``, its arguments:
   index), or a ``fz3.Pretrained`` of one (it counts the bytes read): each parameter it holds
   is read from it, only the slices this rank owns, so ``module`` may be built on the meta
   device; meta buffers are read or computed too (``fz3/storage/pretrained.py``). A PEFT
-  model's base weights are found under the base model's names.
+  model's base weights are found under the base model's names, a weight the release renames
+  on load under the checkpoint's, and stacked MoE experts from their per-expert tensors
+  (``fz3/hf/checkpoint_names.py``).
 - timeout: seconds a rank waits in one of the model's collectives (gloo) before it looks for
   ranks that never entered the step call, and names them (``fz3.CollectiveMismatchError``);
   see ``fz3/comm/collectives.py``.

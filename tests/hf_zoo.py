@@ -1,6 +1,6 @@
 """The whole Hugging Face matrix, opt-in (``.ci/hf-zoo``; not collected by the README's test
 command, whose ``tests/test_hf_families.py`` runs each family once and fine-tunes one per
-group): for every family of ``test_hf_families.FAMILIES``, at world size 2 against plain HF
+group): for every family of ``hf_families.FAMILIES``, at world size 2 against plain HF
 (fp32, rtol 1e-5 / atol 1e-6): the default policy (traced), ``save`` and ``trace=False``;
 ``weights=`` from a ``save_pretrained`` folder (bitwise); ``fz3.export`` read back by
 ``from_pretrained`` with its logits equal to ``fz3.apply(..., output="logits")`` (bitwise);
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 import dist
-from test_hf_families import EVERY_STEP, FAMILIES, build, finetune_ranks, save_families
+from hf_families import EVERY_STEP, FAMILIES, build, finetune_ranks, save_families
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -5,12 +5,11 @@ that names what is wrong and what the adapter expects."""
 from __future__ import annotations
 
 import collections
+import functools
 import re
 
 import pytest
 import torch
-
-import functools
 
 from fz3.hf.adapters import adapter_for
 

@@ -28,7 +28,7 @@ from functools import partial
 from torch import nn
 
 from . import causal, compat, decoders, encoders, peft_models
-from .protocol import Adapter, make
+from .protocol import Adapter, make, post
 
 # model_type -> its family, besides the template decoders' (decoders.FAMILIES, ...ForCausalLM)
 TYPED = {**causal.FAMILIES, **encoders.FAMILIES}
@@ -38,7 +38,8 @@ ATTENTION = ("eager", "sdpa")
 
 
 def adapter_for(module: nn.Module) -> Adapter:
-    """The built-in adapter for ``module``'s class, or a TypeError naming the fix; ImportError
+    """The built-in adapter for ``module`` (by ``config.model_type`` and the ending of its
+    class name), or a TypeError naming the fix; ImportError
     when the installed transformers is outside ``compat.RANGE``; ValueError for a config the
     adapter cannot follow (an attention implementation, a family's refused setting). A PEFT
     wrapper (``get_peft_model(model, ...)``) gets its inner model's adapter, seen through the
@@ -76,6 +77,7 @@ def check_attention(module: nn.Module) -> None:
     """A ValueError unless the model's attention implementation is one whose masks the
     adapters build as the model does."""
     config = getattr(module, "config", None)
+    # transformers has no public accessor for the implementation a model resolved to
     kind = getattr(config, "_attn_implementation", None)
     if kind is not None and kind not in ATTENTION:
         raise ValueError(f"{type(module).__name__} uses attn_implementation={kind!r}; fz3's "
@@ -101,8 +103,8 @@ def _typed_for(module: nn.Module) -> Adapter | None:
         return None
     _check_release()
     _refuse(name, typed.check(module))
-    return make(name, typed.layers, typed.pre, partial(causal.post, typed), typed.layer,
-                typed.logits, shifted=typed.head != "ForMaskedLM", assign=typed.assign(module))
+    return make(name, typed.layers, typed.pre, partial(post, typed), typed.layer, typed.logits,
+                shifted=typed.shifted, assign=typed.assign(module))
 
 
 def _refuse(name: str, why: str | None) -> None:

@@ -13,39 +13,17 @@ before any collective: OPT's layer drop in training (fz3 runs every layer), Falc
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Mapping
 
 import torch
 from torch import nn
 
 from . import compat
-
-
-class Family(NamedTuple):
-    """One family's adapter, as functions of the model with the head (``encoders.py`` uses it
-    too)."""
-
-    layers: str  # the stack's path in the model with the head
-    pre: Callable[..., Any]  # (m, batch) -> (h, *extras)
-    layer: Callable[..., torch.Tensor]  # (block, h, *extras) -> h
-    logits: Callable[..., torch.Tensor]  # (m, h, batch) -> (B, T, V)
-    # (m, h, batch) -> the loss the model's own forward computes; None: its loss_function on
-    # the logits and labels (``post``)
-    loss: Callable[..., torch.Tensor] | None = None
-    assign: Callable[[nn.Module], Mapping[str, str]] = lambda m: {}
-    check: Callable[[nn.Module], str | None] = lambda m: None  # why fz3 cannot follow it
-    head: str = "ForCausalLM"  # how the class name of the model with the head ends
+from .protocol import TypedFamily as Family
 
 
 def _positions(ids: torch.Tensor) -> torch.Tensor:
     return torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
-
-
-def post(family: Family, m: nn.Module, h: torch.Tensor, batch: dict) -> torch.Tensor:
-    if family.loss is not None:
-        return family.loss(m, h, batch)
-    return m.loss_function(logits=family.logits(m, h, batch), labels=batch["labels"],
-                           vocab_size=m.config.vocab_size)
 
 
 # GPT-2: wte (tied to lm_head) + wpe, a causal mask, transformer.h, ln_f, lm_head.
@@ -151,10 +129,6 @@ def _bloom_layer(block: nn.Module, h: torch.Tensor, mask, alibi) -> torch.Tensor
     return compat.call_block(block, h, attention_mask=mask, alibi=alibi)
 
 
-def _bloom_logits(m: nn.Module, h: torch.Tensor, batch: dict) -> torch.Tensor:
-    return m.lm_head(m.transformer.ln_f(h))
-
-
 # Falcon (rotary): word_embeddings, a causal mask always made, rotary tables once,
 # transformer.h, ln_f, lm_head.
 def _falcon_pre(m: nn.Module, batch: dict):
@@ -187,7 +161,7 @@ FAMILIES: dict[str, Family] = {
                    _rotary_layer, _ln_f_logits),
     "opt": Family("model.decoder.layers", _opt_pre, _opt_layer, _opt_logits,
                   assign=_opt_assign, check=_opt_check),
-    "bloom": Family("transformer.h", _bloom_pre, _bloom_layer, _bloom_logits),
+    "bloom": Family("transformer.h", _bloom_pre, _bloom_layer, _ln_f_logits),
     "falcon": Family("transformer.h", _falcon_pre, _falcon_layer, _ln_f_logits,
                      check=_falcon_check),
 }

@@ -54,13 +54,16 @@ def _experts(name: str, held: frozenset[str]) -> tuple[str, ...] | None:
     head, _, leaf = name.rpartition(".")
     if not head.endswith("experts") or leaf not in EXPERTS:
         return None
-    for names in EXPERTS[leaf]:
-        found, e = [], 0
-        while all(f"{head}.{e}.{n}.weight" in held for n in names):
-            found += [f"{head}.{e}.{n}.weight" for n in names]
-            e += 1
-        if found:
-            return tuple(found)
+    # Mixtral's experts keep their old module name on disk, which 5.24's loader renames first
+    # and 5.0's merges under directly
+    for where in (head, head.replace(".mlp.experts", ".block_sparse_moe.experts")):
+        for names in EXPERTS[leaf]:
+            found, e = [], 0
+            while all(f"{where}.{e}.{n}.weight" in held for n in names):
+                found += [f"{where}.{e}.{n}.weight" for n in names]
+                e += 1
+            if found:
+                return tuple(found)
     return None
 
 

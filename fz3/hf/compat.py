@@ -20,6 +20,12 @@ release     create_causal_mask takes                    create_bidirectional_mas
 Each helper below reads the signature it finds and passes each value under the name that
 release uses (``_ALIASES``); a required argument it does not know, or a value it needs that the
 release takes under no known name, raises an error naming the release and the supported range.
+
+The models older than the Llama template changed more within 5.x: in 5.0, GPT-J, OPT, BLOOM
+and Falcon build their masks with their own ``_update_causal_mask`` (``own_causal_mask`` calls
+it the same way), and their blocks take other arguments (``call_block`` passes each value
+under a name the block takes; 5.0's GPT-J block makes its own rotary tables).
+``bidirectional_sliding_window_mask`` is ModernBERT's local layers' builder (5.24).
 """
 
 from __future__ import annotations
@@ -64,16 +70,21 @@ def check_version(version: str) -> None:
 
 
 def causal_mask(config: Any, embeds: torch.Tensor, attention_mask: torch.Tensor | None,
-                position_ids: torch.Tensor | None) -> Any:
+                position_ids: torch.Tensor | None, *, skip_causal: bool = True) -> Any:
     """``create_causal_mask`` for a whole sequence, no KV cache. ``embeds`` (B, T, d) gives the
     batch, length and dtype; ``attention_mask`` (B, T) 1 = token, 0 = padding. Returns what the
-    release's attention layers take: a (B, 1, T, T) mask, or None where ``is_causal`` suffices."""
+    release's attention layers take: a (B, 1, T, T) mask, or None where ``is_causal`` suffices
+    (``skip_causal=False``: a mask even then, Falcon's ``allow_is_causal_skip=False``)."""
     from transformers.masking_utils import create_causal_mask
 
     seq = torch.arange(embeds.shape[1], device=embeds.device)  # cache_position, where asked for
     values = dict(config=config, embeds=embeds, attention_mask=attention_mask, cache=None,
                   cache_position=seq, position_ids=position_ids)
-    return call_by_name(create_causal_mask, values, needs=_NEEDS)
+    needs = _NEEDS
+    if not skip_causal:
+        values["allow_is_causal_skip"] = False
+        needs += ("allow_is_causal_skip",)
+    return call_by_name(create_causal_mask, values, needs=needs)
 
 
 def own_causal_mask(model: Any, embeds: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -82,25 +93,20 @@ def own_causal_mask(model: Any, embeds: torch.Tensor, attention_mask: torch.Tens
     """The causal mask a base model's own ``forward`` builds: its ``_update_causal_mask`` where
     its release still has one (StableLM, GPT-J, OPT, BLOOM, Falcon in 5.0), else
     ``causal_mask``. ``fill``: the old builder is given an all-ones mask where none is (as
-    OPT's and BLOOM's 5.0 forwards do before building); ``skip_causal=False``: a mask is made
-    even where ``is_causal`` would do (Falcon's ``allow_is_causal_skip=False``)."""
-    legacy = getattr(model, "_update_causal_mask", None)
-    seq = torch.arange(embeds.shape[1], device=embeds.device)
+    OPT's and BLOOM's 5.0 forwards do before building); ``skip_causal``: as for
+    ``causal_mask``."""
+    legacy = getattr(type(model), "_update_causal_mask", None)
     if legacy is None:
-        values = dict(config=model.config, embeds=embeds, attention_mask=attention_mask,
-                      cache=None, cache_position=seq, position_ids=position_ids)
-        needs = _NEEDS
-        if not skip_causal:
-            values["allow_is_causal_skip"] = False
-            needs += ("allow_is_causal_skip",)
-        from transformers.masking_utils import create_causal_mask
-
-        return call_by_name(create_causal_mask, values, needs=needs)
+        return causal_mask(model.config, embeds, attention_mask, position_ids,
+                           skip_causal=skip_causal)
     if fill and attention_mask is None:
         attention_mask = torch.ones(embeds.shape[:2], device=embeds.device)
+    seq = torch.arange(embeds.shape[1], device=embeds.device)
     values = dict(embeds=embeds, attention_mask=attention_mask, cache=None, cache_position=seq,
                   output_attentions=False, alibi=None)
-    return call_by_name(legacy, values, needs=("embeds", "attention_mask"))
+    # the signature read once per class (a bound method per model would keep every model)
+    names = _names(legacy, ("embeds", "attention_mask"), tuple(values))
+    return legacy(model, **{name: values[meaning] for name, meaning in names})
 
 
 def call_block(block: Any, h: torch.Tensor, **values: Any) -> torch.Tensor:
@@ -178,8 +184,8 @@ def _names(fn: Callable[..., Any], needs: tuple[str, ...],
     meanings: read once per function (a signature costs ~10 us, and ``pre`` runs every step)."""
     known, unknown = [], []
     for name, param in inspect.signature(fn).parameters.items():
-        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            continue
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) or name == "self":
+            continue  # (self: a method, read from its class)
         if _ALIASES.get(name) in given:
             known.append((name, _ALIASES[name]))
         elif param.default is param.empty:

@@ -20,7 +20,10 @@ import torch
 from torch import nn
 
 from . import compat
-from .causal import Family
+from .protocol import TypedFamily as Family
+
+
+MASKED_LM = dict(head="ForMaskedLM", shifted=False)  # ...ForMaskedLM, unshifted labels
 
 
 # BERT (BertForMaskedLM) and RoBERTa: embeddings (RoBERTa's position ids skip padding_idx
@@ -63,7 +66,8 @@ def _modernbert_pre(m: nn.Module, batch: dict):
     types = sorted(set(config.layer_types))
     legacy = getattr(base, "_update_attention_mask", None)
     if legacy is not None:  # 5.0: both masks from the model, computed before the embeddings
-        filled = given if given is not None else torch.ones(ids.shape, dtype=torch.bool)
+        filled = given if given is not None else torch.ones(ids.shape, dtype=torch.bool,
+                                                              device=ids.device)
         masks = legacy(filled, output_attentions=False)
     h = base.embeddings(input_ids=ids)
     if legacy is None:
@@ -101,9 +105,9 @@ def _modernbert_loss(m: nn.Module, h: torch.Tensor, batch: dict) -> torch.Tensor
 
 FAMILIES: dict[str, Family] = {
     "bert": Family("bert.encoder.layer", _bert_pre, _bert_layer, _bert_logits,
-                   loss=partial(_masked_lm_loss, _bert_logits), head="ForMaskedLM"),
+                   loss=partial(_masked_lm_loss, _bert_logits), **MASKED_LM),
     "roberta": Family("roberta.encoder.layer", _bert_pre, _bert_layer, _roberta_logits,
-                      loss=partial(_masked_lm_loss, _roberta_logits), head="ForMaskedLM"),
+                      loss=partial(_masked_lm_loss, _roberta_logits), **MASKED_LM),
     "modernbert": Family("model.layers", _modernbert_pre, _modernbert_layer, _modernbert_logits,
-                         loss=_modernbert_loss, check=_modernbert_check, head="ForMaskedLM"),
+                         loss=_modernbert_loss, check=_modernbert_check, **MASKED_LM),
 }

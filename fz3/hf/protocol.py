@@ -1,6 +1,7 @@
-"""What a built-in Hugging Face adapter is (``Adapter``), and how one is made for a model class
-(``make``): shared by ``adapters.py`` and the per-family files (``decoders.py``, ``causal.py``,
-``encoders.py``)."""
+"""What a built-in Hugging Face adapter is (``Adapter``, made by ``make``), and what
+``causal.py`` and ``encoders.py`` write per family (``TypedFamily``, turned into an
+``Adapter`` by ``adapters.py``; the template decoders' own ``decoders.Family`` says what
+differs from one shared adapter)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from functools import partial
 from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
+from torch import nn
 
 from .batch import check_batch
 
@@ -32,3 +34,28 @@ def make(name: str, layers: str, pre, post, layer, logits, shifted: bool = True,
     """The adapter of model class ``name``; ``shifted``: its labels are a causal LM's."""
     return Adapter(layers, pre, post, layer, partial(check_batch, name, shifted=shifted), logits,
                    dict(assign or {}))
+
+
+class TypedFamily(NamedTuple):
+    """One family's adapter, as functions of the model with the head (``causal.py``,
+    ``encoders.py``)."""
+
+    layers: str  # the stack's path in the model with the head
+    pre: Callable[..., Any]  # (m, batch) -> (h, *extras)
+    layer: Callable[..., torch.Tensor]  # (block, h, *extras) -> h
+    logits: Callable[..., torch.Tensor]  # (m, h, batch) -> (B, T, V)
+    # (m, h, batch) -> the loss the model's own forward computes; None: its loss_function on
+    # the logits and labels (``post``)
+    loss: Callable[..., torch.Tensor] | None = None
+    assign: Callable[[nn.Module], Mapping[str, str]] = lambda m: {}
+    check: Callable[[nn.Module], str | None] = lambda m: None  # why fz3 cannot follow it
+    head: str = "ForCausalLM"  # how the class name of the model with the head ends
+    shifted: bool = True  # its labels are a causal LM's (False: masked LM's)
+
+
+def post(family: TypedFamily, m: nn.Module, h: torch.Tensor, batch: dict) -> torch.Tensor:
+    """The loss of ``family``'s model: its own (``loss``), or its ``loss_function``."""
+    if family.loss is not None:
+        return family.loss(m, h, batch)
+    return m.loss_function(logits=family.logits(m, h, batch), labels=batch["labels"],
+                           vocab_size=m.config.vocab_size)

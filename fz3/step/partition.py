@@ -1,8 +1,9 @@
 """Where a layer's joint graph is cut into a forward and a backward program: by dataflow.
 
 - forward: the ancestors of the layer's output ``h``, with any op that writes into one of
-  them (or a view of one) or draws random numbers, as eager autograd runs them, and the
-  ``getitem``s picking the outputs of those ops;
+  them (or a view of one) or draws random numbers, as eager autograd runs them, every op the
+  trace ran before the forward's last such write (autograd's copies of an in-place op's
+  input), and the ``getitem``s picking the outputs of those ops;
 - backward: the rest: what depends on the cotangent ``g``, and the parts of derivative
   formulas that need no cotangent (``pow``'s ``2 * x``, ``rsqrt``'s ``-0.5 * y**3``), which
   autograd too computes in backward from what it saved; also the views of the parameter rows
@@ -133,14 +134,16 @@ def recomputable(joint: fx.Graph, forward_side: set[fx.Node], keep: frozenset[st
 def _forward_side(joint: fx.Graph, out: fx.Node, g: fx.Node) -> set[fx.Node]:
     """What the forward computes: the ancestors of the layer's output, with every op that
     writes into one of them or draws random numbers (where eager autograd runs them, in the
-    forward), and their ancestors. The rest of the joint graph is the backward's, so a part
-    of a derivative formula that needs no cotangent (``pow``'s ``2 * x``) is computed there
-    from what the forward keeps, as autograd does, instead of being kept itself."""
+    forward), their ancestors, and every op before the last such write. The rest of the joint
+    graph is the backward's, so a part of a derivative formula that needs no cotangent
+    (``pow``'s ``2 * x``) is computed there from what the forward keeps, as autograd does,
+    instead of being kept itself."""
     side = _ancestors([out], stop=lambda m: False)
     depends_on_g = {g}
     for node in joint.nodes:
         if any(a in depends_on_g for a in node.all_input_nodes):
             depends_on_g.add(node)
+    order = list(joint.nodes)
     grew = True
     while grew:
         grew = False
@@ -150,16 +153,17 @@ def _forward_side(joint: fx.Graph, out: fx.Node, g: fx.Node) -> set[fx.Node]:
             if _writes_into(node, side) or _draws_random(node):
                 side |= _ancestors([node], stop=lambda m: False)
                 grew = True
-    # A value read before an op writes into it is read as it was: what the trace ran before
-    # the forward's last write (autograd's copy of an in-place op's input for its derivative:
-    # ``div_``'s original ``self``, cloned before the write) runs there, in the forward, as
-    # eager runs it; in the backward it would read the written value (MoE routers normalise
-    # their top-k weights in place: their gradient was wrong in the backward program)
-    order = list(joint.nodes)
-    writes = [i for i, n in enumerate(order) if n in side and written_args(n)]
-    if writes:
-        side |= {n for n in order[:writes[-1]]
-                 if n.op == "call_function" and n not in depends_on_g}
+        # A value read before an op writes into it is read as it was: what the trace ran
+        # before the forward's last write (autograd's copy of an in-place op's input for its
+        # derivative: ``div_``'s original ``self``, cloned before the write) runs there, in the
+        # forward, as eager runs it; in the backward it would read the written value (MoE
+        # routers normalise their top-k weights in place: their gradient was wrong)
+        writes = [i for i, n in enumerate(order) if n in side and written_args(n)]
+        before = {n for n in order[:writes[-1]] if n.op == "call_function"
+                  and n not in depends_on_g} if writes else set()
+        if not before <= side:
+            side |= before
+            grew = True
     # an output of a forward op with several (layer norm's mean and rstd): picked out where
     # the op runs, so a residual is always a tensor, never the op's whole tuple
     side |= {n for n in joint.nodes if n.target is operator.getitem and n.args[0] in side

@@ -129,11 +129,17 @@ def piece(source: Pretrained, rename: Rename, part, row: int, slot, param: torch
                                 elements.start, elements.stop)
     key = source.find(names, rename)
     if isinstance(key, tuple):
-        if source.numel(key) != math.prod(shape):
+        # one tensor per expert (E, or E pairs), each of the stacked tensor's (rows, ...) split
+        # evenly between a pair: (E, 2I, H) from E pairs of (I, H)
+        per = len(key) // shape[0] if shape and len(key) % shape[0] == 0 else 0
+        want = None if not per or shape[1] % per else (shape[1] // per, *shape[2:])
+        got = [source.shape(k) for k in key]
+        if want is None or any(g != want for g in got):
             raise ValueError(
-                f"checkpoint {source.folder} holds {names[0]} as {len(key)} tensors "
-                f"({key[0]}, ...) of {source.numel(key)} elements in all; the module's is "
-                f"{list(shape)}: build the module from the checkpoint's config"
+                f"checkpoint {source.folder} holds {names[0]} as {len(key)} tensors ({key[0]} "
+                f"{list(got[0])}, ...); the module's is {list(shape)}, which fz3 reads from "
+                f"per-expert tensors of shape {want and list(want)}: build the module from the "
+                f"checkpoint's config"
             )
         return source.read_joined(key, start, end)
     if key is not None:
@@ -169,6 +175,9 @@ def materialize_buffers(
                 continue
             full = f"{module_name}.{name}" if module_name else name
             key = source.find([full], rename)
+            if isinstance(key, tuple):  # only stacked experts are joined, never a buffer
+                raise ValueError(f"buffer {full} would be read from {len(key)} tensors of "
+                                 f"checkpoint {source.folder}: fz3 joins parameters only")
             if key is not None:
                 setattr(
                     module,
