@@ -30,8 +30,8 @@ from torch import nn
 from . import causal, compat, decoders, encoders, peft_models
 from .protocol import Adapter, make, post
 
-# model_type -> its family, besides the template decoders' (decoders.FAMILIES, ...ForCausalLM)
-TYPED = {**causal.FAMILIES, **encoders.FAMILIES}
+# model_type -> its family: the template decoders', the older causal LMs', the encoders'
+TYPED = {**decoders.TYPED, **causal.FAMILIES, **encoders.FAMILIES}
 # attention implementations whose masks the adapters build as the models do (flash attention
 # unpads or takes no 4-d mask, flex attention takes a BlockMask)
 ATTENTION = ("eager", "sdpa")
@@ -47,9 +47,10 @@ def adapter_for(module: nn.Module) -> Adapter:
     wrapped = peft_models.inner_model(module)
     if wrapped is not None:
         inner, path = wrapped
-        if _typed_for(inner) is None:
+        found = _typed_for(inner)
+        if found is None:
             raise TypeError(peft_models.no_adapter_message(module, inner, path, supported()))
-        found = adapter_for(inner)
+        check_attention(inner)
         layers, pre, post = peft_models.through(path, found.layers, found.pre, found.post)
         return found._replace(layers=layers, pre=pre, post=post,
                               logits=peft_models.through_head(path, found.logits),
@@ -68,9 +69,7 @@ def adapter_for(module: nn.Module) -> Adapter:
 
 def supported() -> list[str]:
     """The built-in adapters, for errors: each model type with its head's class name ending."""
-    heads = {**{t: f.head for t, f in TYPED.items()}, **dict.fromkeys(decoders.FAMILIES,
-                                                                       "ForCausalLM")}
-    return [f"{t} (...{heads[t]})" for t in sorted(heads)]
+    return [f"{t} (...{TYPED[t].head})" for t in sorted(TYPED)]
 
 
 def check_attention(module: nn.Module) -> None:
@@ -86,18 +85,10 @@ def check_attention(module: nn.Module) -> None:
 
 
 def _typed_for(module: nn.Module) -> Adapter | None:
-    """The adapter chosen by ``config.model_type`` (``decoders.py``, ``causal.py``,
-    ``encoders.py``) for a model of the listed head, else None; a ValueError where the family
-    refuses the config."""
+    """The adapter chosen by ``config.model_type`` (``TYPED``) for a model of the listed head,
+    else None; a ValueError where the family refuses the config."""
     model_type = getattr(getattr(module, "config", None), "model_type", None)
     name = type(module).__name__
-    family = decoders.FAMILIES.get(model_type)
-    if family is not None and name.endswith("ForCausalLM"):
-        _check_release()
-        _refuse(name, decoders.check(family, module))
-        return make(name, "model.layers", partial(decoders.pre, family),
-                    partial(decoders.post, family), decoders.layer,
-                    partial(decoders.logits, family))
     typed = TYPED.get(model_type)
     if typed is None or not name.endswith(typed.head):
         return None

@@ -25,12 +25,14 @@ template (``fz3.hf.adapters.adapter_for``).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import nn
 
 from . import compat
+from .protocol import TypedFamily
 
 
 class Family(NamedTuple):
@@ -142,6 +144,6 @@ def logits(family: Family, m: nn.Module, h: torch.Tensor, batch: dict) -> torch.
     return out if family.logits is None else family.logits(m.config, out)
 
 
-def post(family: Family, m: nn.Module, h: torch.Tensor, batch: dict) -> torch.Tensor:
-    return m.loss_function(logits=logits(family, m, h, batch), labels=batch["labels"],
-                           vocab_size=m.config.vocab_size)
+# model_type -> its adapter's functions, as every other family's (``adapters.TYPED``)
+TYPED = {t: TypedFamily("model.layers", partial(pre, f), layer, partial(logits, f),
+                        check=partial(check, f)) for t, f in FAMILIES.items()}

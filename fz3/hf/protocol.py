@@ -1,7 +1,7 @@
-"""What a built-in Hugging Face adapter is (``Adapter``, made by ``make``), and what
-``causal.py`` and ``encoders.py`` write per family (``TypedFamily``, turned into an
-``Adapter`` by ``adapters.py``; the template decoders' own ``decoders.Family`` says what
-differs from one shared adapter)."""
+"""What a built-in Hugging Face adapter is (``Adapter``, made by ``make``), and what each
+family file writes per family (``TypedFamily``, turned into an ``Adapter`` by ``adapters.py``:
+``causal.py`` and ``encoders.py`` directly; ``decoders.py`` from its ``Family``, what each
+template decoder does differently from the one shared adapter)."""
 
 from __future__ import annotations
 
