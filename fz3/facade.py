@@ -4,7 +4,7 @@ hands them down to ``fz3.sharding.model.build``.
 
 ``fz3.shard(module, layers=None, pre=None, post=None, *, between=(), call_layer=None,
 assign=None, group=None, mesh=None, device=None, precision=Precision(), weights=None,
-timeout=120)``, its arguments:
+timeout=120, layer_aux=None)``, its arguments:
 
 - module: an unchanged ``nn.Module``; it is not modified (``del`` it to free its memory).
   With none of layers/pre/post given, a built-in adapter is used (Hugging Face models, by
@@ -16,7 +16,7 @@ timeout=120)``, its arguments:
   registered before the first stack substituted. Each layer is called
   ``call_layer(layer, h, *extra)``.
 - post: ``post(m, h, batch) -> loss`` (a scalar), with the parameters registered after the
-  last stack.
+  last stack; with ``layer_aux``, ``post(m, h, batch, aux)``.
 - between: with several paths, one function per gap, ``between[i](m, h, batch) -> h`` or
   ``(h, *extra)`` (new extras for the next stacks), run between stack i and i+1 with the
   parameters registered between them; None (or no ``between``) passes ``h`` and the extras
@@ -40,6 +40,11 @@ timeout=120)``, its arguments:
   model's base weights are found under the base model's names, a weight the release renames
   on load under the checkpoint's, and stacked MoE experts from their per-expert tensors
   (``fz3/hf/checkpoint_names.py``).
+- layer_aux: every layer returns ``(h, aux)``, ``aux`` a small tensor of one shape per stack
+  (an MoE router's statistics): the loss (``post``, or ``value_and_grad``'s ``loss=``) is
+  called ``fn(m, h, batch, aux)`` with ``aux`` a tuple, one ``(layers, *shape)`` tensor per
+  stack in compute order, and its gradient flows back into each layer's backward. None: the
+  built-in adapter's (True for an MoE model with ``config.output_router_logits``), else False.
 - timeout: seconds a rank waits in one of the model's collectives (gloo) before it looks for
   ranks that never entered the step call, and names them (``fz3.CollectiveMismatchError``);
   see ``fz3/comm/collectives.py``.
@@ -73,25 +78,27 @@ def shard(module: nn.Module, layers: str | Sequence[str] | None = None,
           mesh: Any = None, device: torch.device | str | None = None,
           precision: Precision = Precision(),
           weights: str | os.PathLike | Pretrained | None = None,
-          timeout: float = DEFAULT_TIMEOUT_S) -> tuple[ShardedModel, Params]:
+          timeout: float = DEFAULT_TIMEOUT_S,
+          layer_aux: bool | None = None) -> tuple[ShardedModel, Params]:
     """Shard ``module`` over ``group`` or ``mesh``: returns ``(model, params)``, the static
     model and this rank's fp32 shards. The arguments: this module's docstring
     (``help(fz3.facade)``). **Collective**: every rank must call it (one small all-gather
     checks the ranks agree)."""
     check_not_wrapped(module)  # before an adapter is looked up for a wrapper's class
-    paths, pre, post, call_layer, check_batch, outputs, assigned = _functions_given(
-        module, layers, pre, post, call_layer)
+    paths, pre, post, call_layer, check_batch, outputs, assigned, layer_aux = _functions_given(
+        module, layers, pre, post, call_layer, layer_aux)
     read = None if weights is None else _checkpoint(weights, module)
     return build(module, paths, pre, post, call_layer, check_batch=check_batch, outputs=outputs,
                  between=between, assign={**assigned, **(assign or {})}, group=group,
                  mesh=mesh, device=device, precision=precision,
-                 read=read, timeout=timeout)
+                 read=read, timeout=timeout, layer_aux=layer_aux)
 
 
-def _functions_given(module: nn.Module, layers, pre, post, call_layer):
-    """``(paths, pre, post, call_layer, check_batch, outputs, assign)``: the user's, or the
-    built-in adapter's when none of layers/pre/post is given (its outputs: ``{"logits": fn}``,
-    and the ``assign=`` it needs, which the user's adds to)."""
+def _functions_given(module: nn.Module, layers, pre, post, call_layer, layer_aux):
+    """``(paths, pre, post, call_layer, check_batch, outputs, assign, layer_aux)``: the
+    user's, or the built-in adapter's when none of layers/pre/post is given (its outputs:
+    ``{"logits": fn}``, the ``assign=`` it needs, which the user's adds to, and whether its
+    layers return an aux output)."""
     check_batch, outputs, assign = None, {}, {}
     if layers is None and pre is None and post is None:
         adapter = adapter_for(module)
@@ -99,12 +106,18 @@ def _functions_given(module: nn.Module, layers, pre, post, call_layer):
         call_layer = call_layer or adapter.layer
         check_batch, outputs = adapter.check_batch, {"logits": adapter.logits}
         assign = adapter.assign
+        if layer_aux is not None and bool(layer_aux) != adapter.layer_aux:
+            raise ValueError(f"fz3.shard got layer_aux={layer_aux!r}, but the built-in adapter "
+                             f"of {type(module).__name__} has layers that return "
+                             f"{'(h, aux)' if adapter.layer_aux else 'h'} (its config decides: "
+                             f"output_router_logits for an MoE model); leave layer_aux unset")
+        layer_aux = adapter.layer_aux
     if layers is None or pre is None or post is None:
         raise TypeError("fz3.shard needs layers=, pre= and post= (or none of them, for a model "
                         "with a built-in adapter): layers='<path of the nn.ModuleList>', "
                         "pre(m, batch) -> h, post(m, h, batch) -> loss")
     paths = [layers] if isinstance(layers, str) else list(layers)
-    return paths, pre, post, call_layer, check_batch, outputs, assign
+    return paths, pre, post, call_layer, check_batch, outputs, assign, bool(layer_aux)
 
 
 def _checkpoint(weights, module: nn.Module) -> Reader:

@@ -63,11 +63,19 @@ FALLS_BACK = {"falcon": "makes a tensor from Python values", "gptj": "attn has b
                               "Expected inputs of BF16")}
 
 
-def build(family: str):
-    """The tiny model of ``family``, or None where the installed transformers lacks it."""
+# the MoE families, and their router's load-balancing loss switched on (a coefficient large
+# enough that a wrong term shows at rtol 1e-5; transformers' default is 0.001)
+ROUTED = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+ROUTER = dict(output_router_logits=True, router_aux_loss_coef=0.5)
+
+
+def build(family: str, settings: dict | None = None):
+    """The tiny model of ``family`` (``settings`` added to its config), or None where the
+    installed transformers lacks it."""
     import transformers as tf
 
     name, extra = FAMILIES[family]
+    extra = {**extra, **(settings or {})}
     config_class = getattr(tf, name, None)
     if config_class is None:
         return None
@@ -100,6 +108,48 @@ def reference(module, bs: list[dict]):
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)
                            if p.grad is not None}
+
+
+def reference_per_rank(module, bs: list[dict]):
+    """Plain HF autograd, each rank's batch on its own (the load-balancing loss is a product
+    of means over a batch's tokens, so a rank's is its own batch's, as under DDP): ``(mean
+    loss, {name: grad of the mean}, [each rank's aux_loss])``."""
+    ref = copy.deepcopy(module)
+    total, aux = 0.0, []
+    for b in bs:
+        out = ref(**b)
+        (out.loss / len(bs)).backward()
+        total += float(out.loss) / len(bs)
+        aux.append(out.aux_loss.detach())
+    return total, {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)
+                   if p.grad is not None}, aux
+
+
+def router_loss_ranks(rank, world, families=ROUTED, steps=({},)):
+    """Per MoE family with ``ROUTER``: fz3's loss and every gradient equal plain HF's (each
+    rank's own batch, ``reference_per_rank``), and ``fz3.hf.losses`` reports this rank's
+    ``aux_loss`` as HF's output does."""
+    bs = [batch(r) for r in range(world)]
+    for family in families:
+        module = build(family, ROUTER)
+        if module is None:
+            continue
+        want_loss, want, aux = reference_per_rank(module, bs)
+        model, params = fz3.shard(module)
+        assert model.layer_aux, family
+        for kw in steps:
+            loss, grads = fz3.value_and_grad(model, **kw)(params, bs[rank])
+            torch.testing.assert_close(float(loss), want_loss, rtol=1e-5, atol=1e-6,
+                                       msg=f"{family} {kw}")
+            got = fz3.full_state_dict(model, grads)
+            if rank == 0:
+                assert_close(got, want, what=f"{family} {kw}")
+        (total, terms), _ = fz3.value_and_grad(model, loss=fz3.hf.losses,
+                                               has_aux=True)(params, bs[rank])
+        torch.testing.assert_close(terms["aux_loss"], aux[rank], rtol=1e-5, atol=1e-6,
+                                   msg=family)
+        torch.testing.assert_close(float(total), want_loss, rtol=1e-5, atol=1e-6, msg=family)
+    return "ok"
 
 
 def check_traced(family: str, failed: dict) -> None:

@@ -5,7 +5,8 @@ group): for every family of ``hf_families.FAMILIES``, at world size 2 against pl
 ``weights=`` from a ``save_pretrained`` folder (bitwise); ``fz3.export`` read back by
 ``from_pretrained`` with its logits equal to ``fz3.apply(..., output="logits")`` (bitwise);
 PEFT LoRA on the attention projections against plain PEFT, and ``fz3.hf.export_peft`` read
-back by ``PeftModel.from_pretrained``. A family the installed transformers lacks is
+back by ``PeftModel.from_pretrained``; the MoE families with their router's load-balancing
+loss under every step. A family the installed transformers lacks is
 skipped, by name."""
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from __future__ import annotations
 import pytest
 
 import dist
-from hf_families import EVERY_STEP, FAMILIES, build, finetune_ranks, save_families
+from hf_families import (EVERY_STEP, FAMILIES, ROUTED, build, finetune_ranks, router_loss_ranks,
+                         save_families)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -23,3 +25,11 @@ def test_family_trains_fine_tunes_and_exports(family, tmp_path):
     save_families(tmp_path, [family])
     assert dist.run(2, finetune_ranks, str(tmp_path), [family], EVERY_STEP, True,
                     timeout=600) == ["ok"] * 2
+
+
+@pytest.mark.parametrize("family", ROUTED)
+def test_moe_family_with_the_router_loss(family):
+    """With ``output_router_logits=True``: every step of ``EVERY_STEP`` against plain HF."""
+    if build(family) is None:
+        pytest.skip(f"the installed transformers has no {family}")
+    assert dist.run(2, router_loss_ranks, (family,), EVERY_STEP, timeout=600) == ["ok"] * 2

@@ -4,7 +4,8 @@
 window), Qwen2 (sliding and full layers), Qwen3, Phi3, OLMo, OLMo2, StableLM, Granite
 (multipliers), Gemma, Gemma2 and Gemma3 (alternating layer types, soft-capping, rotary tables
 per type), the mixture-of-experts Mixtral, Qwen2-MoE (a dense layer after a sparse one: two
-stacks), Qwen3-MoE and OLMoE (without the router's loss, transformers' default), GPT-NeoX,
+stacks), Qwen3-MoE and OLMoE (without the router's loss, transformers' default; with it, each
+rank's batch its own reference), GPT-NeoX,
 GPT-J, OPT (a projection in and out), BLOOM (ALiBi), Falcon (the new decoder architecture),
 BERT and ModernBERT (global and local layers, a first layer of its own). GPT-2 and RoBERTa:
 ``tests/test_hf.py``.
@@ -27,8 +28,9 @@ import torch
 
 import dist
 import fz3
-from hf_families import (COMMON, FAMILIES, FINETUNED, MASKED, batch, build, check_traced,
-                         finetune_ranks, reference, save_families)
+from hf_families import (COMMON, FAMILIES, FINETUNED, MASKED, ROUTER, batch, build,
+                         check_traced, finetune_ranks, reference, router_loss_ranks,
+                         save_families)
 from reference import assert_close
 from test_hf import expected_version
 
@@ -92,11 +94,22 @@ def test_an_unlisted_decoder_is_refused_by_name():
         adapter_for(module)
 
 
+def test_moe_families_with_the_router_loss_equal_plain_hf():
+    """Mixtral, Qwen2-MoE (a sparse and a dense stack), Qwen3-MoE and OLMoE with
+    ``output_router_logits=True``: the loss adds the load-balancing loss, from each layer's
+    router statistics carried to the loss (``layer_aux``), equal to plain HF's at fp32 rtol
+    1e-5 / atol 1e-6 with every gradient; ``fz3.hf.losses`` reports it. The default policy
+    (these layers fall back to autograd in fp32); ``.ci/hf-zoo`` runs save and trace=False."""
+    assert dist.run(2, router_loss_ranks, timeout=300) == ["ok"] * 2
+
+
 def bf16_moe_ranks(rank, world):
-    """Mixtral in bf16 (the common training dtype, whose fake grouped matmul kernel exists):
-    its layers trace, and the traced step equals the untraced one bit for bit."""
-    model, params = fz3.shard(build("mixtral"),
+    """Mixtral in bf16 (the common training dtype, whose fake grouped matmul kernel exists),
+    with its router's load-balancing loss: its layers trace (with their aux outputs), and the
+    traced step equals the untraced one bit for bit."""
+    model, params = fz3.shard(build("mixtral", ROUTER),
                               precision=fz3.Precision(param_dtype=torch.bfloat16))
+    assert model.layer_aux
     b = batch(rank)
     got = []
     for trace in (True, False):
@@ -137,9 +150,9 @@ def test_configs_fz3_cannot_follow_are_refused_by_name():
     refused = {
         "opt": (dict(layerdrop=0.1), r"OPT's layerdrop=0\.1 skips random layers"),
         "falcon": (dict(alibi=True), r"Falcon with config\.alibi=True .* pass layers="),
-        "mixtral": (dict(output_router_logits=True),
-                    r"mixtral with config\.output_router_logits=True adds the router's "
-                    r"load-balancing loss.*set config\.output_router_logits = False"),
+        "mixtral": (dict(output_router_logits=True, router_jitter_noise=0.1),
+                    r"config\.router_jitter_noise=0\.1 with output_router_logits=True: .*set "
+                    r"config\.router_jitter_noise = 0\.0"),
         "modernbert": (dict(sparse_prediction=True),
                        r"ModernBERT with config\.sparse_prediction=True"),
     }

@@ -28,7 +28,7 @@ from functools import partial
 from torch import nn
 
 from . import causal, compat, decoders, encoders, peft_models
-from .protocol import Adapter, make, post
+from .protocol import Adapter, losses as family_losses, make, post
 
 # model_type -> its family: the template decoders', the older causal LMs', the encoders'
 TYPED = {**decoders.TYPED, **causal.FAMILIES, **encoders.FAMILIES}
@@ -54,6 +54,7 @@ def adapter_for(module: nn.Module) -> Adapter:
         layers, pre, post = peft_models.through(path, found.layers, found.pre, found.post)
         return found._replace(layers=layers, pre=pre, post=post,
                               logits=peft_models.through_head(path, found.logits),
+                              losses=peft_models.through_head(path, found.losses),
                               assign={f"{path}.{k}": v for k, v in found.assign.items()})
     name = type(module).__name__
     found = _typed_for(module)
@@ -94,8 +95,20 @@ def _typed_for(module: nn.Module) -> Adapter | None:
         return None
     _check_release()
     _refuse(name, typed.check(module))
+    typed = typed.configure(typed, module)
     return make(name, typed.layers, typed.pre, partial(post, typed), typed.layer, typed.logits,
-                shifted=typed.shifted, assign=typed.assign(module))
+                shifted=typed.shifted, assign=typed.assign(module),
+                losses=partial(family_losses, typed), layer_aux=typed.layer_aux)
+
+
+def losses(m: nn.Module, h, batch, *aux) -> tuple:
+    """``(loss, {term: value})``: the built-in adapter's loss of ``m`` and its terms
+    (``lm_loss``; and ``aux_loss``, the router's load-balancing loss before its
+    ``router_aux_loss_coef``, for an MoE model with ``config.output_router_logits``). As a
+    step's loss with ``has_aux``: ``fz3.value_and_grad(model, loss=fz3.hf.losses,
+    has_aux=True)`` returns ``((loss, terms), grads)``, the same loss and gradients as
+    ``post``'s. Local."""
+    return adapter_for(m).losses(m, h, batch, *aux)
 
 
 def _refuse(name: str, why: str | None) -> None:

@@ -37,9 +37,10 @@ def _through_pre(path: str, pre: Callable[..., Any], m: nn.Module, batch: Any) -
 
 
 def _through_post(
-    path: str, post: Callable[..., torch.Tensor], m: nn.Module, h: torch.Tensor, batch: Any
+    path: str, post: Callable[..., torch.Tensor], m: nn.Module, h: torch.Tensor, batch: Any,
+    *aux: Any
 ) -> torch.Tensor:
-    return post(m.get_submodule(path), h, batch)
+    return post(m.get_submodule(path), h, batch, *aux)
 
 
 def through(
@@ -50,8 +51,9 @@ def through(
 
 
 def through_head(path: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """An inner model's ``fn(m, h, batch)`` (post, or an output such as its logits) for the
-    wrapper whose submodule ``path`` it is."""
+    """An inner model's ``fn(m, h, batch)`` (post, or an output such as its logits;
+    ``fn(m, h, batch, aux)`` with layer aux outputs) for the wrapper whose submodule ``path``
+    it is."""
     return partial(_through_post, path, fn)
 
 

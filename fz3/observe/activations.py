@@ -66,6 +66,8 @@ def walk_parts(model: ShardedModel, batch: Any, measure: Measure) -> list[int]:
 
     inputs: list[int] = []
     h, extras = None, ()
+    # with layer_aux, each stack's aux as post takes it (its first layer's, repeated)
+    layer_aux = []
     for i, part in enumerate(model.parts):
         fn = model.functions[i]
         inputs.append(0 if h is None else h.numel() * h.element_size())
@@ -80,11 +82,17 @@ def walk_parts(model: ShardedModel, batch: Any, measure: Measure) -> list[int]:
         elif part.role is Role.STACK and part.rows:
             ex = tuple(e.detach() if isinstance(e, torch.Tensor) else e for e in extras)
             measure(i, lambda: compute.run_layers(fn[:1], [bound], x, ex, part.path, part.first,
-                                                  model.writes_input),
+                                                  model.writes_input, model.layer_aux),
                     leaves, [x], LayerInputs(trained[i], frozen[i], h, extras))
+            if model.layer_aux:
+                with torch.no_grad():
+                    a = compute.run_layers(fn[:1], [bound], h.detach(), ex, part.path,
+                                           part.first, model.writes_input, True)[1]
+                layer_aux.append(a.expand(part.rows, *a.shape[1:]))
         elif part.role is Role.POST:
-            measure(i, lambda: compute.run_loss(fn, False, bound, x, batch, "post"), leaves, [x],
-                    None)
+            given = tuple(layer_aux) if model.layer_aux else None
+            measure(i, lambda: compute.run_loss(fn, False, bound, x, batch, "post", given),
+                    leaves, [x], None)
         h = None if h is None else h.detach()
     return inputs
 
@@ -161,25 +169,32 @@ def traced_sizes(traced: TracedLayers, i: int, layer: LayerInputs,
         programs.inference(*inputs)
     forward = live.peak
     with torch.no_grad(), LiveBytes() as live:
-        out, *residuals = programs.forward(*inputs)
+        outs = programs.forward(*inputs)
+        out, residuals = outs[0], list(outs[programs.outputs:])
+        del outs
         kept = live.mark()
         # the executor holds the cotangent (the step's, for its frame) through the backward,
         # and hands the residuals over in the list alone (freed inside after their last use)
         g = torch.ones_like(out)
-        box = [*params, *residuals, g]
+        seeds = [g] if programs.aux is None else [g, torch.ones(programs.aux[0],
+                                                                dtype=programs.aux[1],
+                                                                device=g.device)]
+        box = [*params, *residuals, *seeds]
         del residuals
         programs.backward(box)
-    return forward, residual_bytes(programs.graphs[0], len(params)), kept, live.peak
+    return (forward, residual_bytes(programs.graphs[0], len(params), programs.outputs), kept,
+            live.peak)
 
 
-def residual_bytes(forward: torch.fx.Graph, params: int) -> int:
-    """The bytes of a forward program's residuals (its outputs after h), from the trace's fake
-    values: each storage once, the first ``params`` inputs' (parameter rows) excluded."""
+def residual_bytes(forward: torch.fx.Graph, params: int, outputs: int = 1) -> int:
+    """The bytes of a forward program's residuals (its outputs after h, and after its aux
+    output if ``outputs`` is 2), from the trace's fake values: each storage once, the first
+    ``params`` inputs' (parameter rows) excluded."""
     places = [n for n in forward.nodes if n.op == "placeholder"]
     rows = {StorageWeakRef(n.meta["val"].untyped_storage()) for n in places[:params]}
     out = next(n for n in forward.nodes if n.op == "output")
     seen: dict[StorageWeakRef, int] = {}
-    for node in out.args[0][1:]:
+    for node in out.args[0][outputs:]:
         storage = node.meta["val"].untyped_storage()
         key = StorageWeakRef(storage)
         if key not in rows:

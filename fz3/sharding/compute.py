@@ -102,10 +102,12 @@ def run_stage(binding: Binding, tensors: Sequence[torch.Tensor], args: tuple,
 
 
 def run_loss(binding: Binding, has_aux: bool, tensors: Sequence[torch.Tensor], h: torch.Tensor,
-             batch: Any, name: str) -> tuple[torch.Tensor, Any]:
-    """``(loss, aux)``: ``fn(m, h, batch)`` returns the scalar loss, or ``(loss, aux)`` when
+             batch: Any, name: str, layer_aux: tuple | None = None) -> tuple[torch.Tensor, Any]:
+    """``(loss, aux)``: ``fn(m, h, batch)`` (``fn(m, h, batch, layer_aux)`` when the layers
+    return aux outputs: one tensor per stack) returns the scalar loss, or ``(loss, aux)`` when
     ``has_aux``; ``aux`` is None without it."""
-    out = call(binding, tensors, (h, batch), name)
+    args = (h, batch) if layer_aux is None else (h, batch, layer_aux)
+    out = call(binding, tensors, args, name)
     if has_aux:
         if not (isinstance(out, tuple) and len(out) == 2):
             raise TypeError(f"{name} was given with has_aux=True and must return (loss, aux), got "
@@ -120,7 +122,7 @@ def run_loss(binding: Binding, has_aux: bool, tensors: Sequence[torch.Tensor], h
                         f"{type(out).__name__}{shape}{hint}")
     if out.is_meta:
         raise _outside_part(name, "its loss is on the meta device",
-                            read_outside(binding, tensors, (h, batch)))
+                            read_outside(binding, tensors, args))
     return out.reshape(()), aux
 
 
@@ -137,18 +139,55 @@ class LayerName(NamedTuple):
 
 def run_layers(bindings: Sequence[Binding], rows: Sequence[Sequence[torch.Tensor]],
                h: torch.Tensor, extras: Extras, path: str, first: int,
-               writes: dict) -> torch.Tensor:
-    """Run consecutive layers (one binding and one tensor list each) on ``h``; they are layers
-    ``first, first + 1, ...`` of the stack at ``path`` (for error messages). The first is
-    ``guarded`` by ``writes``: the later ones' inputs are the earlier ones' outputs."""
+               writes: dict, aux: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(h, aux)``: consecutive layers (one binding and one tensor list each) run on ``h``;
+    they are layers ``first, first + 1, ...`` of the stack at ``path`` (for error messages).
+    The first is ``guarded`` by ``writes``: the later ones' inputs are the earlier ones'
+    outputs. ``aux``: each layer returns ``(h, aux)`` (``ShardedModel.layer_aux``), their aux
+    stacked ``(layers, *shape)``; otherwise None."""
+    auxes = []
     for j, (binding, tensors) in enumerate(zip(bindings, rows)):
         name = LayerName(path, first + j)
-        h = (guarded(writes, binding, tensors, h, extras, name) if j == 0
-             else call(binding, tensors, (h, *extras), name))
-        if not isinstance(h, torch.Tensor):
-            raise TypeError(f"{name} returned {type(h).__name__}, not a tensor; pass "
-                            f"call_layer=lambda layer, h, *extra: layer(h, *extra)[0] to fz3.shard")
-    return h
+        out = (guarded(writes, binding, tensors, h, extras, name) if j == 0
+               else call(binding, tensors, (h, *extras), name))
+        if not aux and isinstance(out, torch.Tensor):  # the per-layer path: no call more
+            h = out
+        else:
+            h = layer_output(out, aux, name)
+            auxes.append(out[1])
+    return h, (aux_stack(auxes, path, first) if aux else None)
+
+
+def layer_output(out: Any, aux: bool, name: object) -> torch.Tensor:
+    """A layer's h from what it returned under ``aux`` (``(h, aux)``); otherwise (it returned
+    no tensor) a TypeError naming the layer and the fix."""
+    if aux:
+        if (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.Tensor)
+                and isinstance(out[1], torch.Tensor) and out[1].is_floating_point()):
+            return out[0]
+        got = (f"a tuple of {[type(o).__name__ for o in out]}" if isinstance(out, tuple)
+               else type(out).__name__)
+        raise TypeError(f"{name} returned {got}; with layer_aux=True every layer returns "
+                        f"(h, aux), both tensors, aux a floating one (it has a gradient)")
+    if not isinstance(out, torch.Tensor):
+        hint = (" (a layer returning (h, aux) on purpose: pass layer_aux=True to fz3.shard)"
+                if isinstance(out, tuple) and len(out) == 2 else "")
+        raise TypeError(f"{name} returned {type(out).__name__}, not a tensor; pass "
+                        f"call_layer=lambda layer, h, *extra: layer(h, *extra)[0] to fz3.shard"
+                        f"{hint}")
+    return out
+
+
+def aux_stack(auxes: Sequence[torch.Tensor], path: str, first: int) -> torch.Tensor:
+    """Consecutive layers' aux outputs as one ``(layers, *shape)`` tensor; a ValueError naming
+    the first layer whose aux differs in shape or dtype from the first's."""
+    for j, a in enumerate(auxes[1:], 1):
+        if a.shape != auxes[0].shape or a.dtype != auxes[0].dtype:
+            raise ValueError(f"{LayerName(path, first + j)} returned an aux of shape "
+                             f"{list(a.shape)} {a.dtype}, layer {path}.{first}'s is "
+                             f"{list(auxes[0].shape)} {auxes[0].dtype}: the layers of a stack "
+                             f"return aux outputs of one shape and dtype")
+    return auxes[0].unsqueeze(0) if len(auxes) == 1 else torch.stack(list(auxes))
 
 
 def guarded(writes: dict, binding: Binding, tensors: Sequence[torch.Tensor], h: torch.Tensor,

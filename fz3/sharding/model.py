@@ -36,7 +36,7 @@ from .precision import Precision
 PreFn = Callable[..., Any]  # (m, batch) -> h | (h, *extra)
 BetweenFn = Callable[..., Any]  # (m, h, batch) -> h | (h, *extra)
 PostFn = Callable[..., torch.Tensor]  # (m, h, batch) -> scalar loss
-CallLayer = Callable[..., torch.Tensor]  # (layer, h, *extra) -> h
+CallLayer = Callable[..., torch.Tensor]  # (layer, h, *extra) -> h, or (h, aux) (layer_aux)
 
 
 def _call_layer(layer: nn.Module, h: torch.Tensor, *extra: Any) -> torch.Tensor:
@@ -70,6 +70,9 @@ class ShardedModel:
     # layer binding -> whether it writes into its input h in place, learned at its first call
     # through autograd (``fz3.sharding.compute.guarded``); shared like ``traces``
     writes_input: dict = field(default_factory=dict, repr=False)
+    # every layer returns ``(h, aux)``: its aux outputs, stacked per stack, go to the loss as
+    # a fourth argument (``fz3.facade``'s ``layer_aux``)
+    layer_aux: bool = False
 
     @property
     def structure(self) -> tuple[PartShape, ...]:
@@ -141,7 +144,7 @@ def build(module: nn.Module, paths: Sequence[str], pre: PreFn, post: PostFn,
           between: Sequence[BetweenFn | None], assign: Mapping[str, str] | None,
           group: dist.ProcessGroup | None, mesh: Any, device: torch.device | str | None,
           precision: Precision, read: Reader | None,
-          timeout: float) -> tuple[ShardedModel, Params]:
+          timeout: float, layer_aux: bool = False) -> tuple[ShardedModel, Params]:
     """``fz3.shard`` once its adapter and checkpoint reader are resolved (``fz3.facade``, which
     documents the arguments). **Collective**: one small all-gather checks the ranks agree."""
     check_not_wrapped(module)
@@ -166,7 +169,8 @@ def build(module: nn.Module, paths: Sequence[str], pre: PreFn, post: PostFn,
                    for part, rows in zip(split.parts, split.params))
     frozen_size = torch.empty((), dtype=precision.frozen).element_size()
     model = ShardedModel(Parts(split.parts, frozen_size), frozen, functions, skeleton, comm,
-                         precision, device, mesh, module.training, check_batch, dict(outputs or {}))
+                         precision, device, mesh, module.training, check_batch, dict(outputs or {}),
+                         layer_aux=bool(layer_aux))
     check_same_on_all_ranks(comm, split.parts, device)
     return model, Params(shards)
 

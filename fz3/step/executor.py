@@ -59,8 +59,8 @@ from .engine import Produced
 from .state import Frame, Kept, Loss, Recompute, Result, StepState
 from .movement import (accumulate_op, free_op, gather_op, reduce_op, wait_op,
                        wait_reduce_op)
-from .unit_io import (add_gradients, detached, frame_of, layer_engine, or_zeros, stage_engine,
-                      stage_pieces)
+from .unit_io import (add_gradients, aux_cotangents, detached, frame_of, layer_engine, or_zeros,
+                      stacked_aux, stage_engine, stage_pieces)
 
 
 def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any, recorder=None,
@@ -144,42 +144,51 @@ def _forward_layers(s: StepState, op: Op, index: int) -> Frame:
     """A layer unit through the layer protocol (``fz3.step.engine``): ``forward_save`` keeps
     its residuals, ``forward_selective`` its traced programs' heavy ops' outputs (a unit that
     is not traced runs as ``forward``); ``forward`` keeps its input and RNG state, to run
-    ``forward`` again in backward (recompute)."""
+    ``forward`` again in backward (recompute). Its layers' aux outputs (``layer_aux``) wait
+    for the loss."""
     u, x = op.unit, s.h
     extras = s.produced[s.schedule.producers[u]]
     selective = op.kind == OpKind.FORWARD_SELECTIVE
     engine = layer_engine(s, u, x, extras, s.schedule.keep if selective else None)
     if op.kind == OpKind.FORWARD_SAVE or selective and engine.keep is not None:
-        s.h, residuals = engine.forward(s.gathered[u], x, extras)
+        s.h, aux, residuals = engine.forward(s.gathered[u], x, extras)
         s.saved[u] = Kept(x=x, engine=engine, residuals=residuals)
     else:
         before = rng.capture(s.model.device) if s.schedule.grad else None
-        s.h = engine.inference(s.gathered[u], x, extras)
+        s.h, aux = engine.inference(s.gathered[u], x, extras)
         if s.schedule.grad:
             s.saved[u] = Recompute(x=x, engine=engine, rng=before)
-    return frame_of(s, op, index, x, s.h, None)
+    if aux is None:
+        return frame_of(s, op, index, x, s.h, None)
+    s.layer_aux[u] = aux
+    return frame_of(s, op, index, x, (s.h, aux), None)
 
 
 def _loss(s: StepState, op: Op, index: int) -> Frame:
     """post, or the given loss function, through ``Stage``: with gradients its backward runs
-    at once, seeded 1/ranks (the reduces are sums over ranks, the loss a mean)."""
+    at once, seeded 1/ranks (the reduces are sums over ranks, the loss a mean). The layers'
+    aux outputs (``layer_aux``) are its fourth argument, one tensor per stack; their
+    gradients go to the layers' backwards."""
     u = op.unit
     engine, memory = stage_engine(s, u), stage_pieces(s, u)
     grad, h_in = None, s.h
+    layer_aux = stacked_aux(s) if s.model.layer_aux else None
     if s.schedule.grad:
-        (loss, aux), graph = engine.forward(memory, s.h, s.batch)
+        (loss, aux), graph = engine.forward(memory, s.h, s.batch, layer_aux)
         s.h = None  # the last layer's output: no op after the loss reads it (its frame's only)
         seed = torch.full_like(loss, 1.0 / _ranks(s)) * s.loss_scale
-        g_trained, g_h, _ = engine.backward(memory, graph, seed, None)
+        g_trained, g_h, g_aux = engine.backward(memory, graph, seed, None)
         s.grad_h = or_zeros(g_h, graph.x)
+        if layer_aux is not None:
+            aux_cotangents(s, g_aux)
         grad = add_gradients(s, u, g_trained, graph.leaves)
         s.rng_after = rng.capture(s.model.device)
     else:
-        loss, aux = engine.inference(memory, s.h, s.batch)
+        loss, aux = engine.inference(memory, s.h, s.batch, layer_aux)
     s.loss, s.aux = loss.detach(), detached(aux)
     s.loss_mean = all_reduce(s.model.comm, s.loss.float() / _ranks(s), group=s.model.comm.group,
                              label="the loss's mean")
-    return frame_of(s, op, index, h_in, loss, grad)
+    return frame_of(s, op, index, h_in if layer_aux is None else (h_in, layer_aux), loss, grad)
 
 
 def _backward(s: StepState, op: Op, index: int) -> Frame:
@@ -199,8 +208,9 @@ def _backward_layers(s: StepState, op: Op, index: int) -> Frame:
         # leaves the RNG as plain autograd would (rng_after), so none is kept here.
         rng.restore(saved.rng, model.device)
         # (not ``_, residuals = ...``: a name would hold the recomputed output meanwhile)
-        residuals = engine.forward(memory, saved.x, extras)[1]
-    g_buffer, g_x, g_extras = engine.backward(memory, residuals, s.grad_h, extras)
+        residuals = engine.forward(memory, saved.x, extras)[2]
+    g_aux = s.grad_aux.pop(u, None) if s.grad_aux else None
+    g_buffer, g_x, g_extras = engine.backward(memory, residuals, s.grad_h, g_aux, extras)
     del residuals
     grad_out, s.grad_h = s.grad_h, or_zeros(g_x, saved.x)
     for j, ge in zip(extras.positions, g_extras):
@@ -211,6 +221,8 @@ def _backward_layers(s: StepState, op: Op, index: int) -> Frame:
                             by_layer=s.schedule.reduce == "all_reduce")
     reduce = model.precision.reduce
     s.unreduced[u] = flat if flat.dtype == reduce else flat.to(reduce)
+    if s.model.layer_aux:
+        grad_out = (grad_out, g_aux)
     return frame_of(s, op, index, grad_out, s.grad_h, s.unreduced[u])
 
 

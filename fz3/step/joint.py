@@ -23,20 +23,23 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .codegen import (TraceError, codegen, constant_factories, fast_ops, one_call_flatten,
                       one_call_views)
 from .partition import partition, written, written_args
 
-Layer = Callable[..., torch.Tensor]  # (row, frozen_row | None, h, *extras) -> h
+Layer = Callable[..., torch.Tensor]  # (row, frozen_row | None, h, *extras) -> h | (h, aux)
 
 
 class Programs(NamedTuple):
     """One layer's traced halves. ``forward(*inputs) -> (h, *residuals)``;
     ``backward([row, frozen_row, *residuals, g]) -> (grad_row, grad_h, *grad_extras)`` (the
     differentiable extras, in order; one list, emptied by the call); ``inference(*inputs) ->
-    (h,)`` for forwards without gradient. ``inputs`` are ``(row, frozen_row, h,
+    (h,)`` for forwards without gradient. A layer with an aux output (``aux``: its shape and
+    dtype) returns ``(h, aux, *residuals)`` and ``(h, aux)``, and its backward takes ``g,
+    g_aux`` last. ``inputs`` are ``(row, frozen_row, h,
     *tensor_extras)``, ``frozen_row`` left out when the layer has none. The graphs are kept
     for inductor (and identify the programs: compilations are keyed by them); ``source`` is
     the Python programs' code, for reading (constants appear by name, not value)."""
@@ -49,6 +52,12 @@ class Programs(NamedTuple):
     # a residual may share storage with a parameter row (then the executor keeps the row's
     # storage object across free and re-gather, as for an autograd graph)
     aliases_params: bool = True
+    aux: tuple | None = None  # (shape, dtype) of the layer's aux output; None: it has none
+
+    @property
+    def outputs(self) -> int:
+        """The forward's outputs before its residuals: h, and the aux output if any."""
+        return 1 if self.aux is None else 2
 
 
 class Joint(NamedTuple):
@@ -60,27 +69,35 @@ class Joint(NamedTuple):
     code: str
     first: int  # inputs[first] is h; before it, the parameter rows
     grads: int  # gradients it returns: the row's, h's, each differentiable extra's
+    aux: tuple | None = None  # the aux output's (shape, dtype), or None (``Programs.aux``)
 
 
 def trace(layer: Layer, inputs: Sequence[torch.Tensor], frozen: bool,
-          differentiable: Sequence[int]) -> Programs:
+          differentiable: Sequence[int], aux: bool = False) -> Programs:
     """Trace ``layer`` on ``inputs`` = ``(row, [frozen_row,] h, *tensor_extras)`` into its
     programs. ``differentiable``: positions in ``tensor_extras`` whose gradient the backward
-    returns. Raises ``TraceError`` naming why a layer cannot be traced."""
-    return programs(joint_trace(layer, inputs, frozen, differentiable))
+    returns; ``aux``: the layer returns ``(h, aux)``. Raises ``TraceError`` naming why a layer
+    cannot be traced."""
+    return programs(joint_trace(layer, inputs, frozen, differentiable, aux))
 
 
 def joint_trace(layer: Layer, inputs: Sequence[torch.Tensor], frozen: bool,
-                differentiable: Sequence[int]) -> Joint:
-    """``trace``'s first half: the joint graph of ``layer`` on ``inputs``."""
+                differentiable: Sequence[int], aux: bool = False) -> Joint:
+    """``trace``'s first half: the joint graph of ``layer`` on ``inputs`` (with ``aux``: its
+    outputs h and aux, its cotangents g and g_aux)."""
     first = 2 if frozen else 1  # inputs[first] is h
     n = len(inputs)
     wrt = [0, first, *(first + 1 + j for j in differentiable)]
 
-    def call(*xs: torch.Tensor) -> torch.Tensor:
+    def call(*xs: torch.Tensor) -> tuple:
         out = layer(xs[0], xs[1] if frozen else None, *xs[first:])
-        if not isinstance(out, torch.Tensor):
-            raise TraceError(f"it returned {type(out).__name__}, not a tensor")
+        if not aux:
+            if not isinstance(out, torch.Tensor):
+                raise TraceError(f"it returned {type(out).__name__}, not a tensor")
+            return (out,)
+        if not (isinstance(out, tuple) and len(out) == 2
+                and all(isinstance(o, torch.Tensor) for o in out)):
+            raise TraceError(f"it returned {type(out).__name__}, not (h, aux)")
         return out
 
     def joint(*xs: torch.Tensor) -> tuple:
@@ -91,15 +108,23 @@ def joint_trace(layer: Layer, inputs: Sequence[torch.Tensor], frozen: bool,
             # h through a copy: a layer that writes into its input (``h.mul_(0.5)``) writes
             # into the copy, as into the previous layer's output in plain PyTorch; a copy
             # nothing writes into is folded away after the trace (``_fold_input_copy``)
-            out = call(*ins[:first], ins[first].clone(), *ins[first + 1:])
-            grads = torch.autograd.grad(out, [ins[i] for i in wrt], xs[n], allow_unused=True)
-        return (out.detach(), *(torch.zeros_like(ins[i]) if g is None else g
-                                for i, g in zip(wrt, grads)))
+            outs = call(*ins[:first], ins[first].clone(), *ins[first + 1:])
+            # an aux computed from nothing differentiable (counts) has no gradient path
+            seeded = [(o, c) for o, c in zip(outs, xs[n:]) if o.requires_grad or o is outs[0]]
+            grads = torch.autograd.grad([o for o, _ in seeded], [ins[i] for i in wrt],
+                                        [c for _, c in seeded], allow_unused=True)
+        return (*(o.detach() for o in outs), *(torch.zeros_like(ins[i]) if g is None else g
+                                              for i, g in zip(wrt, grads)))
 
     plain = [t.detach() for t in inputs]
     try:
         with _quiet(FAKE_TENSOR_LOG):
-            joint_gm = make_fx(joint, tracing_mode="fake")(*plain, torch.empty_like(plain[first]))
+            shape = _aux_shape(call, plain) if aux else None
+            cotangents = [torch.empty_like(plain[first])]
+            if shape is not None:
+                cotangents.append(torch.empty(shape[0], dtype=shape[1],
+                                              device=plain[first].device))
+            joint_gm = make_fx(joint, tracing_mode="fake")(*plain, *cotangents)
     except TraceError:
         raise
     except Exception as e:  # noqa: BLE001 - tracing fails in many ways; each means: fall back
@@ -108,7 +133,17 @@ def joint_trace(layer: Layer, inputs: Sequence[torch.Tensor], frozen: bool,
     _fold_input_copy(joint_gm.graph, first)
     _refuse_input_mutation(joint_gm.graph)
     _refuse_tensor_constants(joint_gm.graph)
-    return Joint(joint_gm.graph, joint_gm.code, first, len(wrt))
+    return Joint(joint_gm.graph, joint_gm.code, first, len(wrt), shape)
+
+
+def _aux_shape(call: Callable[..., tuple], plain: list[torch.Tensor]) -> tuple:
+    """The aux output's ``(shape, dtype)``, from one run of the layer on fake tensors (its
+    cotangent is an input of the joint trace)."""
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
+        aux = call(*(mode.from_tensor(t) for t in plain))[1]
+    if not aux.is_floating_point():
+        raise TraceError(f"its aux output is {aux.dtype}, not a floating tensor")
+    return tuple(aux.shape), aux.dtype
 
 
 # torch's fake-tensor logger prints an op's whole traceback at ERROR when its fake kernel
@@ -133,13 +168,14 @@ def programs(joint: Joint, keep: frozenset[str] | None = None) -> Programs:
     """``trace``'s second half: a joint graph split into programs (the graph is changed).
     ``keep``: selective recompute, the names of the ops whose outputs the forward keeps
     (``fz3.step.partition``); None: it keeps what autograd would."""
-    first = joint.first
+    first, outputs = joint.first, 1 if joint.aux is None else 2
     _fold_transposes(joint.graph)
-    fwd, bwd = partition(joint.graph, params=range(first), grads=joint.grads, keep=keep)
-    aliases = _residuals_alias_params(fwd, params=first)
+    fwd, bwd = partition(joint.graph, params=range(first), grads=joint.grads, keep=keep,
+                         outputs=outputs)
+    aliases = _residuals_alias_params(fwd, params=first, outputs=outputs)
     # Forwards without gradient run the forward's ops, residuals not returned: the same
     # kernels as the recompute that follows them (eager may pick others without grad mode)
-    graphs = (fwd, bwd, _forward_only(fwd))  # for inductor, as traced
+    graphs = (fwd, bwd, _forward_only(fwd, outputs))  # for inductor, as traced
     slow_f, slow_b = fast_ops(fwd), fast_ops(bwd, boxed=True)
     # for Python, a copy with the parameter views made and the gradient flattened in one
     # call each, and constant zeros made once (a dozen ops fewer per program; nothing
@@ -153,10 +189,10 @@ def programs(joint: Joint, keep: frozenset[str] | None = None) -> Programs:
     forward, s1 = codegen(fwd, "forward", slow=slow_f)
     backward, s2 = codegen(bwd, "backward", boxed=True, slow=slow_b)
     infer, s3 = codegen(inf, "inference", slow=slow_f)
-    return Programs(forward, backward, infer, graphs, s1 + s2 + s3, aliases)
+    return Programs(forward, backward, infer, graphs, s1 + s2 + s3, aliases, joint.aux)
 
 
-def _residuals_alias_params(forward: fx.Graph, params: int) -> bool:
+def _residuals_alias_params(forward: fx.Graph, params: int, outputs: int = 1) -> bool:
     """Whether a residual of ``forward`` may share storage with a parameter row (its fake
     values know their storages; unknown counts as yes)."""
     def storage(node: fx.Node):
@@ -166,7 +202,7 @@ def _residuals_alias_params(forward: fx.Graph, params: int) -> bool:
     try:
         rows = [storage(n) for n in forward.nodes if n.op == "placeholder"][:params]
         out = next(n for n in forward.nodes if n.op == "output")
-        saved = [storage(n) for n in out.args[0][1:]]
+        saved = [storage(n) for n in out.args[0][outputs:]]
     except Exception:  # noqa: BLE001 - no storage information: assume the worst
         return True
     if any(r is None for r in rows) or any(t is None for t in saved):
@@ -226,12 +262,12 @@ def _fold_transposes(graph: fx.Graph) -> None:
     graph.eliminate_dead_code()
 
 
-def _forward_only(forward: fx.Graph) -> fx.Graph:
-    """``forward`` returning ``(h,)`` only: what no residual needs is not computed, every
-    value is dropped after its last use."""
+def _forward_only(forward: fx.Graph, outputs: int = 1) -> fx.Graph:
+    """``forward`` returning ``(h,)`` (or ``(h, aux)``) only: what no residual needs is not
+    computed, every value is dropped after its last use."""
     graph = _copy(forward)
     out = next(n for n in graph.nodes if n.op == "output")
-    out.args = ((out.args[0][0],),)
+    out.args = (tuple(out.args[0][:outputs]),)
     graph.eliminate_dead_code()
     return graph
 

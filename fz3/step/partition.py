@@ -1,9 +1,9 @@
 """Where a layer's joint graph is cut into a forward and a backward program: by dataflow.
 
-- forward: the ancestors of the layer's output ``h``, with any op that writes into one of
-  them (or a view of one) or draws random numbers, as eager autograd runs them, every op the
-  trace ran before the forward's last such write (autograd's copies of an in-place op's
-  input), and the ``getitem``s picking the outputs of those ops;
+- forward: the ancestors of the layer's output ``h`` (and of its aux output), with any op
+  that writes into one of them (or a view of one) or draws random numbers, as eager autograd
+  runs them, every op the trace ran before the forward's last such write (autograd's copies
+  of an in-place op's input), and the ``getitem``s picking the outputs of those ops;
 - backward: the rest: what depends on the cotangent ``g``, and the parts of derivative
   formulas that need no cotangent (``pow``'s ``2 * x``, ``rsqrt``'s ``-0.5 * y**3``), which
   autograd too computes in backward from what it saved; also the views of the parameter rows
@@ -28,20 +28,22 @@ from .codegen import CONSTANT_FACTORIES
 
 
 def partition(joint: fx.Graph, params: range, grads: int,
-              keep: frozenset[str] | None = None) -> tuple[fx.Graph, fx.Graph]:
-    """Split a joint graph (inputs ``(*inputs, g)``, outputs ``(out, *grads)``) into forward
-    ``(*inputs) -> (out, *residuals)`` and backward ``(*param inputs, *residuals, g) -> grads``.
+              keep: frozenset[str] | None = None, outputs: int = 1) -> tuple[fx.Graph, fx.Graph]:
+    """Split a joint graph (inputs ``(*inputs, *cotangents)``, outputs ``(*outs, *grads)``,
+    ``outputs`` of each: h, and a layer's aux output) into forward ``(*inputs) -> (*outs,
+    *residuals)`` and backward ``(*param inputs, *residuals, *cotangents) -> grads``.
     ``params``: the positions of the parameter rows, whose views the backward recomputes.
     ``keep`` (selective recompute, [Note: selective recompute]): the names of the ops whose
     outputs are kept; the backward computes every other forward value it needs again."""
     places = [n for n in joint.nodes if n.op == "placeholder"]
     out_node = next(n for n in joint.nodes if n.op == "output")
-    out, *grad_nodes = out_node.args[0]
+    outs, grad_nodes = out_node.args[0][:outputs], out_node.args[0][outputs:]
     assert len(grad_nodes) == grads
+    inputs, seeds = places[:-outputs], places[-outputs:]
     rows = {places[i] for i in params}
-    forward_side = _forward_side(joint, out, places[-1])
+    forward_side = _forward_side(joint, outs, seeds)
     backward_side = {n for n in joint.nodes if n.op == "call_function" and n not in forward_side}
-    backward_side.add(places[-1])
+    backward_side.update(seeds)
     for node in joint.nodes:
         ins = node.all_input_nodes
         if (node.op == "call_function" and ins and all(a in rows for a in ins)
@@ -61,12 +63,12 @@ def partition(joint: fx.Graph, params: range, grads: int,
     residuals = [m for m in joint.nodes if m in needed and m not in computed]
 
     fwd, env = fx.Graph(), {}
-    for p in places[:-1]:
+    for p in inputs:
         env[p] = _placeholder(fwd, p.name, p)
     for node in joint.nodes:
         if node.op == "call_function" and node in forward_side:
             env[node] = fwd.node_copy(node, env.__getitem__)
-    fwd.output((env[out], *(env[m] for m in residuals)))
+    fwd.output((*(env[o] for o in outs), *(env[m] for m in residuals)))
     fwd.eliminate_dead_code()
 
     bwd, benv = fx.Graph(), {}
@@ -74,7 +76,8 @@ def partition(joint: fx.Graph, params: range, grads: int,
         benv[places[i]] = _placeholder(bwd, places[i].name, places[i])
     for m in residuals:
         benv[m] = _placeholder(bwd, "saved_" + m.name, m)
-    benv[places[-1]] = _placeholder(bwd, "g", places[-1])
+    for name, seed in zip(("g", "g_aux"), seeds):
+        benv[seed] = _placeholder(bwd, name, seed)
     for node in joint.nodes:
         if node.op == "call_function" and node in needed and node not in benv:
             benv[node] = bwd.node_copy(node, benv.__getitem__)
@@ -131,15 +134,16 @@ def recomputable(joint: fx.Graph, forward_side: set[fx.Node], keep: frozenset[st
     return out
 
 
-def _forward_side(joint: fx.Graph, out: fx.Node, g: fx.Node) -> set[fx.Node]:
-    """What the forward computes: the ancestors of the layer's output, with every op that
-    writes into one of them or draws random numbers (where eager autograd runs them, in the
-    forward), their ancestors, and every op before the last such write. The rest of the joint
-    graph is the backward's, so a part of a derivative formula that needs no cotangent
-    (``pow``'s ``2 * x``) is computed there from what the forward keeps, as autograd does,
-    instead of being kept itself."""
-    side = _ancestors([out], stop=lambda m: False)
-    depends_on_g = {g}
+def _forward_side(joint: fx.Graph, outs: Sequence[fx.Node], seeds: Sequence[fx.Node]
+                  ) -> set[fx.Node]:
+    """What the forward computes: the ancestors of the layer's outputs (h, and its aux), with
+    every op that writes into one of them or draws random numbers (where eager autograd runs
+    them, in the forward), their ancestors, and every op before the last such write. The rest
+    of the joint graph is the backward's, so a part of a derivative formula that needs no
+    cotangent (``pow``'s ``2 * x``) is computed there from what the forward keeps, as autograd
+    does, instead of being kept itself."""
+    side = _ancestors(list(outs), stop=lambda m: False)
+    depends_on_g = set(seeds)
     for node in joint.nodes:
         if any(a in depends_on_g for a in node.all_input_nodes):
             depends_on_g.add(node)

@@ -23,38 +23,56 @@ class Layers(NamedTuple):
     # selective recompute: the ops whose outputs ``forward`` keeps (``fz3.step.partition``);
     # None: it keeps what autograd would
     keep: frozenset[str] | None = None
+    aux: bool = False  # each layer returns (h, aux) (``ShardedModel.layer_aux``)
 
     def forward(self, pieces: Pieces, h: torch.Tensor, extras: Produced) -> tuple:
-        """``(h, residuals)``: residuals a list, one tuple per layer, in layer order."""
-        tensors, frozen, residuals = extras.traced.tensors, pieces.frozen, []
+        """``(h, aux, residuals)``: residuals a list, one tuple per layer, in layer order."""
+        tensors, frozen, residuals, auxes = extras.traced.tensors, pieces.frozen, [], []
+        n = 2 if self.aux else 1  # the programs' outputs before their residuals
         for j, (programs, row) in enumerate(zip(self.programs, pieces.rows)):
             out = programs.forward(*((row,) if frozen is None else (row, frozen[j])), h,
                                    *tensors)
             h = out[0]
-            residuals.append(out[1:])
-        return h, residuals
+            if self.aux:
+                auxes.append(out[1])
+            residuals.append(out[n:])
+        return h, _stacked(auxes) if self.aux else None, residuals
 
-    def inference(self, pieces: Pieces, h: torch.Tensor, extras: Produced) -> torch.Tensor:
-        tensors, frozen = extras.traced.tensors, pieces.frozen
+    def inference(self, pieces: Pieces, h: torch.Tensor, extras: Produced) -> tuple:
+        tensors, frozen, auxes = extras.traced.tensors, pieces.frozen, []
         for j, (programs, row) in enumerate(zip(self.programs, pieces.rows)):
-            h = programs.inference(*((row,) if frozen is None else (row, frozen[j])), h,
-                                   *tensors)[0]
-        return h
+            out = programs.inference(*((row,) if frozen is None else (row, frozen[j])), h,
+                                     *tensors)
+            h = out[0]
+            if self.aux:
+                auxes.append(out[1])
+        return h, _stacked(auxes) if self.aux else None
 
     def backward(self, pieces: Pieces, residuals: list, g: torch.Tensor,
-                 extras: Produced) -> tuple:
+                 g_aux: torch.Tensor | None, extras: Produced) -> tuple:
         """Last layer first; the buffer's gradient is ``(padded,)`` for one layer, ``(k,
         padded)`` for k. Empties ``residuals``: each is freed inside its program after its
-        last use."""
+        last use. A layer's aux cotangent is ``g_aux``'s row (zeros where the loss gave
+        none)."""
         rows, frozen, k = pieces.rows, pieces.frozen, len(self.programs)
+        if self.aux and g_aux is None:
+            shape, dtype = self.programs[0].aux
+            g_aux = torch.zeros(k, *shape, dtype=dtype, device=g.device)
         grads: list = [None] * k
         summed: list = []
         for j in reversed(range(k)):
             params = [rows[j]] if frozen is None else [rows[j], frozen[j]]
-            out = self.programs[j].backward([*params, *residuals.pop(), g])
+            box = [*params, *residuals.pop(), g]
+            if self.aux:
+                box.append(g_aux[j])
+            out = self.programs[j].backward(box)
             grads[j], g = out[0], out[1]
             summed = list(out[2:]) if not summed else [a + b for a, b in zip(summed, out[2:])]
         return shapes.buffer_grad(grads), g, summed
+
+
+def _stacked(auxes: list) -> torch.Tensor:
+    return auxes[0].unsqueeze(0) if len(auxes) == 1 else torch.stack(auxes)
 
 
 class Extras(NamedTuple):

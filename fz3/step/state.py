@@ -31,8 +31,10 @@ class Frame(NamedTuple):
     # world size 1 the parameter shard itself)
     params: torch.Tensor
     inputs: Any  # forward: the unit's input (the batch for pre); backward: grad w.r.t. its output
-    # forward: its output (h, or (h, *extra) for pre and between; the loss for `loss`);
-    # backward: grad w.r.t. its input
+    # forward: its output (h, or (h, *extra) for pre and between; the loss for `loss`; a
+    # layer unit's (h, aux) with layer_aux, aux (k, *shape)); backward: grad w.r.t. its input.
+    # With layer_aux a layer unit's backward inputs are (grad of h, grad of aux), and the
+    # loss's inputs (h, the stacks' aux outputs)
     outputs: Any
     grad: torch.Tensor | None  # backward and loss: the unit's full flat gradient before reduction
     reads: dict[int, torch.Tensor] | None = None  # gathered buffers of the shared units it reads
@@ -134,6 +136,10 @@ class StepState:
     # by pre or between unit: its extras, as the layers after it take them
     produced: dict[int, Produced] = field(default_factory=dict)
     grad_h: torch.Tensor | None = None
+    # by layer unit (``ShardedModel.layer_aux``): its layers' aux outputs, until the loss
+    # stacks them, and their cotangents from the loss, until its backward
+    layer_aux: dict[int, torch.Tensor] = field(default_factory=dict)
+    grad_aux: dict[int, torch.Tensor] = field(default_factory=dict)
     # the loss
     loss: torch.Tensor | None = None  # this rank's
     aux: Any = None

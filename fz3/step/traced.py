@@ -141,7 +141,8 @@ class TracedLayers:
             if got is None:
                 return None
             programs.append(got)
-        return Layers(tuple(programs), any(p.aliases_params for p in programs), signature.keep)
+        return Layers(tuple(programs), any(p.aliases_params for p in programs), signature.keep,
+                      self.model.layer_aux)
 
     def _group(self, i: int, part: Part, layer: int, h: torch.Tensor, extras: Extras,
                signature: tuple) -> Programs | None:
@@ -212,7 +213,7 @@ class TracedLayers:
         try:  # in the model's mode (a memory plan traces outside a step): dropout or not
             with compute.mode(self.model):
                 joint = joint_trace(_layer(binding, part, extras.flat), inputs, frozen,
-                                    extras.diff)
+                                    extras.diff, self.model.layer_aux)
         except TraceError as e:
             return e
         alike = ("joint", joint.code, part.layout, part.frozen, signature)
@@ -247,8 +248,8 @@ class TracedLayers:
                           stacklevel=6)
 
 def _layer(binding: Binding, part: Part, specs: list) -> Callable[..., torch.Tensor]:
-    """The pure function of one layer: ``(row, frozen_row, h, *tensor extras) -> h``, the
-    extras' structure and non-tensor values constants of it."""
+    """The pure function of one layer: ``(row, frozen_row, h, *tensor extras) -> h`` (or
+    ``(h, aux)``), the extras' structure and non-tensor values constants of it."""
     layout, frozen_layout = part.layout, part.frozen
 
     def layer(row: torch.Tensor, frozen_row: torch.Tensor | None, h: torch.Tensor,
@@ -259,9 +260,10 @@ def _layer(binding: Binding, part: Part, specs: list) -> Callable[..., torch.Ten
                   for leaves, spec in specs]
         views = layout.views(row) + ([] if frozen_row is None else frozen_layout.views(frozen_row))
         out = binding(views, (h, *extras))
-        if isinstance(out, torch.Tensor) and (out.shape != h.shape or out.dtype != h.dtype):
+        new = out[0] if isinstance(out, tuple) and out else out
+        if isinstance(new, torch.Tensor) and (new.shape != h.shape or new.dtype != h.dtype):
             raise TraceError(f"it maps h of shape {list(h.shape)} {h.dtype} to "
-                             f"{list(out.shape)} {out.dtype} (traced layers keep h's shape)")
+                             f"{list(new.shape)} {new.dtype} (traced layers keep h's shape)")
         return out
 
     return layer

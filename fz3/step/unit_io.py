@@ -87,7 +87,46 @@ def layer_engine(s: StepState, u: int, x: torch.Tensor, produced: Produced,
             return layers
     part = s.model.parts[unit.part]
     return AutogradLayers(s.model.functions[unit.part][unit.layers.start:unit.layers.stop], part,
-                          unit.layers.start, s.model.writes_input)
+                          unit.layers.start, s.model.writes_input, s.model.layer_aux)
+
+
+def _aux_units(s: StepState) -> list[list[int]]:
+    """Per stack part, in compute order: its layer units, in layer order."""
+    by_part: dict[int, list[int]] = {}
+    for u, unit in enumerate(s.schedule.units):
+        if unit.role is Role.STACK:
+            by_part.setdefault(unit.part, []).append(u)
+    return [sorted(us, key=lambda u: s.schedule.units[u].layers.start)
+            for _, us in sorted(by_part.items())]
+
+
+def stacked_aux(s: StepState) -> tuple[torch.Tensor, ...]:
+    """The layers' aux outputs as the loss takes them: one ``(layers, *shape)`` tensor per
+    stack, in compute order (each unit's record emptied). A ValueError names the first unit
+    whose aux differs from its stack's first."""
+    out = []
+    for units in _aux_units(s):
+        auxes = [s.layer_aux.pop(u) for u in units]
+        for u, a in zip(units, auxes):
+            if a.shape[1:] != auxes[0].shape[1:] or a.dtype != auxes[0].dtype:
+                unit = s.schedule.units[u]
+                raise ValueError(f"{unit.name} returned aux outputs of shape {list(a.shape[1:])}"
+                                 f" {a.dtype}, the first layers of its stack "
+                                 f"{list(auxes[0].shape[1:])} {auxes[0].dtype}: the layers of "
+                                 f"a stack return aux outputs of one shape and dtype")
+        out.append(auxes[0] if len(auxes) == 1 else torch.cat(auxes))
+    return tuple(out)
+
+
+def aux_cotangents(s: StepState, grads: Sequence[torch.Tensor | None]) -> None:
+    """The loss's gradients of the stacks' aux outputs, split back into each unit's rows
+    (views) for its backward; none where the loss did not use them."""
+    for units, g in zip(_aux_units(s), grads):
+        if g is None:
+            continue
+        for u in units:
+            layers = s.schedule.units[u].layers
+            s.grad_aux[u] = g[layers.start:layers.stop]
 
 
 def add_gradients(s: StepState, u: int, grads, leaves: Sequence[torch.Tensor]) -> torch.Tensor:

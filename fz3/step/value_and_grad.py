@@ -57,7 +57,8 @@ def value_and_grad(model: ShardedModel, schedule: Schedule | Policy | None = Non
     ``schedule``: a ``Schedule`` (validated here, before anything runs), a ``Policy`` to
     plan one from, or None for the default policy. It is computed once, here, and compared
     across ranks. **Collective**: one small all-gather; every rank must call this.
-    ``loss``: ``loss(m, h, batch)`` with ``post``'s signature, run instead of ``post``;
+    ``loss``: ``loss(m, h, batch)`` with ``post``'s signature (``loss(m, h, batch, aux)`` for
+    a model sharded with ``layer_aux``), run instead of ``post``;
     ``has_aux=True``: it returns ``(loss, aux)`` and the step returns ``((loss, aux),
     grads)``, ``aux`` being this rank's own value, detached (as ``jax.value_and_grad``).
     ``recorder``: collects every op's timestamps (``fz3.Recorder``). ``check_finite``: raise
@@ -136,7 +137,7 @@ def _output(model: ShardedModel, output: str, loss, has_aux: bool) -> Callable[.
                          f"(torch.zeros(()), what_you_want(m, h)) with has_aux=True")
     fn = model.outputs[output]
 
-    def out(m, h, batch):
+    def out(m, h, batch, *layer_aux):  # the layers' aux outputs (``layer_aux``): unused
         return h.new_zeros(()).float(), fn(m, h, batch)
 
     return out
