@@ -187,6 +187,12 @@ def aux_stack(auxes: Sequence[torch.Tensor], path: str, first: int) -> torch.Ten
                              f"{list(a.shape)} {a.dtype}, layer {path}.{first}'s is "
                              f"{list(auxes[0].shape)} {auxes[0].dtype}: the layers of a stack "
                              f"return aux outputs of one shape and dtype")
+    return stacked(auxes)
+
+
+def stacked(auxes: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Consecutive layers' aux outputs, of one shape, as one ``(layers, *shape)`` tensor
+    (one layer's: a view)."""
     return auxes[0].unsqueeze(0) if len(auxes) == 1 else torch.stack(list(auxes))
 
 

@@ -59,8 +59,8 @@ from .engine import Produced
 from .state import Frame, Kept, Loss, Recompute, Result, StepState
 from .movement import (accumulate_op, free_op, gather_op, reduce_op, wait_op,
                        wait_reduce_op)
-from .unit_io import (add_gradients, aux_cotangents, detached, frame_of, layer_engine, or_zeros,
-                      stacked_aux, stage_engine, stage_pieces)
+from .unit_io import (add_gradients, aux_cotangents, aux_units, detached, frame_of,
+                      layer_engine, or_zeros, stacked_aux, stage_engine, stage_pieces)
 
 
 def execute(model: ShardedModel, schedule: Schedule, params: Params, batch: Any, recorder=None,
@@ -172,15 +172,16 @@ def _loss(s: StepState, op: Op, index: int) -> Frame:
     u = op.unit
     engine, memory = stage_engine(s, u), stage_pieces(s, u)
     grad, h_in = None, s.h
-    layer_aux = stacked_aux(s) if s.model.layer_aux else None
+    stacks = aux_units(s) if s.model.layer_aux else None
+    layer_aux = None if stacks is None else stacked_aux(s, stacks)
     if s.schedule.grad:
         (loss, aux), graph = engine.forward(memory, s.h, s.batch, layer_aux)
         s.h = None  # the last layer's output: no op after the loss reads it (its frame's only)
         seed = torch.full_like(loss, 1.0 / _ranks(s)) * s.loss_scale
         g_trained, g_h, g_aux = engine.backward(memory, graph, seed, None)
         s.grad_h = or_zeros(g_h, graph.x)
-        if layer_aux is not None:
-            aux_cotangents(s, g_aux)
+        if stacks is not None:
+            aux_cotangents(s, stacks, g_aux)
         grad = add_gradients(s, u, g_trained, graph.leaves)
         s.rng_after = rng.capture(s.model.device)
     else:

@@ -57,7 +57,12 @@ class Programs(NamedTuple):
     @property
     def outputs(self) -> int:
         """The forward's outputs before its residuals: h, and the aux output if any."""
-        return 1 if self.aux is None else 2
+        return outputs(self.aux)
+
+
+def outputs(aux: tuple | None) -> int:
+    """A layer's outputs (h, and its aux output if it has one: ``aux``, its shape and dtype)."""
+    return 1 if aux is None else 2
 
 
 class Joint(NamedTuple):
@@ -168,14 +173,14 @@ def programs(joint: Joint, keep: frozenset[str] | None = None) -> Programs:
     """``trace``'s second half: a joint graph split into programs (the graph is changed).
     ``keep``: selective recompute, the names of the ops whose outputs the forward keeps
     (``fz3.step.partition``); None: it keeps what autograd would."""
-    first, outputs = joint.first, 1 if joint.aux is None else 2
+    first, n = joint.first, outputs(joint.aux)
     _fold_transposes(joint.graph)
     fwd, bwd = partition(joint.graph, params=range(first), grads=joint.grads, keep=keep,
-                         outputs=outputs)
-    aliases = _residuals_alias_params(fwd, params=first, outputs=outputs)
+                         outputs=n)
+    aliases = _residuals_alias_params(fwd, params=first, outputs=n)
     # Forwards without gradient run the forward's ops, residuals not returned: the same
     # kernels as the recompute that follows them (eager may pick others without grad mode)
-    graphs = (fwd, bwd, _forward_only(fwd, outputs))  # for inductor, as traced
+    graphs = (fwd, bwd, _forward_only(fwd, n))  # for inductor, as traced
     slow_f, slow_b = fast_ops(fwd), fast_ops(bwd, boxed=True)
     # for Python, a copy with the parameter views made and the gradient flattened in one
     # call each, and constant zeros made once (a dozen ops fewer per program; nothing

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..sharding.compute import stacked
 from . import shapes
 from .engine import Pieces, Produced
 from .joint import Programs
@@ -36,7 +37,7 @@ class Layers(NamedTuple):
             if self.aux:
                 auxes.append(out[1])
             residuals.append(out[n:])
-        return h, _stacked(auxes) if self.aux else None, residuals
+        return h, stacked(auxes) if self.aux else None, residuals
 
     def inference(self, pieces: Pieces, h: torch.Tensor, extras: Produced) -> tuple:
         tensors, frozen, auxes = extras.traced.tensors, pieces.frozen, []
@@ -46,7 +47,7 @@ class Layers(NamedTuple):
             h = out[0]
             if self.aux:
                 auxes.append(out[1])
-        return h, _stacked(auxes) if self.aux else None
+        return h, stacked(auxes) if self.aux else None
 
     def backward(self, pieces: Pieces, residuals: list, g: torch.Tensor,
                  g_aux: torch.Tensor | None, extras: Produced) -> tuple:
@@ -69,10 +70,6 @@ class Layers(NamedTuple):
             grads[j], g = out[0], out[1]
             summed = list(out[2:]) if not summed else [a + b for a, b in zip(summed, out[2:])]
         return shapes.buffer_grad(grads), g, summed
-
-
-def _stacked(auxes: list) -> torch.Tensor:
-    return auxes[0].unsqueeze(0) if len(auxes) == 1 else torch.stack(auxes)
 
 
 class Extras(NamedTuple):

@@ -90,8 +90,9 @@ def layer_engine(s: StepState, u: int, x: torch.Tensor, produced: Produced,
                           unit.layers.start, s.model.writes_input, s.model.layer_aux)
 
 
-def _aux_units(s: StepState) -> list[list[int]]:
-    """Per stack part, in compute order: its layer units, in layer order."""
+def aux_units(s: StepState) -> list[list[int]]:
+    """Per stack part, in compute order: its layer units, in layer order (whose aux outputs
+    ``stacked_aux`` joins and ``aux_cotangents`` splits)."""
     by_part: dict[int, list[int]] = {}
     for u, unit in enumerate(s.schedule.units):
         if unit.role is Role.STACK:
@@ -100,12 +101,12 @@ def _aux_units(s: StepState) -> list[list[int]]:
             for _, us in sorted(by_part.items())]
 
 
-def stacked_aux(s: StepState) -> tuple[torch.Tensor, ...]:
+def stacked_aux(s: StepState, stacks: list[list[int]]) -> tuple[torch.Tensor, ...]:
     """The layers' aux outputs as the loss takes them: one ``(layers, *shape)`` tensor per
     stack, in compute order (each unit's record emptied). A ValueError names the first unit
     whose aux differs from its stack's first."""
     out = []
-    for units in _aux_units(s):
+    for units in stacks:
         auxes = [s.layer_aux.pop(u) for u in units]
         for u, a in zip(units, auxes):
             if a.shape[1:] != auxes[0].shape[1:] or a.dtype != auxes[0].dtype:
@@ -118,10 +119,11 @@ def stacked_aux(s: StepState) -> tuple[torch.Tensor, ...]:
     return tuple(out)
 
 
-def aux_cotangents(s: StepState, grads: Sequence[torch.Tensor | None]) -> None:
+def aux_cotangents(s: StepState, stacks: list[list[int]],
+                   grads: Sequence[torch.Tensor | None]) -> None:
     """The loss's gradients of the stacks' aux outputs, split back into each unit's rows
     (views) for its backward; none where the loss did not use them."""
-    for units, g in zip(_aux_units(s), grads):
+    for units, g in zip(stacks, grads):
         if g is None:
             continue
         for u in units:
