@@ -26,7 +26,8 @@ def hybrid_ranks(rank, world, folder):
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
         model, params = shard_gpt(module, mesh=mesh)
         assert model.world_size == shape[1] and model.comm.replicas == shape[0]
-        for policy in (fz3.Policy(), fz3.Policy(activations="save", reduce="all_reduce", layers_per_unit=2)):
+        for policy in (fz3.Policy(), fz3.Policy(activations="save", reduce="all_reduce", layers_per_unit=2),
+                       fz3.Policy(join_grads=True)):  # each unit's rows summed over replicas
             loss, grads = fz3.value_and_grad(model, policy)(params, bs[rank])
             assert abs(float(loss) - ref_loss) <= 1e-5 * abs(ref_loss), (shape, float(loss), ref_loss)
             got = fz3.full_state_dict(model, grads)

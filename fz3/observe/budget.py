@@ -11,6 +11,8 @@ How it chooses:
   more than one rank: one rank gathers nothing) each other part resident. The time a mode
   saves over recompute, per layer of that stack, is what upgrading one of its layers saves.
   Times are the slowest rank's, so every rank chooses the same;
+- gradient shards: every candidate is planned both ways (``Policy.join_grads``), and the one
+  with the lower planned peak is taken (joining costs one copy of the shard a step);
 - search: from recompute everywhere (prefetch 1, or 0 when only that fits), take one upgrade
   at a time (a unit from recompute to selective or save, or selective to save, a stack's
   last layers first: their activations live the shortest; or a part made resident), always
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -78,7 +81,10 @@ def fit(model: ShardedModel, memory: int, batch: Any, params: Params | None) -> 
     def peak(s: Schedule) -> int:
         return plan_of(model, s, act, selective, failed).peak
 
-    bases = [plan_policy(model, Policy(prefetch=p)) for p in (1, 0)]
+    def lowest(policies) -> Schedule:  # ties: the first (gradients not joined: no copy)
+        return min((plan_policy(model, p) for p in policies), key=peak)
+
+    bases = [lowest([Policy(prefetch=p), Policy(prefetch=p, join_grads=True)]) for p in (1, 0)]
     fits = [b for b in bases if peak(b) <= memory]
     if not fits:
         raise ValueError(
@@ -89,8 +95,10 @@ def fit(model: ShardedModel, memory: int, batch: Any, params: Params | None) -> 
     prefetch = 1 if fits[0] is bases[0] else 0
 
     def build(resident: frozenset[str], kinds: dict[int, OpKind]) -> Schedule:
-        return _with(plan_policy(model, Policy(prefetch=prefetch,
-                                               resident=tuple(sorted(resident)))), kinds)
+        options = [_with(plan_policy(model, Policy(prefetch=prefetch, join_grads=join,
+                                                   resident=tuple(sorted(resident)))), kinds)
+                   for join in (False, True)]
+        return min(options, key=peak)
 
     params = params if params is not None else _zeros(model)
     saves = _savings(model, build, params, batch, failed)
@@ -142,7 +150,7 @@ def _candidates(base: Schedule, resident: frozenset[str], kinds: dict[int, OpKin
 def _with(base: Schedule, kinds: dict[int, OpKind]) -> Schedule:
     ops = tuple(Op(kinds[op.unit], op.unit) if op.kind in UPGRADES and op.unit in kinds
                 else op for op in base.ops)
-    return validate(Schedule(ops, base.units, base.reduce, base.grad, keep=HEAVY_OPS))
+    return validate(replace(base, ops=ops, keep=HEAVY_OPS))
 
 
 def _savings(model: ShardedModel, build, params: Params, batch: Any, failed: set[int]) -> dict:
@@ -205,7 +213,8 @@ def _say(chosen: Schedule, kinds: dict[int, OpKind], resident: frozenset[str], p
         unit = chosen.units[u]
         by_kind.setdefault(names[kind.value], []).append(unit.name)
         saved += saves[unit.part][kind] * len(unit.layers)
-    log.info("fz3.plan: memory=%.1f MiB: %s; resident: %s; prefetch %d; planned peak %.1f "
-             "MiB, %.1f ms per step saved over recompute", memory / MiB,
+    log.info("fz3.plan: memory=%.1f MiB: %s; resident: %s; prefetch %d; gradient shards %s; "
+             "planned peak %.1f MiB, %.1f ms per step saved over recompute", memory / MiB,
              "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(by_kind.items())),
-             ", ".join(sorted(resident)) or "none", prefetch, peak / MiB, saved * 1e3)
+             ", ".join(sorted(resident)) or "none", prefetch,
+             "joined" if chosen.join_grads else "whole", peak / MiB, saved * 1e3)

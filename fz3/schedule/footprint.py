@@ -3,7 +3,9 @@
 Each unit's state (``fz3.schedule.ops``) decides what it holds: its gathered buffer while
 ``GATHERING`` or ``GATHERED``; what its forward kept while ``KEPT``; its unreduced flat
 gradient while ``UNREDUCED`` or ``REDUCING``. A part's gradient shard (all its rows, where
-the step returns it) exists from the first reduce of any of its units on. How many
+the step returns it) exists from the first reduce of any of its units on; for a part in
+``Schedule.join_grads``, each unit's rows from its own reduce on, and the whole shard beside
+them while they are joined, after the last op. How many
 bytes each of those is comes from ``Sizes``: ``fz3.memory_plan`` measures them on the model
 and a batch, the cost model counts them in closed form (``fz3.cost``). Both read the same
 fold, so they cannot disagree about what is alive when.
@@ -50,6 +52,9 @@ def footprint(schedule: Schedule, sizes: Sizes) -> list[OpBytes]:
     states = {u: UnitState() for u in range(len(schedule.units))}
     kept: dict[int, tuple[int, int]] = {}
     allocated: set[int] = set()
+    rows: dict[int, int] = {}  # a part's layers (its units' share of its shard)
+    for unit in schedule.units:
+        rows[unit.part] = rows.get(unit.part, 0) + len(unit.layers)
     totals = [0, 0, 0, 0, 0]
     out = []
     for op in schedule.ops:
@@ -62,11 +67,16 @@ def footprint(schedule: Schedule, sizes: Sizes) -> list[OpBytes]:
             assert not isinstance(after, str), f"footprint of an invalid schedule: {after}"
             states[u] = after
             _account(totals, sizes, op, u, before, after, kept, schedule)
-        part = schedule.units[op.unit].part
-        if op.kind == OpKind.REDUCE and part not in allocated:
-            allocated.add(part)
-            totals[4] += sizes.part_shard(part)
+        unit = schedule.units[op.unit]
+        if op.kind == OpKind.REDUCE and unit.part in schedule.join_grads:
+            totals[4] += sizes.part_shard(unit.part) // rows[unit.part] * len(unit.layers)
+        elif op.kind == OpKind.REDUCE and unit.part not in allocated:
+            allocated.add(unit.part)
+            totals[4] += sizes.part_shard(unit.part)
         out.append(OpBytes(*totals, sizes.during(op)))
+    joined = sum(sizes.part_shard(p) for p in schedule.join_grads)
+    if joined and out:  # the joined shards beside their units' rows, after the last op
+        out[-1] = out[-1]._replace(during=max(out[-1].during, joined))
     return out
 
 

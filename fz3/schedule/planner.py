@@ -14,7 +14,7 @@ the schedule itself, its check and its table are ``fz3.schedule.schedule``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Literal, NamedTuple, Sequence
 
 from .ops import HEAVY_OPS, Op, OpKind
@@ -65,6 +65,13 @@ class Policy:
     reduce: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"
     # parts kept gathered for the whole step (DeepSpeed's persistence)
     resident: tuple[str, ...] = ()
+    # True: each stack unit's gradient rows are reduced into their own buffer and joined into
+    # the part's shard after the backward (one copy of it), as FSDP2's ``.grad`` grows layer
+    # by layer; False (default): the shard is allocated whole at the part's first reduce and
+    # written in place. True lowers the peak where the activations alive at the start of the
+    # backward outweigh a stack's gradient shard; it raises it to twice the shard where they
+    # do not (``fz3.memory_plan`` says which; ``fz3.plan(memory=...)`` chooses by it)
+    join_grads: bool = False
 
     def __post_init__(self) -> None:
         if self.prefetch < 0:
@@ -157,7 +164,10 @@ def plan(model: Any, policy: Policy = Policy(), *, grad: bool = True) -> Schedul
             waiting = done
     ops += [Op(OpKind.WAIT_REDUCE, u) for u in waiting]
     kept = rule.ops if isinstance(rule, Keep) else HEAVY_OPS
-    return validate(Schedule(tuple(ops), units, policy.reduce, grad, keep=kept))
+    joined = frozenset(u.part for u in units if u.role is Role.STACK) \
+        if policy.join_grads and grad else frozenset()
+    return validate(Schedule(tuple(ops), units, policy.reduce, grad, keep=kept,
+                             join_grads=joined))
 
 
 def _by_step(pairs) -> dict[int, list[int]]:
@@ -211,6 +221,5 @@ def deferred(schedule: Schedule) -> Schedule:
     the last of a gradient accumulation with the ``defer`` policy (see ``fz3.accumulate``)."""
     ops = tuple(Op(OpKind.ACCUMULATE, op.unit) if op.kind == OpKind.REDUCE else op
                 for op in schedule.ops if op.kind != OpKind.WAIT_REDUCE)
-    return validate(Schedule(ops, schedule.units, schedule.reduce, schedule.grad,
-                             keep=schedule.keep))
+    return validate(replace(schedule, ops=ops))
 

@@ -11,7 +11,7 @@ on this module and this module knows nothing of policies.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, NamedTuple, Sequence
 
 from ..compare import fingerprint
@@ -55,12 +55,17 @@ class Schedule:
     max_live_units: int = field(default=0, compare=False)
     # what ``forward_selective`` keeps: the ATen names of the ops whose outputs it keeps
     keep: frozenset[str] = HEAVY_OPS
+    # stack parts whose gradient shard is not allocated whole at their first reduce: each unit's
+    # rows are reduced into a buffer of their own, joined into the part's shard after the
+    # backward (one copy; less memory where activations outweigh the shard, see ``Policy``)
+    join_grads: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         # Kinds given as strings become OpKind members; unknown ones stay for validate to name.
         ops = tuple(Op(OpKind(op[0]) if op[0] in _KIND_VALUES else op[0], *op[1:])
                     for op in self.ops)
         object.__setattr__(self, "ops", ops)
+        object.__setattr__(self, "join_grads", frozenset(self.join_grads))
 
     @functools.cached_property
     def producers(self) -> dict[int, int]:
@@ -98,7 +103,8 @@ class Schedule:
                  for u in self.units]
         selective = any(op.kind == OpKind.FORWARD_SELECTIVE for op in self.ops)
         keep = (sorted(self.keep),) if selective else ()
-        return fingerprint((self.ops, units, self.reduce, self.grad, *keep))
+        joined = (("join_grads", sorted(self.join_grads)),) if self.join_grads else ()
+        return fingerprint((self.ops, units, self.reduce, self.grad, *keep, *joined))
 
     def __str__(self) -> str:
         walked = walk(self)
@@ -106,6 +112,9 @@ class Schedule:
                 f"reduce={self.reduce}, at most {max(walked.live, default=0)} units gathered")
         if any(op[0] == OpKind.FORWARD_SELECTIVE for op in self.ops):
             head += f"\nforward_selective keeps the outputs of: {', '.join(sorted(self.keep))}"
+        if self.join_grads:
+            head += "\ngradient shards joined after the backward: " + ", ".join(
+                _span(self.units, p) for p in sorted(self.join_grads))
         rows = [head, f"{'#':>4}  {'op':<17} {'unit':<18} gathered"]
         for i, op in enumerate(self.ops):
             name = self.describe(op).split(" ", 1)[1]
@@ -119,6 +128,12 @@ class Schedule:
 
 
 _KIND_VALUES = {k.value for k in OpKind}
+
+
+def _span(units: Sequence[Unit], part: int) -> str:
+    """A part's units by name: ``"blocks.0 .. blocks.3"``."""
+    names = [u.name for u in units if u.part == part] or [f"part {part}"]
+    return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
 
 
 def compute_order(units: Sequence[Unit], *, grad: bool) -> list[Op]:
@@ -141,8 +156,7 @@ def validate(schedule: Schedule) -> Schedule:
     walked = walk(schedule)
     if walked.error is not None:
         raise walked.error
-    return Schedule(schedule.ops, schedule.units, schedule.reduce, schedule.grad,
-                    max(walked.live, default=0), schedule.keep)
+    return replace(schedule, max_live_units=max(walked.live, default=0))
 
 
 class Walk(NamedTuple):
@@ -191,6 +205,11 @@ def _field_error(s: Schedule) -> ScheduleError | None:
         if bad:
             return ScheduleError(None, None,
                                  f"unit {u.name!r} reads {bad}, which are not shared units")
+    stacks = {u.part for u in s.units if u.role is Role.STACK}
+    if not set(s.join_grads) <= stacks or s.join_grads and not s.grad:
+        return ScheduleError(None, None, f"join_grads={sorted(s.join_grads)}: only the "
+                                         f"gradients of stack parts ({sorted(stacks)}) of a "
+                                         f"training schedule (grad=True) can be joined")
     roles = [u.role for u in s.units]
     if roles.count(Role.POST) != 1 or (roles and roles[0] is not Role.PRE):
         return ScheduleError(None, None, f"units must start with the pre unit and hold one "

@@ -36,7 +36,9 @@ memory (the memory plan and the cost model read that one fold).
   reader's loss or backward; later readers add into it; it is reduced after the last one.
 - reduce: writes this rank's fp32 shard straight into the step's result: the part's whole
   gradient shard is allocated at the first reduce of any of its units (as activations are
-  freed, like autograd's own ``.grad``), and nothing is copied at the end of the step.
+  freed, like autograd's own ``.grad``), and nothing is copied at the end of the step. A
+  part in ``Schedule.join_grads`` has each unit's rows reduced into a buffer of its own
+  instead, joined into its shard (one copy) once every reduce is waited.
 - loss: the mean over ranks is all-reduced as soon as it exists and waited at the end.
 """
 
@@ -59,7 +61,7 @@ from .engine import Produced
 from .state import Frame, Kept, Loss, Recompute, Result, StepState
 from .movement import (accumulate_op, free_op, gather_op, reduce_op, wait_op,
                        wait_reduce_op)
-from .unit_io import (add_gradients, aux_cotangents, aux_units, detached, frame_of,
+from .unit_io import (add_gradients, aux_cotangents, aux_units, detached, frame_of, joined,
                       layer_engine, or_zeros, stacked_aux, stage_engine, stage_pieces)
 
 
@@ -258,6 +260,8 @@ def _finish(s: StepState) -> Result:
         loss = wait(all_reduce(comm, loss, group=comm.replicate_group, label="the loss's mean"))
     while s.replicating:
         wait(s.replicating.pop())
+    if s.joining:
+        joined(s)
     if s.schedule.grad:
         # as after plain autograd: forward drew, backward none
         rng.restore(s.rng_after, s.model.device)

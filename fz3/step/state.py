@@ -123,6 +123,9 @@ class StepState:
     # them), and its gradient shard's rows, where its units' reduces land
     shard_rows: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     grad_rows: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    # by part in ``Schedule.join_grads``: its units' reduced (k, shard) rows, by first layer,
+    # until the step's end joins them into its gradient shard
+    joining: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
     saved: dict[int, Saved] = field(default_factory=dict)
     # gradients, by unit: flat (world, k, n); (world*n,) for a one-layer unit whose reduce is a
     # reduce-scatter (the same memory, no views made), (padded,) for a part that is not a stack

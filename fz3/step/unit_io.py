@@ -149,10 +149,16 @@ def add_gradients(s: StepState, u: int, grads, leaves: Sequence[torch.Tensor]) -
 def result_shard(s: StepState, unit) -> torch.Tensor:
     """Where this rank's reduced gradient of ``unit`` lands: its rows of the part's gradient
     shard in the step's result, allocated at the part's first reduce (and split into rows
-    once: one op for all the part's units)."""
+    once: one op for all the part's units); for a part in ``Schedule.join_grads``, the unit's
+    own ``(k, shard)`` rows, joined into the part's shard after the backward (``joined``)."""
+    part = s.model.parts[unit.part]
+    if unit.part in s.schedule.join_grads:
+        rows = s.joining.setdefault(unit.part, {})[unit.layers.start] = torch.empty(
+            (len(unit.layers), part.layout.shard_numel), dtype=torch.float32,
+            device=s.model.device)
+        return rows.view(-1)
     rows = s.grad_rows.get(unit.part)
     if rows is None:
-        part = s.model.parts[unit.part]
         shape = ((part.rows, part.layout.shard_numel) if part.role is Role.STACK
                  else (part.layout.shard_numel,))
         grads = s.grads[unit.part] = torch.empty(shape, dtype=torch.float32,
@@ -161,6 +167,14 @@ def result_shard(s: StepState, unit) -> torch.Tensor:
     if unit.role is not Role.STACK:
         return s.grads[unit.part]
     return shapes.result_rows(unit, s.grads[unit.part], rows)
+
+
+def joined(s: StepState) -> None:
+    """Each ``join_grads`` part's reduced rows joined into its ``(L, shard)`` gradient shard in
+    the step's result, in layer order (one copy; the rows are freed as it returns)."""
+    for part, rows in s.joining.items():
+        s.grads[part] = torch.cat([rows[first] for first in sorted(rows)])
+    s.joining.clear()
 
 
 def frame_of(s: StepState, op: Op, index: int, inputs: Any, outputs: Any,
