@@ -57,6 +57,9 @@ def gpt_systems(cfg: GPTConfig, batch: int, compiled: bool) -> dict:
     cpu = torch.device("cpu")
     out = {f"fz3 {a}": lambda a=a: systems.fz3_system(cfg, cpu, policy=fz3.Policy(activations=a))
            for a in ("recompute", "selective", "save")}
+    out.update({f"fz3 {a} joined": lambda a=a: systems.fz3_system(
+        cfg, cpu, policy=fz3.Policy(activations=a, join_grads=True))
+        for a in ("recompute", "selective")})
     out.update({"plain + AC": lambda: systems.plain(cfg, cpu, ac=True),
                 "plain + SAC": lambda: systems.plain(cfg, cpu, sac=True),
                 "plain": lambda: systems.plain(cfg, cpu),
@@ -243,20 +246,46 @@ def planned(cfg: GPTConfig, batch: int) -> dict:
 
 
 def measure(make, batch_of, steps: int, live_bytes: bool = True) -> dict:
-    """``live_bytes=False``: no peak (a compiled model under ``LiveBytes``, a dispatch mode,
-    runs eagerly: its peak would be eager's)."""
+    """``live_bytes=False``: no live-bytes peak (a compiled model under ``LiveBytes``, a
+    dispatch mode, runs eagerly: its peak would be eager's); the allocator's peak is measured
+    for every system."""
     system = make()
     for s in range(2):  # warm: traces, compiles, optimizer state
         system.forward_backward(batch_of(s))
         system.optimizer()
-    if not live_bytes:
-        return dict(system=system, peak=None, fb=[], opt=[])
-    b = batch_of(2)
-    with LiveBytes() as live:
-        before = live.now
-        system.forward_backward(b)
+    peak = None
+    if live_bytes:
+        with LiveBytes() as live:
+            before = live.now
+            system.forward_backward(batch_of(2))
+        system.optimizer()
+        peak = live.peak - before
+    alloc = allocator_peak(lambda: system.forward_backward(batch_of(2)))
     system.optimizer()
-    return dict(system=system, peak=live.peak - before, fb=[], opt=[])
+    return dict(system=system, peak=peak, alloc=alloc, fb=[], opt=[])
+
+
+def allocator_peak(fn) -> int:
+    """The peak of the CPU allocator's bytes while ``fn`` runs beyond those alive at its start,
+    from torch's memory profiler timeline (every allocation, kernels' temporaries included, and
+    whatever dispatch path runs: compiled code too). Through ``export_memory_timeline``, the
+    profiler's public export (deprecated in torch 2.13, still there): one point per timestamp,
+    the bytes by category; the first point is what was alive before."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                 with_stack=True) as prof:
+        fn()
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "timeline.json")
+        prof.export_memory_timeline(path, device="cpu")
+        with open(path) as f:
+            _, sizes = json.load(f)
+    totals = [sum(point) for point in sizes]
+    return max(totals) - totals[0] if totals else 0
 
 
 def time_round(m: dict, batch_of, steps: int) -> None:
@@ -271,21 +300,24 @@ def time_round(m: dict, batch_of, steps: int) -> None:
 
 
 def run_config(name: str, args) -> list[str]:
+    plans = not args.systems or "fz3 plan" in args.systems  # the planner's timed steps: minutes
     if name == "llama":
         makers = {k: (v, None, "") for k, v in llama_systems().items()}
-        makers.update(planned_llama())
+        makers.update(planned_llama() if plans else {})
         batch_of = _llama_batch
     elif name == "mixed":
         makers = {k: (v, None, "") for k, v in mixed_systems().items()}
-        makers.update(planned_mixed())
+        makers.update(planned_mixed() if plans else {})
         batch_of = _mixed_batch
     else:
         c = dict(CONFIGS[name])
         batch = c.pop("batch")
         cfg = GPTConfig(**c)
         makers = {k: (v, None, "") for k, v in gpt_systems(cfg, batch, args.compiled).items()}
-        makers.update(planned(cfg, batch))
+        makers.update(planned(cfg, batch) if plans else {})
         batch_of = lambda s: systems.rank_batch(cfg, batch, s, 0, torch.device("cpu"))  # noqa: E731
+    if args.systems:
+        makers = {k: v for k, v in makers.items() if k in args.systems.split(",")}
     results, failed = {}, []
     for k, (make, _, _) in makers.items():
         try:
@@ -301,8 +333,9 @@ def run_config(name: str, args) -> list[str]:
 def table(name: str, results: dict, makers: dict) -> list[str]:
     twins = {"fz3": "fz3 recompute", "plain": "plain + AC", "FSDP2": "FSDP2 + AC"}
     save = {"fz3": "fz3 save", "plain": "plain", "FSDP2": "FSDP2"}
-    lines = [f"### {name}", "", "| system | fwd+bwd ms | optimizer ms | peak live MiB | kept beyond "
-             "recompute MiB | kept / save's | budget MiB (chosen) |", "|---|---:|---:|---:|---:|---:|---|"]
+    lines = [f"### {name}", "", "| system | fwd+bwd ms | optimizer ms | peak live MiB | allocator "
+             "peak MiB | kept beyond recompute MiB | kept / save's | budget MiB (chosen) |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
     for k, m in results.items():
         family = k.split()[0]
         base = results[twins[family]]["peak"] if twins.get(family) in results else None
@@ -315,7 +348,8 @@ def table(name: str, results: dict, makers: dict) -> list[str]:
         kept_mib = "-" if kept is None else f"{kept / MiB:.1f}"
         planned = "-" if budget is None else f"{budget / MiB:.1f} ({chosen})"
         lines.append(f"| {k} | {statistics.median(m['fb']) * 1e3:.1f} | "
-                     f"{statistics.median(m['opt']) * 1e3:.1f} | {peak} | {kept_mib} | {ratio} | "
+                     f"{statistics.median(m['opt']) * 1e3:.1f} | {peak} | "
+                     f"{m['alloc'] / MiB:.1f} | {kept_mib} | {ratio} | "
                      f"{planned} |")
     return lines + [""]
 
@@ -327,6 +361,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed steps per system and round")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
     ap.add_argument("--compiled", action="store_true")
+    ap.add_argument("--systems", default="", help="comma-separated system names (default: all)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -122,16 +122,23 @@ def plain(cfg: GPTConfig, device: torch.device, *, ac: bool = False, dtype: torc
     _wrap_blocks(model, ac, compile_blocks, sac)
     if budget is None:
         return _torch_system(model, _torch_adamw(model), device, dtype)
-    system = _torch_system(torch.compile(model), _torch_adamw(model), device, dtype)
-    first = system.forward_backward
+    return _torch_system(torch.compile(model, backend=_budgeted(budget)), _torch_adamw(model),
+                         device, dtype)
 
-    def forward_backward(batch):  # compiled at the first call, under the budget
-        import torch._functorch.config as functorch_config
 
+def _budgeted(budget: float):
+    """Inductor with its min-cut rematerialisation at ``activation_memory_budget=budget``: a
+    backend of its own per budget, so dynamo compiles again for each (its cache is shared by
+    every instance of the model's class and guards on the backend, not on functorch's config:
+    with one backend, every budget after the first reused the first one's programs)."""
+    import torch._functorch.config as functorch_config
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(gm, example_inputs):
         with functorch_config.patch(activation_memory_budget=budget):
-            return first(batch)
+            return compile_fx(gm, example_inputs)
 
-    return System(forward_backward, system.optimizer)
+    return backend
 
 
 def ddp(cfg: GPTConfig, device: torch.device, *, ac: bool = False, dtype: torch.dtype | None = None) -> System:
