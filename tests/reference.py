@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 
 import torch
 
@@ -10,6 +12,24 @@ import fz3
 from fz3.models.gpt import GPT, GPTConfig, synthetic_batch
 
 RTOL, ATOL = 1e-5, 1e-6  # fp32 equality (DEVELOPERS.md)
+
+
+@contextlib.contextmanager
+def fz3_said(level: int = logging.INFO):
+    """The messages the ``fz3`` logger emits at ``level`` and above inside the block (a list,
+    filled as they come; the logger's level restored after)."""
+    said: list[str] = []
+    handler = logging.Handler(level)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger = logging.getLogger("fz3")
+    logger.addHandler(handler)
+    old = logger.level
+    logger.setLevel(level)
+    try:
+        yield said
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)
 
 
 def gpt(cfg: GPTConfig, seed: int = 0) -> GPT:

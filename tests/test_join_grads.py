@@ -19,7 +19,7 @@ import dist
 import fz3
 from fz3.models import shard_gpt
 from fz3.models.gpt import GPTConfig, synthetic_batch
-from reference import assert_close, batches, gpt, reference_grads
+from reference import assert_close, batches, fz3_said, gpt, reference_grads
 from test_traced import same_as_untraced
 
 CFG = GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=4, dropout=0.2)
@@ -121,29 +121,17 @@ def test_joining_lowers_the_peak_where_activations_outweigh_the_shard():
 def budget_ranks(rank, world):
     """The budget planner takes whichever of join / not has the lower planned peak, and says
     which in its INFO line."""
-    import logging
-
     out = []
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = records.append
-    logger = logging.getLogger("fz3")
-    logger.addHandler(handler)
-    old = logger.level
-    logger.setLevel(logging.INFO)
-    try:
-        for cfg, per_rank in ((HEAVY, 8), (THIN, 1)):
-            model, params = shard_gpt(gpt(cfg))
-            batch = synthetic_batch(cfg, per_rank, seed=rank)
-            peaks = {join: fz3.memory_plan(model, fz3.plan(model, fz3.Policy(join_grads=join)),
-                                           batch).peak for join in (False, True)}
+    for cfg, per_rank in ((HEAVY, 8), (THIN, 1)):
+        model, params = shard_gpt(gpt(cfg))
+        batch = synthetic_batch(cfg, per_rank, seed=rank)
+        peaks = {join: fz3.memory_plan(model, fz3.plan(model, fz3.Policy(join_grads=join)),
+                                       batch).peak for join in (False, True)}
+        with fz3_said() as said:
             chosen = fz3.plan(model, memory=min(peaks.values()), batch=batch, params=params)
-            assert fz3.memory_plan(model, chosen, batch).peak <= min(peaks.values())
-            said = [r.getMessage() for r in records if "fz3.plan: memory=" in r.getMessage()]
-            out.append((bool(chosen.join_grads), said[-1].split("gradient shards ")[1][:6]))
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old)
+        assert fz3.memory_plan(model, chosen, batch).peak <= min(peaks.values())
+        line = [m for m in said if "fz3.plan: memory=" in m][-1]
+        out.append((bool(chosen.join_grads), line.split("gradient shards ")[1][:6]))
     return out
 
 

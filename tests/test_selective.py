@@ -10,7 +10,6 @@ same layer, counted from the programs' fake tensors."""
 
 from __future__ import annotations
 
-import logging
 import re
 
 import optree
@@ -23,7 +22,7 @@ from fz3.models import shard_gpt
 from fz3.models.gpt import GPTConfig
 from fz3.schedule.ops import HEAVY_OPS
 from fz3.step import joint
-from reference import (LayerNet, assert_close, batches, gpt, layer_post, layer_pre,
+from reference import (LayerNet, assert_close, batches, fz3_said, gpt, layer_post, layer_pre,
                        reference_grads)
 from test_traced import ReadsHost, same_as_untraced
 from test_traced_memory import B, D, T, _layer, as_layer
@@ -114,24 +113,14 @@ def fallback_ranks(rank, world):
     model, params = fz3.shard(module, layers="layers", pre=layer_pre, post=layer_post)
     g = torch.Generator().manual_seed(rank)
     b = (torch.randint(0, 11, (2, 5), generator=g), torch.randint(0, 11, (2, 5), generator=g))
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("fz3")
-    logger.addHandler(handler)
-    old = logger.level
-    logger.setLevel(logging.INFO)
-    try:
+    with fz3_said() as messages:
         step = fz3.value_and_grad(model, fz3.Policy(activations="selective"))
         loss, grads = step(params, b)
         step(params, b)
         fz3.value_and_grad(model, fz3.Policy(activations="selective"), trace=False)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old)
     want_loss, want = fz3.value_and_grad(model, trace=False)(params, b)
     assert torch.equal(loss, want_loss) and _same(grads, want)
-    said = [r.getMessage() for r in records if "selective" in r.getMessage()]
+    said = [m for m in messages if "selective" in m]
     assert len(said) == 2, said
     plan = fz3.memory_plan(model, fz3.plan(model, fz3.Policy(activations="selective")), b)
     recompute = fz3.memory_plan(model, fz3.plan(model, fz3.Policy()), b)
