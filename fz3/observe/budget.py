@@ -81,10 +81,13 @@ def fit(model: ShardedModel, memory: int, batch: Any, params: Params | None) -> 
     def peak(s: Schedule) -> int:
         return plan_of(model, s, act, selective, failed).peak
 
-    def lowest(policies) -> Schedule:  # ties: the first (gradients not joined: no copy)
-        return min((plan_policy(model, p) for p in policies), key=peak)
+    def lowest(make) -> Schedule:
+        """``make(join)`` with gradient shards joined or not, whichever plans the lower peak
+        (ties: not joined, which copies nothing)."""
+        return min((make(join) for join in (False, True)), key=peak)
 
-    bases = [lowest([Policy(prefetch=p), Policy(prefetch=p, join_grads=True)]) for p in (1, 0)]
+    bases = [lowest(lambda join, p=p: plan_policy(model, Policy(prefetch=p, join_grads=join)))
+             for p in (1, 0)]
     fits = [b for b in bases if peak(b) <= memory]
     if not fits:
         raise ValueError(
@@ -95,10 +98,8 @@ def fit(model: ShardedModel, memory: int, batch: Any, params: Params | None) -> 
     prefetch = 1 if fits[0] is bases[0] else 0
 
     def build(resident: frozenset[str], kinds: dict[int, OpKind]) -> Schedule:
-        options = [_with(plan_policy(model, Policy(prefetch=prefetch, join_grads=join,
-                                                   resident=tuple(sorted(resident)))), kinds)
-                   for join in (False, True)]
-        return min(options, key=peak)
+        return lowest(lambda join: _with(plan_policy(model, Policy(
+            prefetch=prefetch, join_grads=join, resident=tuple(sorted(resident)))), kinds))
 
     params = params if params is not None else _zeros(model)
     saves = _savings(model, build, params, batch, failed)

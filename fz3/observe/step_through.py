@@ -14,7 +14,7 @@ from ..schedule.structure import Role
 from ..schedule.planner import Policy
 from ..schedule.schedule import Schedule
 from ..sharding.model import Params, ShardedModel
-from ..step.executor import execute
+from ..step.executor import execute, lower
 from ..step.state import Frame, Result
 from ..step.front import check_call, prepare
 
@@ -77,7 +77,7 @@ def step_through(model: ShardedModel, params: Params, batch: Any,
     """
     check_call(model, params, batch, entry="fz3.step_through")  # local, before any collective
     sched = prepare(model, schedule, grad=True, entry="step_through")
-    gen = execute(model, sched, params, batch, recorder)
+    gen = execute(model, lower(model, sched), params, batch, recorder)
     try:
         while True:
             try:

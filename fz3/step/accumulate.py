@@ -23,7 +23,7 @@ import torch
 
 from ..comm.collectives import all_reduce, wait
 from .traced import TracedLayers
-from .executor import execute
+from .executor import execute, lower
 from ..sharding.model import Params, ShardedModel
 from ..schedule.planner import Policy, deferred
 from ..schedule.schedule import Schedule
@@ -41,6 +41,9 @@ class Accumulate:
                              f"(reduce once)")
         self.model, self.schedule, self.policy, self.traced = model, schedule, policy, traced
         self.deferred = deferred(schedule) if policy == "defer" else None
+        # lowered once: the last micro-batch's program reduces, the others' (defer) accumulate
+        self.programs = (lower(model, schedule),
+                         lower(model, self.deferred) if self.deferred is not None else None)
         self.steps = 0  # calls so far, checked across ranks
         self.check_sync = check_sync
 
@@ -57,10 +60,10 @@ class Accumulate:
         carry: dict[int, torch.Tensor] = {}
         for i, mb in enumerate(micro_batches):
             last = i == k - 1
-            sched = self.schedule if self.policy == "reduce" or last else self.deferred
+            program = self.programs[0 if self.policy == "reduce" or last else 1]
             # Hybrid sharding: the reduce policy sums shards over micro-batches first and
             # across replicas once, below (FSDP2 keeps a partial reduce output the same way).
-            result = drain(execute(self.model, sched, params, mb, loss_scale=1.0 / k,
+            result = drain(execute(self.model, program, params, mb, loss_scale=1.0 / k,
                                    carry=carry, reduce_replicas=self.policy == "defer",
                                    traced=self.traced, frames=False))
             losses.append(result.loss)

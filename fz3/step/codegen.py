@@ -7,6 +7,7 @@ one call each (``one_call_views``, ``one_call_flatten``), constant zeros made on
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from typing import Any, Callable, Sequence
@@ -20,20 +21,19 @@ class TraceError(Exception):
     """The layer cannot be traced into programs (it runs through autograd instead)."""
 
 
-class _Views:
+class _Views(functools.partial):
     """``row -> views`` of consecutive pieces of it, shaped as given: what
-    ``FlatLayout.views``' split and views do, in one C++ call."""
+    ``FlatLayout.views``' split and views do, in one C++ call (a ``partial`` of it: no Python
+    frame per call)."""
 
     __name__ = "views"  # a node's target needs one
 
-    def __init__(self, shapes: Sequence[tuple[int, ...]]):
-        self.templates = [torch.empty(shape, device="meta") for shape in shapes]
-
-    def __call__(self, row: torch.Tensor) -> list[torch.Tensor]:
-        return torch._C._nn.unflatten_dense_tensors(row, self.templates)
+    def __new__(cls, shapes: Sequence[tuple[int, ...]]):
+        return super().__new__(cls, torch._C._nn.unflatten_dense_tensors,
+                               tensors=[torch.empty(shape, device="meta") for shape in shapes])
 
     def __repr__(self) -> str:
-        return f"views{[tuple(t.shape) for t in self.templates]}"
+        return f"views{[tuple(t.shape) for t in self.keywords['tensors']]}"
 
 
 def one_call_views(graph: fx.Graph, params: int) -> None:

@@ -10,7 +10,7 @@ a timing event is recorded on the current stream per op boundary and read only w
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
+from typing import Generator, NamedTuple
 
 import torch
 
@@ -86,3 +86,29 @@ class Recorder:
         self._cuda[-1][1].synchronize()
         first = self._cuda[0][0]
         return [(first.elapsed_time(a), first.elapsed_time(b)) for a, b in self._cuda]
+
+
+def observed(s, schedule: Schedule, steps: tuple, recorder, profiling: bool) -> Generator:
+    """``fz3.step.executor.execute``'s loop over a lowered schedule's ``steps`` with a
+    recorder (each op's time, bytes and live units) or a profiler running (each op a named
+    range): it yields each step's frame, as that loop does. ``s``: the step's ``StepState``."""
+    traced = s.traced
+    # what the layers' traces and compilations were before: a step that made more is marked
+    made = None
+    if recorder is not None:
+        recorder.begin_step(schedule, s.model.device)
+        made = None if traced is None else traced.made
+    for index, (op, step) in enumerate(zip(schedule.ops, steps)):
+        start = recorder.start() if recorder is not None else None
+        if profiling:
+            with torch.profiler.record_function(f"fz3 {schedule.describe(op)}"):
+                frame = step(s)
+        else:
+            frame = step(s)
+        if recorder is not None:
+            recorder.record(index, start, s.live_units(), s.moved_bytes(op), s.owned_bytes())
+        if frame is not None:
+            yield frame
+            frame = None
+    if made is not None and traced.made != made:
+        recorder.mark_tracing()

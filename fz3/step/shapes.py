@@ -7,9 +7,10 @@ gathered as it is (1-D, ``(full,)``: no copy, and no view made per op), its grad
 1-D ``(world*n,)`` (rank-major already), and a freed one is gathered straight back into its
 released storage. That saved a few microseconds per layer and op on the host
 (``benchmarks/host_overhead.py``, where most units are one layer), so it is kept, but every
-shape that depends on it is decided here, by these functions of the ``Unit``; the handlers
-never ask. A unit that is not a stack's (pre, between, post, shared) is one ``(padded,)``
-buffer.
+shape that depends on it is decided here, by these functions of the ``Unit`` (and where
+its reduce lands, by ``unit_io.result_lander``), once, when the schedule is lowered
+(``fz3.step.executor.lower``); the steps never ask. A unit that is not a stack's (pre,
+between, post, shared) is one ``(padded,)`` buffer.
 """
 
 from __future__ import annotations
@@ -22,18 +23,29 @@ from ..schedule.schedule import Unit
 from ..schedule.structure import Role
 
 
-def gathered_shards(unit: Unit, trained: torch.Tensor, frozen: torch.Tensor | None,
-                    rows: Callable[[], tuple[torch.Tensor, ...]]
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """What a unit gathers from its part's trained shard (``(L, shard)`` for a stack) and
-    frozen one: a one-layer unit its row (1-D; ``rows()``: the trained shard's rows, split
-    once per step), a unit of k layers its ``(k, shard)`` rows, any other unit the shard."""
+def shard_picker(unit: Unit, frozen: torch.Tensor | None
+                 ) -> Callable[[torch.Tensor, dict, int], tuple[torch.Tensor, torch.Tensor | None]]:
+    """What a unit gathers, as ``pick(trained, rows, part) -> (trained, frozen)``, both 1-D:
+    from its part's trained shard (``(L, shard)`` for a stack) a one-layer unit its row (the
+    shard's rows split once per step into ``rows[part]``), a unit of k layers its ``(k,
+    shard)`` rows flat, any other unit the shard; likewise from the part's ``frozen`` shard
+    (decided here, once)."""
     if unit.role is not Role.STACK:
-        return trained, frozen
+        flat = None if frozen is None else frozen.reshape(-1)
+        return lambda trained, rows, part: (trained.reshape(-1), flat)
     first, stop = unit.layers.start, unit.layers.stop
     if stop - first == 1:
-        return rows()[first], None if frozen is None else frozen[first]
-    return trained[first:stop], None if frozen is None else frozen[first:stop]
+        row = None if frozen is None else frozen[first]
+
+        def one(trained: torch.Tensor, rows: dict, part: int):
+            split = rows.get(part)
+            if split is None:
+                split = rows[part] = trained.unbind(0)
+            return split[first], row
+
+        return one
+    rows_k = None if frozen is None else frozen[first:stop].reshape(-1)
+    return lambda trained, rows, part: (trained[first:stop].reshape(-1), rows_k)
 
 
 def gathers_in_place(unit: Unit) -> bool:
@@ -42,21 +54,29 @@ def gathers_in_place(unit: Unit) -> bool:
     return len(unit.layers) == 1
 
 
-def arranged(unit: Unit, out: torch.Tensor, world: int,
-             into: torch.Tensor | None) -> torch.Tensor:
-    """A waited gather ``out`` in its unit's shape: a stack unit's ``(k, full)``, layer-major
-    (for k > 1 copied out of the rank-major gather, into ``into`` if it was released:
-    regrown, the same storage a live graph saved views of); ``out`` otherwise."""
+def arranger(unit: Unit, world: int) -> Callable[[torch.Tensor, torch.Tensor | None],
+                                                 tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
+    """``arrange(out, into) -> (buffer, rows)``: a waited gather ``out`` in its unit's shape,
+    with its layers' rows (1-D, one per layer): a stack unit's ``(k, full)``, layer-major (for
+    k > 1 copied out of the rank-major gather, into ``into`` if it was released: regrown, the
+    same storage a live graph saved views of), a one-layer unit's row as gathered; ``out``
+    and no rows otherwise."""
     if unit.role is not Role.STACK:
-        return out
+        return lambda out, into: (out, ())
     k = len(unit.layers)
     if k == 1:
-        return out.view(1, -1)
-    ranked = out.view(world, k, -1).transpose(0, 1)
-    if into is None:
-        return ranked.reshape(k, -1)
-    regrow(into).view(ranked.shape).copy_(ranked)
-    return into
+        return lambda out, into: (out.view(1, -1), (out,))
+
+    def layer_major(out: torch.Tensor, into: torch.Tensor | None):
+        ranked = out.view(world, k, -1).transpose(0, 1)
+        if into is None:
+            buffer = ranked.reshape(k, -1)
+        else:
+            buffer = into
+            regrow(into).view(ranked.shape).copy_(ranked)
+        return buffer, buffer.unbind(0)
+
+    return layer_major
 
 
 def regrow(buf: torch.Tensor) -> torch.Tensor:
@@ -64,14 +84,6 @@ def regrow(buf: torch.Tensor) -> torch.Tensor:
     undefined until written)."""
     buf.untyped_storage().resize_(buf.numel() * buf.element_size())
     return buf
-
-
-def layer_rows(unit: Unit, out: torch.Tensor, buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """A stack unit's gathered rows, one 1-D tensor per layer (a one-layer unit's as gathered,
-    ``out``); () for other units."""
-    if unit.role is not Role.STACK:
-        return ()
-    return (out,) if len(unit.layers) == 1 else buffer.unbind(0)
 
 
 def leaf_rows(buffer: torch.Tensor) -> Sequence[torch.Tensor]:
@@ -104,11 +116,3 @@ def frame_grad(unit: Unit, grad: torch.Tensor, world: int) -> torch.Tensor:
     if grad.dim() == 1 and unit.role is Role.STACK:
         return grad.view(world, 1, -1)
     return grad
-
-
-def result_rows(unit: Unit, grads: torch.Tensor, rows: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """Where this rank's reduced gradient of a stack unit lands in its part's ``(L, shard)``
-    gradient shard ``grads`` (``rows``: its rows, split once per step): a one-layer unit's
-    row, k layers' ``(k*shard,)``."""
-    first, stop = unit.layers.start, unit.layers.stop
-    return rows[first] if stop - first == 1 else grads[first:stop].view(-1)

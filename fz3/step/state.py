@@ -1,9 +1,34 @@
 """``StepState``: everything one step's ops share, by unit, for one call of the executor.
 
-The handlers in ``fz3/step/executor.py`` and ``fz3/step/movement.py`` (and the ``unit_io``
+The steps of ``fz3/step/executor.py`` and ``fz3/step/movement.py`` (and the ``unit_io``
 functions they call) read and write it; nothing else does. It answers the two questions
 others ask about a running step: which bytes it owns and moves (for ``Recorder``) and which
 collectives are still in flight (to drain them when a step ends early).
+
+[Note: buffer lifetimes, per unit]
+- gather: a ``(world*k*n,)`` buffer in the compute dtype, alive until ``free``; a unit of k>1
+  layers is copied once into ``(k, full)`` layer order (rank-major gather order otherwise).
+  At world size 1 it is the shard itself (or its cast to the compute dtype): nothing is
+  copied, and ``free`` never releases the parameters' own storage (``Pieces.owned``, from the
+  collective's result: ``Pending.is_input``).
+- forward: keeps the unit's input (``forward``: recompute in backward, with the RNG state
+  it started from) or its autograd graph (``forward_save``); traced layers
+  (``fz3.step.traced``) keep their programs' residuals instead of a graph, as a rule none
+  of them a view of the gathered buffer (their backward re-reads the re-gathered one; one
+  that does is held like a graph). A unit freed while its graph is alive keeps its buffer
+  object with zero-sized storage (``Released``) and is re-gathered
+  into that same storage before its backward, as FSDP2 does with ``untyped_storage().resize_()``:
+  the graph's saved views then see the re-gathered values.
+- backward (and loss, for the post unit): one flat gradient ``(world, k, n)`` in rank-major
+  order (one layer's kept ``(world*n,)``, the same memory), alive until its reduce is
+  waited. A unit of tied parameters (a shared part) gets its flat gradient from its first
+  reader's loss or backward; later readers add into it; it is reduced after the last one.
+- reduce: writes this rank's fp32 shard straight into the step's result: the part's whole
+  gradient shard is allocated at the first reduce of any of its units (as activations are
+  freed, like autograd's own ``.grad``), and nothing is copied at the end of the step. A
+  part in ``Schedule.join_grads`` has each unit's rows reduced into a buffer of its own
+  instead, joined into its shard (one copy) once every reduce is waited.
+- loss: the mean over ranks is all-reduced as soon as it exists and waited at the end.
 """
 
 from __future__ import annotations
@@ -74,6 +99,10 @@ class Recompute(NamedTuple):
 
 Saved = Union[Kept, Recompute]  # a tagged union: the record type says which
 
+# One op of a lowered schedule (``fz3.step.executor.lower``): everything about the op that
+# does not change between steps decided when it was made; run on the step's state.
+Step = Callable[["StepState"], Union[Frame, None]]
+
 
 class Gathering(NamedTuple):
     """A unit's gathers, issued and not yet waited (``StepState.gathering``)."""
@@ -120,9 +149,10 @@ class StepState:
     gathered: dict[int, Pieces] = field(default_factory=dict)
     released: dict[int, Released] = field(default_factory=dict)
     # by part: its trained shard's rows, split once per step (a stack's one-layer units gather
-    # them), and its gradient shard's rows, where its units' reduces land
+    # them), and its gradient shard with its rows, where its units' reduces land
     shard_rows: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
-    grad_rows: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    grad_rows: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = field(
+        default_factory=dict)
     # by part in ``Schedule.join_grads``: its units' reduced (k, shard) rows, by first layer,
     # until the step's end joins them into its gradient shard
     joining: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)

@@ -1,6 +1,6 @@
 """What a unit's function is called with, and where its results go.
 
-The executor's handlers (``fz3/step/executor.py``) decide when a unit runs; these functions
+The executor's steps (``fz3/step/executor.py``) decide when a unit runs; these functions
 say how: which shards it gathers, which tensors (views of its gathered buffers) its function
 gets, which autograd leaves stand for them, and where its gradients and outputs land (its
 unreduced gradient, the shared units it reads, the step's result, the ``Frame``).
@@ -8,38 +8,18 @@ unreduced gradient, the shared units it reads, the step's result, the ``Frame``)
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import optree
 import torch
 
 from ..schedule.ops import Op
+from ..schedule.schedule import Schedule, Unit
 from ..schedule.structure import Role
+from ..sharding.model import ShardedModel
 from . import shapes
 from .engine import AutogradLayers, Produced, Stage, StagePieces
-from .state import Frame, StepState
-
-
-def gather_pieces(s: StepState, unit) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
-    """What a unit gathers: its trained shard, cast to the compute dtype before the gather (bf16
-    moves half the bytes), its frozen shard (stored in that dtype already) or None, and
-    whether the trained one is a cast (the step's own memory). A unit of one layer gathers
-    its row (1-D), of k layers its ``(k, shard)`` rows."""
-    # the part's rows, split once per step: one op for all its units
-    trained, frozen = shapes.gathered_shards(unit, s.params.parts[unit.part],
-                                             s.model.frozen[unit.part],
-                                             lambda: _shard_rows(s, unit.part))
-    compute_dtype = s.model.precision.compute
-    if trained.dtype == compute_dtype:
-        return trained, frozen, False
-    return trained.to(compute_dtype), frozen, True
-
-
-def _shard_rows(s: StepState, part: int) -> tuple[torch.Tensor, ...]:
-    rows = s.shard_rows.get(part)
-    if rows is None:
-        rows = s.shard_rows[part] = s.params.parts[part].unbind(0)
-    return rows
+from .state import Frame, Loss, StepState
 
 
 def stage_pieces(s: StepState, u: int) -> StagePieces:
@@ -60,34 +40,38 @@ def stage_pieces(s: StepState, u: int) -> StagePieces:
     return StagePieces(tuple(s.gathered[v].buffer for v in units), views)
 
 
-def stage_engine(s: StepState, u: int) -> Stage:
-    """What runs a pre, between or post unit (post: the step's loss function)."""
-    unit = s.schedule.units[u]
+def stage_engine(model: ShardedModel, unit: Unit) -> Callable[[Loss], Stage]:
+    """What runs a pre, between or post unit, given the step's loss function (post's; the
+    others' are made here, once)."""
     if unit.role is Role.POST:
-        fn, has_aux = s.loss_fn
-        return Stage(fn, Role.POST, "post" if fn is s.model.post else "the loss function",
-                     has_aux)
-    return Stage(s.model.functions[unit.part], unit.role, unit.name)
+        return lambda loss: Stage(loss.fn, Role.POST, "post" if loss.fn is model.post
+                                  else "the loss function", loss.has_aux)
+    stage = Stage(model.functions[unit.part], unit.role, unit.name)
+    return lambda loss: stage
 
 
-def layer_engine(s: StepState, u: int, x: torch.Tensor, produced: Produced,
-                 keep: frozenset[str] | None = None):
-    """What runs a layer unit on ``x`` and its producer's extras ``produced``
-    (``fz3.step.engine``'s protocol): its traced programs (``fz3.step.programs.Layers``; with
-    ``keep``, selective recompute's), or, for layers that cannot be traced and with
-    ``trace=False``, autograd (``keep`` None: it has no selective form). On the per-layer
-    path: once traced, a dict lookup."""
-    unit = s.schedule.units[u]
-    if s.traced is not None:
-        if produced.traced is None:  # at the first layer that reads them in this step
-            produced.traced = s.traced.extras(produced.extras, produced.positions)
-        layers = s.traced.layers(unit.part, unit.layers.start, unit.layers.stop, x,
-                                 produced.traced, keep)
-        if layers is not None:
-            return layers
-    part = s.model.parts[unit.part]
-    return AutogradLayers(s.model.functions[unit.part][unit.layers.start:unit.layers.stop], part,
-                          unit.layers.start, s.model.writes_input, s.model.layer_aux)
+def layer_engine(model: ShardedModel, unit: Unit, keep: frozenset[str] | None = None
+                 ) -> Callable[[Any, torch.Tensor, Produced], Any]:
+    """``find(traced, x, produced)``: what runs a layer unit on ``x`` and its producer's
+    extras ``produced`` (``fz3.step.engine``'s protocol): its traced programs
+    (``fz3.step.programs.Layers``; with ``keep``, selective recompute's), or, for layers that
+    cannot be traced and with ``trace=False`` (``traced`` None), autograd (made here, once;
+    ``keep`` None: it has no selective form). On the per-layer path: once traced, a dict
+    lookup."""
+    part, first, stop = unit.part, unit.layers.start, unit.layers.stop
+    autograd = AutogradLayers(model.functions[part][first:stop], model.parts[part], first,
+                              model.writes_input, model.layer_aux)
+
+    def find(traced, x: torch.Tensor, produced: Produced):
+        if traced is not None:
+            if produced.traced is None:  # at the first layer that reads them in this step
+                produced.traced = traced.extras(produced.extras, produced.positions)
+            layers = traced.layers(part, first, stop, x, produced.traced, keep)
+            if layers is not None:
+                return layers
+        return autograd
+
+    return find
 
 
 def aux_units(s: StepState) -> list[list[int]]:
@@ -146,27 +130,37 @@ def add_gradients(s: StepState, u: int, grads, leaves: Sequence[torch.Tensor]) -
     return own
 
 
-def result_shard(s: StepState, unit) -> torch.Tensor:
-    """Where this rank's reduced gradient of ``unit`` lands: its rows of the part's gradient
-    shard in the step's result, allocated at the part's first reduce (and split into rows
-    once: one op for all the part's units); for a part in ``Schedule.join_grads``, the unit's
-    own ``(k, shard)`` rows, joined into the part's shard after the backward (``joined``)."""
-    part = s.model.parts[unit.part]
-    if unit.part in s.schedule.join_grads:
-        rows = s.joining.setdefault(unit.part, {})[unit.layers.start] = torch.empty(
-            (len(unit.layers), part.layout.shard_numel), dtype=torch.float32,
-            device=s.model.device)
-        return rows.view(-1)
-    rows = s.grad_rows.get(unit.part)
-    if rows is None:
-        shape = ((part.rows, part.layout.shard_numel) if part.role is Role.STACK
-                 else (part.layout.shard_numel,))
-        grads = s.grads[unit.part] = torch.empty(shape, dtype=torch.float32,
-                                                 device=s.model.device)
-        rows = s.grad_rows[unit.part] = grads.unbind(0) if part.role is Role.STACK else ()
+def result_lander(model: ShardedModel, schedule: Schedule, unit: Unit
+                  ) -> Callable[[StepState], torch.Tensor]:
+    """``land(state)``: where this rank's reduced gradient of ``unit`` lands: its rows of the
+    part's gradient shard in the step's result, allocated at the part's first reduce (and
+    split into rows once: one op for all the part's units); for a part in
+    ``Schedule.join_grads``, the unit's own ``(k, shard)`` rows, joined into the part's shard
+    after the backward (``joined``)."""
+    p, part, device = unit.part, model.parts[unit.part], model.device
+    first, stop = unit.layers.start, unit.layers.stop
+    if p in schedule.join_grads:
+        shape = (stop - first, part.layout.shard_numel)
+
+        def own_rows(s: StepState) -> torch.Tensor:
+            rows = s.joining.setdefault(p, {})[first] = torch.empty(
+                shape, dtype=torch.float32, device=device)
+            return rows.view(-1)
+
+        return own_rows
+    stack = part.role is Role.STACK
+    shape = (part.rows, part.layout.shard_numel) if stack else (part.layout.shard_numel,)
+
+    def shard(s: StepState) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        grads = s.grads[p] = torch.empty(shape, dtype=torch.float32, device=device)
+        got = s.grad_rows[p] = grads, grads.unbind(0) if stack else ()
+        return got
+
     if unit.role is not Role.STACK:
-        return s.grads[unit.part]
-    return shapes.result_rows(unit, s.grads[unit.part], rows)
+        return lambda s: (s.grad_rows.get(p) or shard(s))[0]
+    if stop - first == 1:
+        return lambda s: (s.grad_rows.get(p) or shard(s))[1][first]
+    return lambda s: (s.grad_rows.get(p) or shard(s))[0][first:stop].view(-1)
 
 
 def joined(s: StepState) -> None:

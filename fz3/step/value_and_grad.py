@@ -11,7 +11,7 @@ from ..schedule.planner import Policy
 from ..schedule.schedule import Schedule
 from ..sharding.model import Params, ShardedModel
 from .traced import TracedLayers
-from .executor import execute
+from .executor import execute, lower
 from .finite import drain_checking_finite
 from .front import (check_call, check_in_sync, drain, layer_runner, loss_of, prepare,
                     say_untraced_selective)
@@ -26,6 +26,7 @@ class ValueAndGrad:
                  check_finite: bool = False, check_sync: bool | None = None,
                  traced: TracedLayers | None = None):
         self.model, self.schedule, self.recorder = model, schedule, recorder
+        self.program = lower(model, schedule)  # once: every call runs its steps
         self.traced = traced
         self.loss = loss_of(model, loss, has_aux)
         self.check_finite = check_finite
@@ -38,7 +39,7 @@ class ValueAndGrad:
         if self.check_sync:
             check_in_sync(self.model, self.steps, "value_and_grad's step", [batch], empty)
         self.steps += 1
-        gen = execute(self.model, self.schedule, params, batch, self.recorder, loss=self.loss,
+        gen = execute(self.model, self.program, params, batch, self.recorder, loss=self.loss,
                       loss_scale=loss_scale, traced=self.traced, frames=self.check_finite)
         result = (drain_checking_finite(self.model, self.schedule, gen) if self.check_finite
                   else drain(gen))
@@ -118,7 +119,7 @@ def apply(model: ShardedModel, params: Params, batch: Any, *,
     else:  # local too: refused options fail before the schedule's collective
         traced = layer_runner(model, trace=trace, compile=compile, strict=False)
     sched = prepare(model, schedule, grad=False, entry="apply")
-    result = drain(execute(model, sched, params, batch, recorder,
+    result = drain(execute(model, lower(model, sched), params, batch, recorder,
                            loss=loss_of(model, loss, has_aux), traced=traced, frames=False))
     if output is not None:
         return result.aux

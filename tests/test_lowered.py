@@ -1,0 +1,99 @@
+"""The schedule lowered once (issue 26, item 1): ``fz3.step.executor.lower`` makes one step per
+op when the step function is made, and a steady step runs those steps without reading the
+schedule again. What is measured is the per-layer Python work of the executor: calls into
+fz3's own functions per layer in a steady step (``sys.setprofile``), the difference between a
+16- and an 8-layer model over 8. Counts, not times: they are the same on every machine.
+
+The bounds are this code's counts. Before the lowering (the interpreter of ``f30f498``) the
+same counts were 67 (``save``) and 71 (``recompute``) calls per layer at world size 1, 70 and
+74 at world size 2. The lowered step makes 29/32 and 32/35; two of the calls saved per layer
+are the traced programs' parameter views, now a ``functools.partial`` of one C++ function
+(no Python frame). A change that makes the per-layer path do more fails here: measure it
+with ``benchmarks/host_overhead.py`` (interleaved A/B
+pairs) and raise the bound in the same change if it is worth it."""
+
+from __future__ import annotations
+
+import collections
+import sys
+
+import dist
+import fz3
+import fz3.step.value_and_grad as vg
+from fz3.models import shard_gpt
+from fz3.models.gpt import GPTConfig
+from reference import batches, gpt
+
+# per layer, steady step: (world size, policy) -> the most fz3 calls allowed
+BOUNDS = {(1, "save"): 29, (1, "recompute"): 32, (2, "save"): 32, (2, "recompute"): 35}
+
+
+def _policy(name: str) -> fz3.Policy:
+    return fz3.Policy() if name == "recompute" else fz3.Policy(activations=name)
+
+
+def _fz3_calls(step, params, batch) -> collections.Counter:
+    """Calls into functions defined in fz3's files during one call of ``step``, by function."""
+    counts: collections.Counter = collections.Counter()
+
+    def profile(frame, event, arg):
+        if event == "call" and "/fz3/" in frame.f_code.co_filename:
+            counts[f"{frame.f_code.co_filename.split('/fz3/')[-1]}:{frame.f_code.co_name}"] += 1
+
+    sys.setprofile(profile)
+    try:
+        step(params, batch)
+    finally:
+        sys.setprofile(None)
+    return counts
+
+
+def calls_ranks(rank, world, policy):
+    per_layers = {}
+    for layers in (8, 16):
+        cfg = GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=layers)
+        model, params = shard_gpt(gpt(cfg))
+        b = batches(cfg, world)[rank]
+        step = fz3.value_and_grad(model, _policy(policy), check_sync=False)
+        step(params, b)  # traces
+        step(params, b)
+        per_layers[layers] = _fz3_calls(step, params, b)
+    more = per_layers[16] - per_layers[8]
+    return sum(more.values()) / 8, {k: v / 8 for k, v in more.most_common(12)}
+
+
+def test_a_steady_step_makes_few_python_calls_per_layer():
+    for (world, policy), bound in BOUNDS.items():
+        per_layer, top = dist.run(world, calls_ranks, policy, timeout=300)[0]
+        assert per_layer <= bound, (
+            f"world size {world}, {policy}: {per_layer} calls into fz3 per layer in a steady step, "
+            f"the bound is {bound} (the most frequent: {top}); see this file's docstring")
+
+
+def lowered_ranks(rank, world):
+    cfg = GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=3)
+    model, params = shard_gpt(gpt(cfg))
+    b = batches(cfg, world)[rank]
+    made = []
+    lower = vg.lower
+
+    def counting(model, schedule):
+        made.append(schedule)
+        return lower(model, schedule)
+
+    vg.lower = counting  # the test's own spy, undone below
+    try:
+        step = fz3.value_and_grad(model, fz3.Policy(activations="save"))
+        losses = [float(step(params, b)[0]) for _ in range(3)]
+    finally:
+        vg.lower = lower
+    program = step.program
+    assert made == [step.schedule], made  # once, when the step function was made
+    assert program.schedule is step.schedule
+    assert len(program.steps) == len(step.schedule.ops)
+    assert losses[0] == losses[1] == losses[2]
+    return "ok"
+
+
+def test_value_and_grad_lowers_its_schedule_once():
+    assert dist.run(2, lowered_ranks, timeout=240) == ["ok"] * 2
