@@ -73,7 +73,8 @@ class Comm:
         return self.world_size == 1 and self.local_copies
 
     def _delay(self) -> None:
-        time.sleep(self.delay_s * self.rank)
+        if self.delay_s:
+            time.sleep(self.delay_s * self.rank)
 
 
 class Pending(NamedTuple):
@@ -108,8 +109,7 @@ def all_gather(comm: Comm, out: torch.Tensor | None, shard: torch.Tensor,
     """Issue ``out (world*n,) <- concat over ranks of shard (n,)``. ``out`` None: a new
     buffer, or in a group of one rank the shard itself (no copy: the caller must not write
     into the result)."""
-    if comm.delay_s:
-        comm._delay()
+    comm._delay()
     if comm.local:
         return Pending(None, shard if out is None else out.copy_(shard), shard, comm.group,
                        label)
@@ -122,8 +122,7 @@ def all_gather(comm: Comm, out: torch.Tensor | None, shard: torch.Tensor,
 def reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor,
                    label: object = "reduce-scatter") -> Pending:
     """Issue ``out (n,) <- sum over ranks of full[rank*n:(rank+1)*n]`` (full: (world*n,))."""
-    if comm.delay_s:
-        comm._delay()
+    comm._delay()
     if comm.local:
         return Pending(None, out.copy_(full), full, comm.reduce_group, label)
     work = _issue(comm.reduce_group, label, reduce_scatter_into, out, full, op=dist.ReduceOp.SUM,
@@ -134,8 +133,7 @@ def reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor,
 def all_reduce(comm: Comm, t: torch.Tensor, *, group: dist.ProcessGroup | None = None,
                label: object = "all-reduce") -> Pending:
     """Issue an in-place sum of ``t`` over ``group`` (default: the gradient group)."""
-    if comm.delay_s:
-        comm._delay()
+    comm._delay()
     group = group or comm.reduce_group
     size = comm.replicas if group is comm.replicate_group else comm.world_size
     if size == 1 and comm.local_copies:

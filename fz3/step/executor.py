@@ -148,9 +148,9 @@ def _forward_layers(model: ShardedModel, schedule: Schedule, op: Op, index: int)
             if grad:
                 s.saved[u] = Recompute(x=x, engine=engine, rng=before)
         if aux is None:
-            return frame_of(s, op, index, x, s.h, None) if s.frames else None
+            return frame_of(s, op, index, x, s.h, None)
         s.layer_aux[u] = aux
-        return frame_of(s, op, index, x, (s.h, aux), None) if s.frames else None
+        return frame_of(s, op, index, x, (s.h, aux), None)
 
     return forward_layers
 
@@ -189,9 +189,8 @@ def _loss(model: ShardedModel, schedule: Schedule, op: Op, index: int) -> Step:
 
 
 def _backward_layers(model: ShardedModel, schedule: Schedule, op: Op, index: int) -> Step:
-    u, producer, unit, device = op.unit, schedule.producers[op.unit], schedule.units[op.unit], \
-        model.device
-    world, by_layer = model.world_size, schedule.reduce == "all_reduce"
+    u, producer, unit = op.unit, schedule.producers[op.unit], schedule.units[op.unit]
+    device, world, by_layer = model.device, model.world_size, schedule.reduce == "all_reduce"
     reduce, layer_aux = model.precision.reduce, model.layer_aux
 
     def backward_layers(s: StepState) -> Frame | None:
@@ -208,16 +207,13 @@ def _backward_layers(model: ShardedModel, schedule: Schedule, op: Op, index: int
         g_aux = s.grad_aux.pop(u, None) if s.grad_aux else None
         g_buffer, g_x, g_extras = engine.backward(memory, residuals, s.grad_h, g_aux, extras)
         del residuals
-        grad_out, s.grad_h = s.grad_h, g_x if g_x is not None else torch.zeros_like(saved.x)
+        grad_out, s.grad_h = s.grad_h, or_zeros(g_x, saved.x)
         for j, ge in zip(extras.positions, g_extras):
             if ge is not None:
                 extras.grads[j] = ge if j not in extras.grads else extras.grads[j] + ge
-        if g_buffer is None:
-            g_buffer = torch.zeros_like(memory.buffer)
-        flat = shapes.flat_grad(unit, g_buffer, world, by_layer=by_layer)
+        flat = shapes.flat_grad(unit, or_zeros(g_buffer, memory.buffer), world,
+                                by_layer=by_layer)
         s.unreduced[u] = flat if flat.dtype == reduce else flat.to(reduce)
-        if not s.frames:
-            return None
         return frame_of(s, op, index, (grad_out, g_aux) if layer_aux else grad_out, s.grad_h,
                         s.unreduced[u])
 
@@ -244,9 +240,11 @@ def _backward_stage(model: ShardedModel, schedule: Schedule, op: Op, index: int)
 
 def _by_role(layers: Callable, stage: Callable) -> Callable:
     """A compute op's step maker: ``layers`` for a stack unit, ``stage`` for the others."""
-    return lambda model, schedule, op, index: (
-        layers if schedule.units[op.unit].role is Role.STACK else stage)(model, schedule, op,
-                                                                         index)
+    def make(model: ShardedModel, schedule: Schedule, op: Op, index: int) -> Step:
+        stack = schedule.units[op.unit].role is Role.STACK
+        return (layers if stack else stage)(model, schedule, op, index)
+
+    return make
 
 
 _forward, _backward = (_by_role(_forward_layers, _forward_stage),

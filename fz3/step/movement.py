@@ -35,7 +35,7 @@ def gather_op(model: ShardedModel, schedule: Schedule, op: Op, index: int) -> St
     in_place = shapes.gathers_in_place(unit)
 
     def gather(s: StepState) -> None:
-        trained, frozen = pick(s.params.parts[part], s.shard_rows, part)
+        trained, frozen = pick(s.params.parts[part], s.shard_rows)
         cast = trained.dtype != dtype
         if cast:  # the step's own memory
             trained = trained.to(dtype)
@@ -64,13 +64,10 @@ def wait_op(model: ShardedModel, schedule: Schedule, op: Op, index: int) -> Step
         gathering = s.gathering.pop(u)
         back = s.released.pop(u, None) if s.released else None
         out = wait(gathering.trained)
-        frozen = gathering.frozen
-        if back is None:
-            buffer, rows = arrange(out, None)
-            frozen = None if frozen is None else arrange(wait(frozen), None)[0]
-        else:
-            buffer, rows = arrange(out, back.trained)
-            frozen = None if frozen is None else arrange(wait(frozen), back.frozen)[0]
+        buffer, rows = arrange(out, None if back is None else back.trained)
+        frozen = None if gathering.frozen is None else arrange(
+            wait(gathering.frozen), None if back is None else back.frozen)[0]
+        if back is not None:
             # The graph's saved views now hold the same values again; collectives and the copy
             # bumped the version counters (gloo: when the work completes), which autograd
             # would take for an in-place change. Restore them.
@@ -121,9 +118,7 @@ def reduce_op(model: ShardedModel, schedule: Schedule, op: Op, index: int) -> St
         stack = unit.role is Role.STACK
 
         def reduce_all(s: StepState) -> None:
-            g = s.unreduced.pop(u)
-            if s.carry and u in s.carry:  # gradients deferred from earlier micro-batches
-                g = s.carry.pop(u).add_(g)
+            g = _with_carry(s, u)
             # (k, world, n) -> (world, k, n): no copy
             g = g.transpose(0, 1).contiguous() if stack else g
             s.reducing[u] = Reducing(all_reduce(comm, g, label=label), land(s))
@@ -133,15 +128,21 @@ def reduce_op(model: ShardedModel, schedule: Schedule, op: Op, index: int) -> St
     fp32 = rdt == torch.float32
 
     def reduce(s: StepState) -> None:
-        g = s.unreduced.pop(u)
-        if s.carry and u in s.carry:
-            g = s.carry.pop(u).add_(g)
+        g = _with_carry(s, u)
         shard = land(s)  # fully written by the reduce
         out = shard if fp32 else torch.empty(shard.numel(), dtype=rdt, device=device)
         s.reducing[u] = Reducing(reduce_scatter(comm, out, g if g.dim() == 1 else g.reshape(-1),
                                                 label), shard)
 
     return reduce
+
+
+def _with_carry(s: StepState, u: int) -> torch.Tensor:
+    """The unit's unreduced gradient, plus what earlier micro-batches deferred (``carry``)."""
+    g = s.unreduced.pop(u)
+    if s.carry and u in s.carry:
+        g = s.carry.pop(u).add_(g)
+    return g
 
 
 def wait_reduce_op(model: ShardedModel, schedule: Schedule, op: Op, index: int) -> Step:

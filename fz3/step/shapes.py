@@ -24,20 +24,20 @@ from ..schedule.structure import Role
 
 
 def shard_picker(unit: Unit, frozen: torch.Tensor | None
-                 ) -> Callable[[torch.Tensor, dict, int], tuple[torch.Tensor, torch.Tensor | None]]:
-    """What a unit gathers, as ``pick(trained, rows, part) -> (trained, frozen)``, both 1-D:
+                 ) -> Callable[[torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor | None]]:
+    """What a unit gathers, as ``pick(trained, rows) -> (trained, frozen)``, both 1-D:
     from its part's trained shard (``(L, shard)`` for a stack) a one-layer unit its row (the
-    shard's rows split once per step into ``rows[part]``), a unit of k layers its ``(k,
+    shard's rows split once per step into ``rows[unit.part]``), a unit of k layers its ``(k,
     shard)`` rows flat, any other unit the shard; likewise from the part's ``frozen`` shard
     (decided here, once)."""
     if unit.role is not Role.STACK:
         flat = None if frozen is None else frozen.reshape(-1)
-        return lambda trained, rows, part: (trained.reshape(-1), flat)
-    first, stop = unit.layers.start, unit.layers.stop
+        return lambda trained, rows: (trained.reshape(-1), flat)
+    first, stop, part = unit.layers.start, unit.layers.stop, unit.part
     if stop - first == 1:
         row = None if frozen is None else frozen[first]
 
-        def one(trained: torch.Tensor, rows: dict, part: int):
+        def one(trained: torch.Tensor, rows: dict):
             split = rows.get(part)
             if split is None:
                 split = rows[part] = trained.unbind(0)
@@ -45,7 +45,7 @@ def shard_picker(unit: Unit, frozen: torch.Tensor | None
 
         return one
     rows_k = None if frozen is None else frozen[first:stop].reshape(-1)
-    return lambda trained, rows, part: (trained[first:stop].reshape(-1), rows_k)
+    return lambda trained, rows: (trained[first:stop].reshape(-1), rows_k)
 
 
 def gathers_in_place(unit: Unit) -> bool:
