@@ -1,8 +1,9 @@
 """Traced graphs as Python programs: each op called through its C++ binding, values dropped
 after their last use (``codegen``), the Python binding eager PyTorch uses where a re-trace shows
 it dispatches the very same ATen op (``fast_ops``), parameter views and a flat gradient made in
-one call each (``one_call_views``, ``one_call_flatten``), constant zeros made once
-(``constant_factories``). ``fz3.step.joint`` makes the graphs.
+one call each (``one_call_views``, ``one_call_flatten``), or the gradient written into a
+fixed buffer (``flatten_into``), constant zeros made once (``constant_factories``).
+``fz3.step.joint`` makes the graphs.
 """
 
 from __future__ import annotations
@@ -110,6 +111,32 @@ def one_call_flatten(graph: fx.Graph) -> None:
         flat = graph.call_function(torch._C._nn.flatten_dense_tensors, (sources,))
     cat.replace_all_uses_with(flat)
     graph.eliminate_dead_code()
+
+
+def flatten_into(graph: fx.Graph) -> tuple[fx.Graph, tuple] | None:
+    """A backward (after ``one_call_flatten`` and ``constant_factories``) that writes its flat
+    gradient into a given buffer instead of a new one: one more input, last, ``(flat,
+    views)`` (``views``: views of ``flat`` shaped as the flatten's sources, in order), the
+    sources copied into them in one ``_foreach_copy_`` and ``flat`` returned, the same values
+    (``flatten_dense_tensors`` copies the same sources in the same order). Returns the new
+    graph (``graph`` is changed) and the sources' shapes; None: no flatten to replace."""
+    out = next(n for n in graph.nodes if n.op == "output")
+    flat = out.args[0][0]
+    if not isinstance(flat, fx.Node) or flat.target is not torch._C._nn.flatten_dense_tensors:
+        return None
+    sources = flat.args[0]
+    shapes = tuple(tuple((s.meta["val"] if isinstance(s, fx.Node) else s).shape)
+                   for s in sources)
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    with graph.inserting_after(last):
+        into = graph.placeholder("into")
+    with graph.inserting_before(flat):
+        views = graph.call_function(operator.getitem, (into, 1))
+        graph.call_function(torch._foreach_copy_, (views, sources))
+        dest = graph.call_function(operator.getitem, (into, 0))
+    flat.replace_all_uses_with(dest)
+    graph.erase_node(flat)
+    return graph, shapes
 
 
 def codegen(graph: fx.Graph, name: str, *, boxed: bool = False,

@@ -8,10 +8,11 @@ The executor calls a unit of a stack's layers only through three methods:
 - ``inference(pieces, h, extras) -> (h, aux)``: the forward alone (nothing kept: forward-only
   steps, and ``recompute``'s first forward, which runs ``forward`` again in backward from
   the saved input and RNG state);
-- ``backward(pieces, residuals, g, g_aux, extras) -> (grad_buffer, grad_h, grad_extras)``:
-  the gradient of the unit's trained buffer (``(padded,)`` or ``(1, padded)`` for one layer,
-  ``(k, padded)`` for k), of its input, and of each extra that carries gradient
-  (``Produced.positions``' order, summed over its layers).
+- ``backward(pieces, residuals, g, g_aux, extras, into) -> (grad_buffer, grad_h,
+  grad_extras)``: the gradient of the unit's trained buffer (``(padded,)`` or ``(1, padded)``
+  for one layer, ``(k, padded)`` for k), of its input, and of each extra that carries
+  gradient (``Produced.positions``' order, summed over its layers); ``into``: a fixed buffer
+  (``fz3.step.arena``) the buffer's gradient may be written into and returned, or None.
 
 ``aux`` is the unit's layers' auxiliary outputs, ``(k, *shape)`` (``ShardedModel.layer_aux``:
 every layer returns ``(h, aux)``, an MoE router's statistics), or None; ``g_aux`` its
@@ -102,7 +103,8 @@ class AutogradLayers:
             return self._run(pieces.buffer, pieces.frozen, h, extras.extras)
 
     def backward(self, pieces: Pieces, graph: Graph, g: torch.Tensor,
-                 g_aux: torch.Tensor | None, extras: Produced) -> tuple:
+                 g_aux: torch.Tensor | None, extras: Produced, into=None) -> tuple:
+        """``into`` is not used: autograd makes the buffer's gradient."""
         wrt = [graph.leaf, graph.x, *(graph.extras[j] for j in extras.positions)]
         outputs, cotangents = [graph.out], [g]
         if g_aux is not None and graph.aux is not None and graph.aux.requires_grad:

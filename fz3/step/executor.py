@@ -33,6 +33,7 @@ from ..schedule.schedule import Schedule
 from ..sharding import compute
 from ..sharding.model import Params, ShardedModel
 from . import shapes
+from .arena import Arena, OpFixed
 from .engine import Produced
 from .record import observed
 from .state import Frame, Kept, Loss, Recompute, Result, Step, StepState
@@ -50,11 +51,14 @@ class Program(NamedTuple):
     steps: tuple[Step, ...]
 
 
-def lower(model: ShardedModel, schedule: Schedule) -> Program:
+def lower(model: ShardedModel, schedule: Schedule, arena: Arena | None = None) -> Program:
     """``schedule`` (validated) as steps made once for ``model``: each op's unit, shapes,
     dtypes, engine and collective decided here, so a step runs its ops without reading op
-    kinds or the schedule. Local; the same program runs any batch."""
-    return Program(schedule, tuple(STEPS[op.kind](model, schedule, op, index)
+    kinds or the schedule. ``arena``: where its gathers and reduces find fixed buffers, the
+    same every step (``fz3.step.arena``; None: new ones each step). Local; the same program
+    runs any batch."""
+    fixed = {} if arena is None else arena.plan(schedule)
+    return Program(schedule, tuple(STEPS[op.kind](model, schedule, op, index, fixed.get(index))
                                    for index, op in enumerate(schedule.ops)))
 
 
@@ -96,11 +100,13 @@ def execute(model: ShardedModel, program: Program, params: Params, batch: Any, r
         state.drain(wait)
 
 
-# The compute steps, in the order a step meets them: (model, schedule, op, index) -> step;
-# those that move memory are fz3.step.movement's.
+# The compute steps, in the order a step meets them: (model, schedule, op, index, fixed) ->
+# step (a layer unit's backward takes its gradient's fixed buffer); those that move memory
+# are fz3.step.movement's.
 
 
-def _forward_stage(model: ShardedModel, schedule: Schedule, op: Op, index: int) -> Step:
+def _forward_stage(model: ShardedModel, schedule: Schedule, op: Op, index: int,
+                   fixed: OpFixed | None) -> Step:
     """pre, or a between function, through ``Stage`` (``fz3.step.engine``): its graph kept
     whenever gradients are wanted."""
     u, grad = op.unit, schedule.grad
@@ -125,7 +131,8 @@ def _forward_stage(model: ShardedModel, schedule: Schedule, op: Op, index: int) 
     return forward_stage
 
 
-def _forward_layers(model: ShardedModel, schedule: Schedule, op: Op, index: int) -> Step:
+def _forward_layers(model: ShardedModel, schedule: Schedule, op: Op, index: int,
+                    fixed: OpFixed | None) -> Step:
     """A layer unit through the layer protocol (``fz3.step.engine``): ``forward_save`` keeps
     its residuals, ``forward_selective`` its traced programs' heavy ops' outputs (a unit that
     is not traced runs as ``forward``); ``forward`` keeps its input and RNG state, to run
@@ -155,7 +162,8 @@ def _forward_layers(model: ShardedModel, schedule: Schedule, op: Op, index: int)
     return forward_layers
 
 
-def _loss(model: ShardedModel, schedule: Schedule, op: Op, index: int) -> Step:
+def _loss(model: ShardedModel, schedule: Schedule, op: Op, index: int,
+          fixed: OpFixed | None) -> Step:
     """post, or the given loss function, through ``Stage``: with gradients its backward runs
     at once, seeded 1/ranks (the reduces are sums over ranks, the loss a mean). The layers'
     aux outputs (``layer_aux``) are its fourth argument, one tensor per stack; their
@@ -188,10 +196,12 @@ def _loss(model: ShardedModel, schedule: Schedule, op: Op, index: int) -> Step:
     return loss_
 
 
-def _backward_layers(model: ShardedModel, schedule: Schedule, op: Op, index: int) -> Step:
+def _backward_layers(model: ShardedModel, schedule: Schedule, op: Op, index: int,
+                     fixed: OpFixed | None) -> Step:
     u, producer, unit = op.unit, schedule.producers[op.unit], schedule.units[op.unit]
     device, world, by_layer = model.device, model.world_size, schedule.reduce == "all_reduce"
     reduce, layer_aux = model.precision.reduce, model.layer_aux
+    into = None if fixed is None else fixed.trained  # its gradient's, where the engine can
 
     def backward_layers(s: StepState) -> Frame | None:
         saved = s.saved.pop(u)
@@ -205,7 +215,8 @@ def _backward_layers(model: ShardedModel, schedule: Schedule, op: Op, index: int
             # (not ``_, residuals = ...``: a name would hold the recomputed output meanwhile)
             residuals = engine.forward(memory, saved.x, extras)[2]
         g_aux = s.grad_aux.pop(u, None) if s.grad_aux else None
-        g_buffer, g_x, g_extras = engine.backward(memory, residuals, s.grad_h, g_aux, extras)
+        g_buffer, g_x, g_extras = engine.backward(memory, residuals, s.grad_h, g_aux, extras,
+                                                  into)
         del residuals
         grad_out, s.grad_h = s.grad_h, or_zeros(g_x, saved.x)
         for j, ge in zip(extras.positions, g_extras):
@@ -220,7 +231,8 @@ def _backward_layers(model: ShardedModel, schedule: Schedule, op: Op, index: int
     return backward_layers
 
 
-def _backward_stage(model: ShardedModel, schedule: Schedule, op: Op, index: int) -> Step:
+def _backward_stage(model: ShardedModel, schedule: Schedule, op: Op, index: int,
+                    fixed: OpFixed | None) -> Step:
     u = op.unit
     between = schedule.units[u].role is Role.BETWEEN
 
@@ -240,9 +252,10 @@ def _backward_stage(model: ShardedModel, schedule: Schedule, op: Op, index: int)
 
 def _by_role(layers: Callable, stage: Callable) -> Callable:
     """A compute op's step maker: ``layers`` for a stack unit, ``stage`` for the others."""
-    def make(model: ShardedModel, schedule: Schedule, op: Op, index: int) -> Step:
+    def make(model: ShardedModel, schedule: Schedule, op: Op, index: int,
+             fixed: OpFixed | None) -> Step:
         stack = schedule.units[op.unit].role is Role.STACK
-        return (layers if stack else stage)(model, schedule, op, index)
+        return (layers if stack else stage)(model, schedule, op, index, fixed)
 
     return make
 
@@ -250,7 +263,7 @@ def _by_role(layers: Callable, stage: Callable) -> Callable:
 _forward, _backward = (_by_role(_forward_layers, _forward_stage),
                        _by_role(_backward_layers, _backward_stage))
 # Each op kind's step maker: the one table a new op kind adds to (``lower`` reads it).
-STEPS: dict[OpKind, Callable[[ShardedModel, Schedule, Op, int], Step]] = {
+STEPS: dict[OpKind, Callable[[ShardedModel, Schedule, Op, int, Any], Step]] = {
     OpKind.GATHER: gather_op, OpKind.WAIT: wait_op, OpKind.FORWARD: _forward,
     OpKind.FORWARD_SAVE: _forward, OpKind.FORWARD_SELECTIVE: _forward,
     OpKind.LOSS: _loss, OpKind.BACKWARD: _backward, OpKind.FREE: free_op,

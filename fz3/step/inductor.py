@@ -33,7 +33,8 @@ class Kernels:
         return programs._replace(
             forward=_Inductor(self, fwd, programs.forward, f"{name}'s forward"),
             backward=_Inductor(self, bwd, programs.backward, f"{name}'s backward", boxed=True),
-            inference=_Inductor(self, inf, programs.inference, f"{name}'s inference"))
+            inference=_Inductor(self, inf, programs.inference, f"{name}'s inference"),
+            backward_into=None)  # its flat gradient is inductor's own
 
     def kernel(self, graph: torch.fx.Graph, args: tuple, python: Callable[..., Any],
                name: str = "a layer's") -> Callable[..., Any]:

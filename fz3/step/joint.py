@@ -26,8 +26,8 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .codegen import (TraceError, codegen, constant_factories, fast_ops, one_call_flatten,
-                      one_call_views)
+from .codegen import (TraceError, codegen, constant_factories, fast_ops, flatten_into,
+                      one_call_flatten, one_call_views)
 from .partition import partition, written, written_args
 
 Layer = Callable[..., torch.Tensor]  # (row, frozen_row | None, h, *extras) -> h | (h, aux)
@@ -53,6 +53,11 @@ class Programs(NamedTuple):
     # storage object across free and re-gather, as for an autograd graph)
     aliases_params: bool = True
     aux: tuple | None = None  # (shape, dtype) of the layer's aux output; None: it has none
+    # ``backward`` writing its flat gradient into a given fixed buffer (``fz3.step.arena``):
+    # ``into`` last in its list, ``(flat, views)``, views shaped ``grad_pieces``; None: it has
+    # no such form (inductor's programs, a gradient not made by one flatten)
+    backward_into: Callable[..., tuple] | None = None
+    grad_pieces: tuple | None = None
 
     @property
     def outputs(self) -> int:
@@ -194,7 +199,11 @@ def programs(joint: Joint, keep: frozenset[str] | None = None) -> Programs:
     forward, s1 = codegen(fwd, "forward", slow=slow_f)
     backward, s2 = codegen(bwd, "backward", boxed=True, slow=slow_b)
     infer, s3 = codegen(inf, "inference", slow=slow_f)
-    return Programs(forward, backward, infer, graphs, s1 + s2 + s3, aliases, joint.aux)
+    into = flatten_into(_copy(bwd))
+    backward_into = None if into is None else codegen(into[0], "backward_into", boxed=True,
+                                                      slow=slow_b)[0]
+    return Programs(forward, backward, infer, graphs, s1 + s2 + s3, aliases, joint.aux,
+                    backward_into, None if into is None else into[1])
 
 
 def _residuals_alias_params(forward: fx.Graph, params: int, outputs: int = 1) -> bool:

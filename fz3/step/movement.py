@@ -2,9 +2,10 @@
 and wait (or its accumulation across micro-batches). ``fz3.step.executor`` lowers a schedule
 into such steps beside its compute ones; ``state.py``'s Note says each buffer's lifetime.
 
-Each is made once per op, ``(model, schedule, op, index) -> step``, with everything that does
-not change between steps decided then (the unit's shapes, its dtypes, the collective's kind
-and name); the step, ``(state) -> None``, is what runs.
+Each is made once per op, ``(model, schedule, op, index, fixed) -> step``, with everything
+that does not change between steps decided then (the unit's shapes, its dtypes, the
+collective's kind and name, its fixed buffers: ``fixed``, ``fz3.step.arena``, or None); the
+step, ``(state) -> None``, is what runs.
 """
 
 from __future__ import annotations
@@ -19,20 +20,24 @@ from ..schedule.schedule import Schedule
 from ..schedule.structure import Role
 from ..sharding.model import ShardedModel
 from . import shapes
+from .arena import OpFixed
 from .engine import Pieces
 from .shapes import regrow
 from .state import Gathering, Kept, Reducing, Step, StepState, release
 from .unit_io import result_lander
 
 
-def gather_op(model: ShardedModel, schedule: Schedule, op: Op, index: int) -> Step:
+def gather_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
+              fixed: OpFixed | None) -> Step:
     """The unit's trained shard, cast to the compute dtype before the gather (bf16 moves half
     the bytes), and its frozen one (stored in that dtype already), each gathered into the
-    storage a live graph saved views of (or copied into it by the wait), else a new buffer."""
+    storage a live graph saved views of (or copied into it by the wait), else its fixed
+    buffer (``fixed``, ``fz3.step.arena``), else a new one."""
     u, comm, unit = op.unit, model.comm, schedule.units[op.unit]
     part, label, dtype = unit.part, Label(schedule, op), model.precision.compute
     pick = shapes.shard_picker(unit, model.frozen[unit.part])
     in_place = shapes.gathers_in_place(unit)
+    into_t, into_f = fixed or (None, None)  # the arena's (fz3.step.arena), or new buffers
 
     def gather(s: StepState) -> None:
         trained, frozen = pick(s.params.parts[part], s.shard_rows)
@@ -40,9 +45,13 @@ def gather_op(model: ShardedModel, schedule: Schedule, op: Op, index: int) -> St
         if cast:  # the step's own memory
             trained = trained.to(dtype)
         back = s.released.get(u) if in_place and s.released else None
-        t = all_gather(comm, None if back is None else _into(back.trained), trained, label)
-        f = None if frozen is None else all_gather(
-            comm, None if back is None else _into(back.frozen), frozen, label)
+        if back is None:  # (the fixed tensor read inline: no call per gather once made)
+            out_t = into_t and (into_t.get() if into_t.tensor is None else into_t.tensor)
+            out_f = into_f and (into_f.get() if into_f.tensor is None else into_f.tensor)
+        else:
+            out_t, out_f = _into(back.trained), _into(back.frozen)
+        t = all_gather(comm, out_t, trained, label)
+        f = None if frozen is None else all_gather(comm, out_f, frozen, label)
         s.gathering[u] = Gathering(t, f, (cast or not t.is_input, f is None or not f.is_input))
 
     return gather
@@ -54,19 +63,29 @@ def _into(released: torch.Tensor | None) -> torch.Tensor | None:
     return None if released is None else regrow(released).view(-1)
 
 
-def wait_op(model: ShardedModel, schedule: Schedule, op: Op, index: int) -> Step:
+def wait_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
+            fixed: OpFixed | None) -> Step:
     """The unit's gathered memory, one ``Pieces`` record: its trained buffer (``(k, full)``
     for a stack unit, layer-major), each layer's row, its frozen buffer."""
     u, unit = op.unit, schedule.units[op.unit]
-    arrange = shapes.arranger(unit, model.world_size)
+    arrange, k = shapes.arranger(unit, model.world_size), len(unit.layers)
+    into_t, into_f = fixed or (None, None)  # k > 1: the layer-major copy's
+    # a released buffer the gather wrote into has its storage already (regrown by the gather:
+    # a resize_ to its own size would reallocate it, under a gather still writing into it)
+    copies = not shapes.gathers_in_place(unit)
 
     def wait_(s: StepState) -> None:
         gathering = s.gathering.pop(u)
         back = s.released.pop(u, None) if s.released else None
+        if back is not None:  # k > 1: its storage back, for the copy
+            in_t, in_f = ((None if b is None or not copies else regrow(b))
+                          for b in (back.trained, back.frozen))
+        else:
+            in_t = None if into_t is None else into_t.get().view(k, -1)
+            in_f = None if into_f is None else into_f.get().view(k, -1)
         out = wait(gathering.trained)
-        buffer, rows = arrange(out, None if back is None else back.trained)
-        frozen = None if gathering.frozen is None else arrange(
-            wait(gathering.frozen), None if back is None else back.frozen)[0]
+        buffer, rows = arrange(out, in_t)
+        frozen = None if gathering.frozen is None else arrange(wait(gathering.frozen), in_f)[0]
         if back is not None:
             # The graph's saved views now hold the same values again; collectives and the copy
             # bumped the version counters (gloo: when the work completes), which autograd
@@ -79,9 +98,11 @@ def wait_op(model: ShardedModel, schedule: Schedule, op: Op, index: int) -> Step
     return wait_
 
 
-def free_op(model: ShardedModel, schedule: Schedule, op: Op, index: int) -> Step:
+def free_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
+            fixed: OpFixed | None) -> Step:
     u = op.unit
     shared = schedule.units[u].role is Role.SHARED
+    held = fixed or (None, None)
 
     def free(s: StepState) -> None:
         gathered = s.gathered.pop(u, None)
@@ -97,6 +118,9 @@ def free_op(model: ShardedModel, schedule: Schedule, op: Op, index: int) -> Step
         buffers = tuple(b if own else None
                         for b, own in zip((gathered.buffer, gathered.frozen), gathered.owned))
         if any(b is not None for b in buffers):
+            for fix, b in zip(held, buffers):  # new ones next time ([Note: fixed buffers])
+                if fix is not None:
+                    fix.let_go(b)
             s.released[u] = release(buffers)
 
     return free
@@ -109,7 +133,8 @@ def held_by_a_reader(s: StepState, u: int) -> bool:
     return any(isinstance(saved, Kept) and u in units[v].reads for v, saved in s.saved.items())
 
 
-def reduce_op(model: ShardedModel, schedule: Schedule, op: Op, index: int) -> Step:
+def reduce_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
+              fixed: OpFixed | None) -> Step:
     """This rank's shard of the unit's flat gradient (plus what earlier micro-batches carried)
     into where the step's result holds it (``unit_io.result_lander``)."""
     u, comm, unit = op.unit, model.comm, schedule.units[op.unit]
@@ -125,12 +150,13 @@ def reduce_op(model: ShardedModel, schedule: Schedule, op: Op, index: int) -> St
 
         return reduce_all
     rdt, device = model.precision.reduce, model.device
-    fp32 = rdt == torch.float32
+    fp32, into = rdt == torch.float32, None if fixed is None else fixed.trained
 
     def reduce(s: StepState) -> None:
         g = _with_carry(s, u)
         shard = land(s)  # fully written by the reduce
-        out = shard if fp32 else torch.empty(shard.numel(), dtype=rdt, device=device)
+        out = shard if fp32 else into.get() if into is not None else torch.empty(
+            shard.numel(), dtype=rdt, device=device)
         s.reducing[u] = Reducing(reduce_scatter(comm, out, g if g.dim() == 1 else g.reshape(-1),
                                                 label), shard)
 
@@ -145,7 +171,8 @@ def _with_carry(s: StepState, u: int) -> torch.Tensor:
     return g
 
 
-def wait_reduce_op(model: ShardedModel, schedule: Schedule, op: Op, index: int) -> Step:
+def wait_reduce_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
+                   fixed: OpFixed | None) -> Step:
     u, comm, label = op.unit, model.comm, Label(schedule, op)
     replicate = comm.replicas > 1
     every = schedule.reduce == "all_reduce"
@@ -167,7 +194,8 @@ def wait_reduce_op(model: ShardedModel, schedule: Schedule, op: Op, index: int) 
     return wait_reduce
 
 
-def accumulate_op(model: ShardedModel, schedule: Schedule, op: Op, index: int) -> Step:
+def accumulate_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
+                  fixed: OpFixed | None) -> Step:
     u = op.unit
 
     def accumulate(s: StepState) -> None:

@@ -50,11 +50,12 @@ class Layers(NamedTuple):
         return h, stacked(auxes) if self.aux else None
 
     def backward(self, pieces: Pieces, residuals: list, g: torch.Tensor,
-                 g_aux: torch.Tensor | None, extras: Produced) -> tuple:
+                 g_aux: torch.Tensor | None, extras: Produced, into=None) -> tuple:
         """Last layer first; the buffer's gradient is ``(padded,)`` for one layer, ``(k,
         padded)`` for k. Empties ``residuals``: each is freed inside its program after its
         last use. A layer's aux cotangent is ``g_aux``'s row (zeros where the loss gave
-        none)."""
+        none). ``into`` (one layer): the fixed buffer (``fz3.step.arena.Fixed``) its
+        gradient is written into where its program can (``Programs.backward_into``)."""
         rows, frozen, k = pieces.rows, pieces.frozen, len(self.programs)
         if self.aux and g_aux is None:
             shape, dtype = self.programs[0].aux
@@ -66,7 +67,13 @@ class Layers(NamedTuple):
             box = [*params, *residuals.pop(), g]
             if self.aux:
                 box.append(g_aux[j])
-            out = self.programs[j].backward(box)
+            programs = self.programs[j]
+            if into is not None and programs.backward_into is not None:  # k == 1
+                like = programs.grad_pieces  # (the views made once: read inline)
+                box.append(into.made if into.shapes is like else into.views(like))
+                out = programs.backward_into(box)
+            else:
+                out = programs.backward(box)
             grads[j], g = out[0], out[1]
             summed = list(out[2:]) if not summed else [a + b for a, b in zip(summed, out[2:])]
         return shapes.buffer_grad(grads), g, summed

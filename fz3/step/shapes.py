@@ -58,9 +58,9 @@ def arranger(unit: Unit, world: int) -> Callable[[torch.Tensor, torch.Tensor | N
                                                  tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
     """``arrange(out, into) -> (buffer, rows)``: a waited gather ``out`` in its unit's shape,
     with its layers' rows (1-D, one per layer): a stack unit's ``(k, full)``, layer-major (for
-    k > 1 copied out of the rank-major gather, into ``into`` if it was released: regrown, the
-    same storage a live graph saved views of), a one-layer unit's row as gathered; ``out``
-    and no rows otherwise."""
+    k > 1 copied out of the rank-major gather, into ``into`` if given: a released buffer,
+    regrown by the caller, whose storage a live graph saved views of, or a fixed buffer),
+    a one-layer unit's row as gathered; ``out`` and no rows otherwise."""
     if unit.role is not Role.STACK:
         return lambda out, into: (out, ())
     k = len(unit.layers)
@@ -71,9 +71,9 @@ def arranger(unit: Unit, world: int) -> Callable[[torch.Tensor, torch.Tensor | N
         ranked = out.view(world, k, -1).transpose(0, 1)
         if into is None:
             buffer = ranked.reshape(k, -1)
-        else:
+        else:  # (a resize_ to its own size would reallocate it)
             buffer = into
-            regrow(into).view(ranked.shape).copy_(ranked)
+            into.view(ranked.shape).copy_(ranked)
         return buffer, buffer.unbind(0)
 
     return layer_major

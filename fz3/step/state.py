@@ -6,6 +6,8 @@ others ask about a running step: which bytes it owns and moves (for ``Recorder``
 collectives are still in flight (to drain them when a step ends early).
 
 [Note: buffer lifetimes, per unit]
+Where a buffer below is fixed (``fz3.step.arena``: made once, reused every step at the same
+address), its lifetime is the same; only its memory outlives the step.
 - gather: a ``(world*k*n,)`` buffer in the compute dtype, alive until ``free``; a unit of k>1
   layers is copied once into ``(k, full)`` layer order (rank-major gather order otherwise).
   At world size 1 it is the shard itself (or its cast to the compute dtype): nothing is

@@ -10,6 +10,7 @@ import torch
 from ..schedule.planner import Policy
 from ..schedule.schedule import Schedule
 from ..sharding.model import Params, ShardedModel
+from .arena import Arena
 from .traced import TracedLayers
 from .executor import execute, lower
 from .finite import drain_checking_finite
@@ -19,14 +20,17 @@ from .front import (check_call, check_in_sync, drain, layer_runner, loss_of, pre
 
 class ValueAndGrad:
     """``f(params, batch) -> (loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``);
-    ``f.schedule`` is the schedule it runs."""
+    ``f.schedule`` is the schedule it runs, ``f.arena`` the fixed buffers its gathers reuse
+    every step (``fz3.step.arena``: ``f.arena.nbytes()`` they hold between steps), or None."""
 
     def __init__(self, model: ShardedModel, schedule: Schedule, *,
                  loss: Callable[..., Any] | None = None, has_aux: bool = False, recorder=None,
                  check_finite: bool = False, check_sync: bool | None = None,
-                 traced: TracedLayers | None = None):
+                 traced: TracedLayers | None = None, fixed_buffers: bool = False):
         self.model, self.schedule, self.recorder = model, schedule, recorder
-        self.program = lower(model, schedule)  # once: every call runs its steps
+        # once: every call runs its steps (gathering into the same fixed buffers, if asked)
+        self.arena = Arena(model) if fixed_buffers else None
+        self.program = lower(model, schedule, self.arena)
         self.traced = traced
         self.loss = loss_of(model, loss, has_aux)
         self.check_finite = check_finite
@@ -51,7 +55,7 @@ def value_and_grad(model: ShardedModel, schedule: Schedule | Policy | None = Non
                    loss: Callable[..., Any] | None = None, has_aux: bool = False, recorder=None,
                    check_finite: bool = False, check_sync: bool | None = None,
                    compile: bool = False, strict: bool = False, cuda_graphs: bool = False,
-                   trace: bool = True) -> ValueAndGrad:
+                   trace: bool = True, fixed_buffers: bool = False) -> ValueAndGrad:
     """``f(params, batch) -> (loss, grads)``: the mean loss over ranks and this rank's shards
     of its gradient, same pytree structure as ``params``.
 
@@ -82,7 +86,12 @@ def value_and_grad(model: ShardedModel, schedule: Schedule | Policy | None = Non
     ``compile``: each stack's traced programs are compiled by inductor, once for every layer
     that shares them; a layer that cannot be traced runs through autograd (one warning), and
     a program inductor fails on runs as Python with a warning, or raises
-    ``fz3.CompileError`` with ``strict``. ``compile`` needs ``trace``. ``cuda_graphs=True``
+    ``fz3.CompileError`` with ``strict``. ``compile`` needs ``trace``.
+    ``fixed_buffers=True`` (more than one rank): gathers, k-layer copies, one-layer traced
+    units' unreduced gradients and low-precision reduces write into buffers made at the first
+    step and reused at the same addresses every step (``fz3.step.arena``; the graph capture a
+    GPU would need): a steady step allocates none of them, and ``f.arena.nbytes()`` stay
+    allocated between steps (``fz3.memory_plan`` does not count them then). ``cuda_graphs=True``
     raises ``NotImplementedError``: graph capture awaits a GPU measurement of the traced
     engine.
     """
@@ -95,7 +104,8 @@ def value_and_grad(model: ShardedModel, schedule: Schedule | Policy | None = Non
     sched = prepare(model, schedule, grad=True, entry="value_and_grad")
     say_untraced_selective(sched, traced)
     return ValueAndGrad(model, sched, loss=loss, has_aux=has_aux, recorder=recorder,
-                        check_finite=check_finite, check_sync=check_sync, traced=traced)
+                        check_finite=check_finite, check_sync=check_sync, traced=traced,
+                        fixed_buffers=fixed_buffers)
 
 
 def apply(model: ShardedModel, params: Params, batch: Any, *,

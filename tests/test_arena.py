@@ -1,0 +1,177 @@
+"""Fixed buffers (issue 26, item 2; ``fz3.step.arena``): a step function's gathers, k-layer
+copies, one-layer units' unreduced gradients and low-precision reduces write into buffers
+made at their first use and reused every step at the same addresses. Checked at world size 2 (gloo), over policies, units of one and
+two layers, frozen parameters and a bf16 reduce:
+
+- each step's result is plain autograd's (fp32 rtol 1e-5 / atol 1e-6) and the same bit for bit
+  in steps 1-3 (slots reused; what the last step left in them never leaks in);
+- from the second step on, every fixed buffer keeps its address (``data_ptr``) and the arena
+  its size (an address alone proves little: malloc hands a freed block back);
+- in a steady step (a dispatch mode sees every ATen op's output, a recorder files it under its
+  op), the ops that move memory allocate nothing but the result's gradient shards and the
+  gathers of units whose graphs hold their buffers past ``free`` (pre's; with ``trace=False``
+  and ``save``, the layers'); a one-layer unit's traced backward allocates no gradient of its
+  size (the arena's Note says what stays allocated).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import dist
+import fz3
+from fz3.models import shard_gpt
+from fz3.models.gpt import GPTConfig
+from fz3.schedule.structure import Role
+from reference import assert_close, batches, gpt, reference_grads, sharded_grads
+
+CFG = GPTConfig(vocab=37, seq=8, dim=36, heads=4, layers=4)
+# (activations, layers_per_unit, trace, frozen, reduce dtype)
+CASES = [("save", 1, True, False, None), ("recompute", 1, True, False, None),
+         ("save", 2, True, False, None), ("recompute", 2, True, True, None),
+         ("save", 1, True, True, torch.bfloat16), ("save", 1, False, False, None),
+         ("recompute", 2, False, False, None)]
+
+
+class Allocations(TorchDispatchMode):
+    """Each ATen op's outputs on storage none of its inputs has, as (numel, op), by schedule op
+    (``ByOp`` closes each op's list)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pending: list[tuple[int, str]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
+        self.pending += [(t.numel(), str(func)) for t in _tensors(out)
+                         if t.untyped_storage().data_ptr() not in inputs]
+        return out
+
+
+class ByOp(fz3.Recorder):
+    """A recorder that files ``mode``'s allocations under the op that made them."""
+
+    def __init__(self, mode: Allocations):
+        super().__init__()
+        self.mode, self.by_op = mode, {}
+
+    def record(self, index, *args):
+        super().record(index, *args)
+        self.by_op[index], self.mode.pending = self.mode.pending, []
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, (list, tuple)):
+        return [t for x in tree for t in _tensors(x)]
+    if isinstance(tree, dict):
+        return [t for x in tree.values() for t in _tensors(x)]
+    return []
+
+
+MOVES = {"gather", "wait", "free", "reduce", "wait_reduce"}
+
+
+def _freeze(module):
+    for n, p in module.named_parameters():
+        if ".attn.qkv." in n or ".ln1." in n:
+            p.requires_grad_(False)
+    return module
+
+
+def _addresses(arena) -> list[int]:
+    return [b.tensor.data_ptr() for made in arena.kinds.values() for b in made
+            if b.tensor is not None]
+
+
+def arena_ranks(rank, world):
+    out = []
+    for activations, k, trace, frozen, reduce in CASES:
+        module = gpt(CFG)
+        if frozen:
+            _freeze(module)
+        model, params = shard_gpt(module, precision=fz3.Precision(reduce_dtype=reduce))
+        bs = batches(CFG, world)
+        _, want = reference_grads(module, bs)
+        want = {n: g for n, g in want.items() if dict(module.named_parameters())[n].requires_grad}
+        mode = Allocations()
+        recorder = ByOp(mode)
+        step = fz3.value_and_grad(model, fz3.Policy(activations=activations, layers_per_unit=k),
+                                  trace=trace, check_sync=False, recorder=recorder,
+                                  fixed_buffers=True)
+        results = {p: p.rows * p.layout.shard_numel for p in model.parts}  # gradient shards
+        stack = [u for u in step.schedule.units if u.role is Role.STACK][0]
+        grads, addresses, sizes = [], [], []
+        for i in range(3):
+            if i < 2:  # the first step traces (not under a dispatch mode)
+                _, g = step(params, bs[rank])
+            else:
+                with mode:
+                    _, g = step(params, bs[rank])
+            grads.append(sharded_grads(model, g))
+            addresses.append(_addresses(step.arena))
+            sizes.append(step.arena.nbytes())
+        # what the steady step's ops that move memory allocated, but for the result's shards
+        ops = step.schedule.ops
+        moved = [(ops[i].kind.value, n, f) for i, made in recorder.by_op.items() for n, f in made
+                 if ops[i].kind.value in MOVES and n not in results.values()]
+        compute = sum(len(made) for i, made in recorder.by_op.items()
+                      if ops[i].kind.value not in MOVES)
+        case = (f"{activations}, {k} layer(s) a unit, trace={trace}, frozen={frozen}, "
+                f"reduce {reduce}")
+        if rank == 0:
+            # bf16 reduce: each rank's gradient is rounded to bf16 before the sum
+            tol = dict(rtol=2e-2, atol=2e-3) if reduce is not None else {}
+            assert_close(grads[0], want, what=case, **tol)
+            for g in grads[1:]:
+                assert all(torch.equal(g[n], grads[0][n]) for n in want), case
+        holds = not trace and activations == "save"  # autograd graphs hold their gathers
+        assert holds or addresses[1] == addresses[2] and addresses[1], (case, addresses)
+        # The only gathers that allocate: pre's, whose autograd graph (the embedding's) holds
+        # its buffer past its free; with trace=False and save, each layer unit's too but the
+        # last's (its backward follows its forward, no free between).
+        pre = world * model.parts[model.part_index("pre")].layout.shard_numel
+        layer = world * k * model.parts[stack.part].layout.shard_numel
+        want_moved = [("gather", pre)] + [("gather", layer)] * (holds * (CFG.layers // k - 1))
+        assert sorted((kind, n) for kind, n, _ in moved) == sorted(want_moved), (case, moved)
+        # A one-layer unit's traced backward writes its unreduced gradient into a fixed buffer;
+        # its gradient is made anew where autograd makes it, stacked for k layers, or cast.
+        made = [f for i, done in recorder.by_op.items() for n, f in done
+                if ops[i].kind.value == "backward" and n == layer]
+        fixed = trace and k == 1 and reduce is None
+        assert (made == []) == fixed, (case, made)
+        assert sizes[1] == sizes[2] > 0, (case, sizes)
+        out.append((case, moved, compute, len(addresses[2]), sizes[2]))
+    assert fz3.value_and_grad(model).arena is None  # opt-in: nothing kept between steps
+    return out
+
+
+def accumulate_ranks(rank, world):
+    """``fz3.accumulate`` with fixed buffers (its two programs share them; the deferred one's
+    carried gradients are not fixed): bitwise the same as without, over two calls."""
+    model, params = shard_gpt(gpt(CFG))
+    micro = [batches(CFG, world, step=i)[rank] for i in range(3)]
+    for policy in ("reduce", "defer"):
+        want = [sharded_grads(model, fz3.accumulate(model, policy=policy)(params, micro)[1])
+                for _ in range(2)]
+        f = fz3.accumulate(model, policy=policy, fixed_buffers=True)
+        got = [sharded_grads(model, f(params, micro)[1]) for _ in range(2)]
+        assert f.arena.nbytes() > 0
+        for g, w in zip(got, want):
+            assert rank != 0 or all(torch.equal(g[n], w[n]) for n in w), policy
+    return "ok"
+
+
+def test_accumulate_with_fixed_buffers():
+    assert dist.run(2, accumulate_ranks, timeout=240) == ["ok"] * 2
+
+
+def test_gathers_and_reduces_reuse_fixed_buffers():
+    got = dist.run(2, arena_ranks, timeout=300)
+    for case, moved, compute, slots, nbytes in got[0]:
+        print(f"{case}: {slots} slots, {nbytes} bytes; steady step: {len(moved)} allocations "
+              f"moving memory, {compute} in compute ops")
+        assert {f for _, _, f in moved} == {"aten.empty.memory_format"}, (case, moved)
