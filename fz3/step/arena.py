@@ -69,7 +69,7 @@ class Fixed:
         graph keeps it, with its storage released (``fz3.step.state.release``)."""
         t = self.tensor
         if t is not None and buffer is not None and t.data_ptr() == buffer.data_ptr():
-            self.tensor = self.made = None
+            self.tensor = self.made = self.shapes = None
 
 
 class OpFixed(NamedTuple):
@@ -96,7 +96,9 @@ class Arena:
         model = self.model
         if model.comm.local:
             return {}
-        free: dict[tuple, list[int]] = {}  # by kind: numbers of those spare, last freed first
+        # by kind: numbers of those spare, last freed first; every buffer another program of
+        # this arena made is spare at the start (programs never run at once)
+        free = {kind: list(range(len(made)))[::-1] for kind, made in self.kinds.items()}
         live: dict[int, list[tuple]] = {}  # by unit: (kind, number) of its buffers, or None
         reducing: dict[int, list] = {}  # by unit: its unreduced gradient's, its reduce's
         out: dict[int, OpFixed] = {}

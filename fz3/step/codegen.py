@@ -118,8 +118,8 @@ def flatten_into(graph: fx.Graph) -> tuple[fx.Graph, tuple] | None:
     gradient into a given buffer instead of a new one: one more input, last, ``(flat,
     views)`` (``views``: views of ``flat`` shaped as the flatten's sources, in order), the
     sources copied into them in one ``_foreach_copy_`` and ``flat`` returned, the same values
-    (``flatten_dense_tensors`` copies the same sources in the same order). Returns the new
-    graph (``graph`` is changed) and the sources' shapes; None: no flatten to replace."""
+    (``flatten_dense_tensors`` copies the same sources in the same order). Changes ``graph``
+    and returns it with the sources' shapes; None: no flatten to replace."""
     out = next(n for n in graph.nodes if n.op == "output")
     flat = out.args[0][0]
     if not isinstance(flat, fx.Node) or flat.target is not torch._C._nn.flatten_dense_tensors:
@@ -132,6 +132,7 @@ def flatten_into(graph: fx.Graph) -> tuple[fx.Graph, tuple] | None:
         into = graph.placeholder("into")
     with graph.inserting_before(flat):
         views = graph.call_function(operator.getitem, (into, 1))
+        # (no user: nothing here may eliminate dead code after this, which would drop it)
         graph.call_function(torch._foreach_copy_, (views, sources))
         dest = graph.call_function(operator.getitem, (into, 0))
     flat.replace_all_uses_with(dest)
