@@ -8,7 +8,7 @@ hands each op its own (``Arena.plan``).
 spare buffer of its kind (its size and dtype) or a new one, and its ``free`` gives it back;
 a unit of k > 1 layers gives its rank-major gather's back at its ``wait``, which copies it
 into a layer-major one kept until ``free``; a one-layer unit's backward takes one for its
-unreduced gradient (its traced program writes into it: ``Programs.backward_into``), and a
+unreduced gradient (its traced program writes into it: ``fz3.step.into``), and a
 reduce in a dtype other than fp32 one for its output, both until its wait. Two buffers alive
 at once never share one, and an op uses the same one every step. Each is made at its first
 use and kept between steps: the arena holds, per kind, as many as were alive at once
@@ -35,18 +35,19 @@ from ..schedule.ops import OpKind
 from ..schedule.schedule import Schedule
 from ..schedule.structure import Role
 from ..sharding.model import ShardedModel
+from .codegen import Views
 
 
 class Fixed:
     """One fixed buffer of the arena, flat; made at its first use."""
 
-    __slots__ = ("tensor", "numel", "dtype", "device", "made", "shapes")
+    __slots__ = ("tensor", "numel", "dtype", "device", "made", "made_by")
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
         self.tensor: torch.Tensor | None = None
         self.numel, self.dtype, self.device = numel, dtype, device
-        self.made: tuple | None = None  # ``views``' last answer, for ``shapes``
-        self.shapes: tuple | None = None
+        self.made: tuple | None = None  # ``views``' last answer, and what made it
+        self.made_by: Views | None = None
 
     def get(self) -> torch.Tensor:
         t = self.tensor
@@ -54,14 +55,12 @@ class Fixed:
             t = self.tensor = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         return t
 
-    def views(self, shapes: tuple) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """``(flat, views of it)``, consecutive, shaped ``shapes``: made once for a gradient
-        written into this buffer (``fz3.step.codegen.flatten_into``)."""
-        if self.made is None or self.shapes is not shapes and self.shapes != shapes:
+    def views(self, make: Views) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``(flat, make(flat))``, made once per buffer and ``make``: for a gradient written
+        into this buffer (``fz3.step.into``)."""
+        if self.made_by is not make or self.made is None:
             flat = self.get()
-            like = [torch.empty(shape, device="meta") for shape in shapes]
-            self.made = flat, list(torch._C._nn.unflatten_dense_tensors(flat, like))
-            self.shapes = shapes
+            self.made, self.made_by = (flat, make(flat)), make
         return self.made
 
     def let_go(self, buffer: torch.Tensor | None) -> None:
@@ -69,16 +68,19 @@ class Fixed:
         graph keeps it, with its storage released (``fz3.step.state.release``)."""
         t = self.tensor
         if t is not None and buffer is not None and t.data_ptr() == buffer.data_ptr():
-            self.tensor = self.made = self.shapes = None
+            self.tensor = self.made = self.made_by = None
 
 
 class OpFixed(NamedTuple):
-    """One op's fixed buffers (None: the op takes none there): a gather's, a wait's (k > 1:
-    the layer-major copy), a free's (what it gives back), a one-layer unit's backward's (its
-    unreduced gradient), a reduce's output."""
+    """One op's fixed buffers, each None where it takes none: a gather's outputs (``trained``,
+    ``frozen``), a k-layer unit's wait's layer-major copies, a free's (those it gives back);
+    a one-layer unit's backward's unreduced gradient (``grad``); a low-precision reduce's
+    output (``reduced``)."""
 
     trained: Fixed | None = None
     frozen: Fixed | None = None
+    grad: Fixed | None = None
+    reduced: Fixed | None = None
 
 
 class Arena:
@@ -116,8 +118,9 @@ class Arena:
             if taken is not None:
                 free[taken[0]].append(taken[1])
 
-        def fixed(taken: list) -> OpFixed:
-            return OpFixed(*(None if t is None else self.kinds[t[0]][t[1]] for t in taken))
+        def fixed(taken: list, field: str = "trained") -> OpFixed:
+            made = [None if t is None else self.kinds[t[0]][t[1]] for t in taken]
+            return OpFixed(*made) if field == "trained" else OpFixed(**{field: made[0]})
 
         for index, op in enumerate(schedule.ops):
             u, unit = op.unit, schedule.units[op.unit]
@@ -139,12 +142,12 @@ class Arena:
                 # the unreduced gradient, written by the layer's program where it can
                 part = model.parts[unit.part]
                 reducing[u] = [take(("grad", part.layout.padded, compute))]
-                out[index] = fixed(reducing[u])
+                out[index] = fixed(reducing[u], "grad")
             elif op.kind == OpKind.REDUCE and schedule.reduce != "all_reduce" and \
                     model.precision.reduce != torch.float32:
                 n = model.parts[unit.part].layout.shard_numel * k
                 reducing.setdefault(u, []).append(take((n, model.precision.reduce)))
-                out[index] = fixed(reducing[u][-1:])
+                out[index] = fixed(reducing[u][-1:], "reduced")
             elif op.kind == OpKind.WAIT_REDUCE and u in reducing:
                 for taken in reducing.pop(u):
                     give(taken)

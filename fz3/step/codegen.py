@@ -1,8 +1,8 @@
 """Traced graphs as Python programs: each op called through its C++ binding, values dropped
 after their last use (``codegen``), the Python binding eager PyTorch uses where a re-trace shows
 it dispatches the very same ATen op (``fast_ops``), parameter views and a flat gradient made in
-one call each (``one_call_views``, ``one_call_flatten``), or the gradient written into a
-fixed buffer (``flatten_into``), constant zeros made once (``constant_factories``).
+one call each (``one_call_views``, ``one_call_flatten``), constant zeros made once
+(``constant_factories``).
 ``fz3.step.joint`` makes the graphs.
 """
 
@@ -22,7 +22,7 @@ class TraceError(Exception):
     """The layer cannot be traced into programs (it runs through autograd instead)."""
 
 
-class _Views(functools.partial):
+class Views(functools.partial):
     """``row -> views`` of consecutive pieces of it, shaped as given: what
     ``FlatLayout.views``' split and views do, in one C++ call (a ``partial`` of it: no Python
     frame per call)."""
@@ -38,7 +38,7 @@ class _Views(functools.partial):
 
 
 def one_call_views(graph: fx.Graph, params: int) -> None:
-    """``split_with_sizes(row)`` and a ``view`` of each piece -> one ``_Views`` call."""
+    """``split_with_sizes(row)`` and a ``view`` of each piece -> one ``Views`` call."""
     rows = [n for n in graph.nodes if n.op == "placeholder"][:params]
     split_op, view_op = torch.ops.aten.split_with_sizes.default, torch.ops.aten.view.default
     for split in [n for n in graph.nodes if n.target is split_op and n.args[0] in rows]:
@@ -57,7 +57,7 @@ def one_call_views(graph: fx.Graph, params: int) -> None:
                 if piece is not None:
                     replaced[i] = piece
         with graph.inserting_after(split):
-            views = graph.call_function(_Views(shapes), (split.args[0],))
+            views = graph.call_function(Views(shapes), (split.args[0],))
         for i, old in replaced.items():
             with graph.inserting_after(views):
                 old.replace_all_uses_with(graph.call_function(operator.getitem, (views, i)))
@@ -113,31 +113,11 @@ def one_call_flatten(graph: fx.Graph) -> None:
     graph.eliminate_dead_code()
 
 
-def flatten_into(graph: fx.Graph) -> tuple[fx.Graph, tuple] | None:
-    """A backward (after ``one_call_flatten`` and ``constant_factories``) that writes its flat
-    gradient into a given buffer instead of a new one: one more input, last, ``(flat,
-    views)`` (``views``: views of ``flat`` shaped as the flatten's sources, in order), the
-    sources copied into them in one ``_foreach_copy_`` and ``flat`` returned, the same values
-    (``flatten_dense_tensors`` copies the same sources in the same order). Changes ``graph``
-    and returns it with the sources' shapes; None: no flatten to replace."""
-    out = next(n for n in graph.nodes if n.op == "output")
-    flat = out.args[0][0]
-    if not isinstance(flat, fx.Node) or flat.target is not torch._C._nn.flatten_dense_tensors:
-        return None
-    sources = flat.args[0]
-    shapes = tuple(tuple((s.meta["val"] if isinstance(s, fx.Node) else s).shape)
-                   for s in sources)
-    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
-    with graph.inserting_after(last):
-        into = graph.placeholder("into")
-    with graph.inserting_before(flat):
-        views = graph.call_function(operator.getitem, (into, 1))
-        # (no user: nothing here may eliminate dead code after this, which would drop it)
-        graph.call_function(torch._foreach_copy_, (views, sources))
-        dest = graph.call_function(operator.getitem, (into, 0))
-    flat.replace_all_uses_with(dest)
-    graph.erase_node(flat)
-    return graph, shapes
+def copy_graph(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph``, node for node, that passes may change."""
+    new = fx.Graph()
+    new.output(new.graph_copy(graph, {}))
+    return new
 
 
 def codegen(graph: fx.Graph, name: str, *, boxed: bool = False,

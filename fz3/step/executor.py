@@ -201,7 +201,7 @@ def _backward_layers(model: ShardedModel, schedule: Schedule, op: Op, index: int
     u, producer, unit = op.unit, schedule.producers[op.unit], schedule.units[op.unit]
     device, world, by_layer = model.device, model.world_size, schedule.reduce == "all_reduce"
     reduce, layer_aux = model.precision.reduce, model.layer_aux
-    into = None if fixed is None else fixed.trained  # its gradient's, where the engine can
+    into = None if fixed is None else fixed.grad  # its gradient's, where the engine can
 
     def backward_layers(s: StepState) -> Frame | None:
         saved = s.saved.pop(u)

@@ -26,8 +26,9 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .codegen import (TraceError, codegen, constant_factories, fast_ops, flatten_into,
+from .codegen import (TraceError, codegen, constant_factories, copy_graph, fast_ops,
                       one_call_flatten, one_call_views)
+from .into import BackwardInto
 from .partition import partition, written, written_args
 
 Layer = Callable[..., torch.Tensor]  # (row, frozen_row | None, h, *extras) -> h | (h, aux)
@@ -53,11 +54,10 @@ class Programs(NamedTuple):
     # storage object across free and re-gather, as for an autograd graph)
     aliases_params: bool = True
     aux: tuple | None = None  # (shape, dtype) of the layer's aux output; None: it has none
-    # ``backward`` writing its flat gradient into a given fixed buffer (``fz3.step.arena``):
-    # ``into`` last in its list, ``(flat, views)``, views shaped ``grad_pieces``; None: it has
-    # no such form (inductor's programs, a gradient not made by one flatten)
-    backward_into: Callable[..., tuple] | None = None
-    grad_pieces: tuple | None = None
+    # ``backward`` writing its flat gradient into a fixed buffer (``fz3.step.arena``), made
+    # at its first call; None: it has no such form (inductor's programs, a gradient not made
+    # by one flatten)
+    backward_into: BackwardInto | None = None
 
     @property
     def outputs(self) -> int:
@@ -190,7 +190,7 @@ def programs(joint: Joint, keep: frozenset[str] | None = None) -> Programs:
     # for Python, a copy with the parameter views made and the gradient flattened in one
     # call each, and constant zeros made once (a dozen ops fewer per program; nothing
     # inductor could compile)
-    fwd, bwd, inf = (_copy(g) for g in graphs)
+    fwd, bwd, inf = (copy_graph(g) for g in graphs)
     for g in (fwd, bwd, inf):
         one_call_views(g, params=first)
     one_call_flatten(bwd)
@@ -199,11 +199,8 @@ def programs(joint: Joint, keep: frozenset[str] | None = None) -> Programs:
     forward, s1 = codegen(fwd, "forward", slow=slow_f)
     backward, s2 = codegen(bwd, "backward", boxed=True, slow=slow_b)
     infer, s3 = codegen(inf, "inference", slow=slow_f)
-    into = flatten_into(_copy(bwd))
-    backward_into = None if into is None else codegen(into[0], "backward_into", boxed=True,
-                                                      slow=slow_b)[0]
     return Programs(forward, backward, infer, graphs, s1 + s2 + s3, aliases, joint.aux,
-                    backward_into, None if into is None else into[1])
+                    BackwardInto.of(bwd, slow_b))
 
 
 def _residuals_alias_params(forward: fx.Graph, params: int, outputs: int = 1) -> bool:
@@ -279,14 +276,10 @@ def _fold_transposes(graph: fx.Graph) -> None:
 def _forward_only(forward: fx.Graph, outputs: int = 1) -> fx.Graph:
     """``forward`` returning ``(h,)`` (or ``(h, aux)``) only: what no residual needs is not
     computed, every value is dropped after its last use."""
-    graph = _copy(forward)
+    graph = copy_graph(forward)
     out = next(n for n in graph.nodes if n.op == "output")
     out.args = (tuple(out.args[0][:outputs]),)
     graph.eliminate_dead_code()
     return graph
 
 
-def _copy(graph: fx.Graph) -> fx.Graph:
-    new = fx.Graph()
-    new.output(new.graph_copy(graph, {}))
-    return new

@@ -37,7 +37,7 @@ def gather_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
     part, label, dtype = unit.part, Label(schedule, op), model.precision.compute
     pick = shapes.shard_picker(unit, model.frozen[unit.part])
     in_place = shapes.gathers_in_place(unit)
-    into_t, into_f = fixed or (None, None)  # the arena's (fz3.step.arena), or new buffers
+    into_t, into_f = fixed[:2] if fixed else (None, None)  # fz3.step.arena's, or new buffers
 
     def gather(s: StepState) -> None:
         trained, frozen = pick(s.params.parts[part], s.shard_rows)
@@ -45,11 +45,10 @@ def gather_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
         if cast:  # the step's own memory
             trained = trained.to(dtype)
         back = s.released.get(u) if in_place and s.released else None
-        if back is None:  # (the fixed tensor read inline: no call per gather once made)
-            out_t = into_t and (into_t.get() if into_t.tensor is None else into_t.tensor)
-            out_f = into_f and (into_f.get() if into_f.tensor is None else into_f.tensor)
+        if back is None:
+            out_t, out_f = into_t and into_t.get(), into_f and into_f.get()
         else:
-            out_t, out_f = _into(back.trained), _into(back.frozen)
+            out_t, out_f = _regrown(back.trained, True), _regrown(back.frozen, True)
         t = all_gather(comm, out_t, trained, label)
         f = None if frozen is None else all_gather(comm, out_f, frozen, label)
         s.gathering[u] = Gathering(t, f, (cast or not t.is_input, f is None or not f.is_input))
@@ -57,10 +56,13 @@ def gather_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
     return gather
 
 
-def _into(released: torch.Tensor | None) -> torch.Tensor | None:
-    """A released buffer's regrown storage, flat, for a gather to write into (None: it was
-    not released)."""
-    return None if released is None else regrow(released).view(-1)
+def _regrown(released: torch.Tensor | None, flat: bool = False) -> torch.Tensor | None:
+    """A released buffer with its storage back, ``flat`` for a gather to write into (None:
+    it was not released)."""
+    if released is None:
+        return None
+    buffer = regrow(released)
+    return buffer.view(-1) if flat else buffer
 
 
 def wait_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
@@ -69,20 +71,18 @@ def wait_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
     for a stack unit, layer-major), each layer's row, its frozen buffer."""
     u, unit = op.unit, schedule.units[op.unit]
     arrange, k = shapes.arranger(unit, model.world_size), len(unit.layers)
-    into_t, into_f = fixed or (None, None)  # k > 1: the layer-major copy's
-    # a released buffer the gather wrote into has its storage already (regrown by the gather:
-    # a resize_ to its own size would reallocate it, under a gather still writing into it)
-    copies = not shapes.gathers_in_place(unit)
+    into_t, into_f = fixed[:2] if fixed else (None, None)  # k > 1: the layer-major copy's
 
     def wait_(s: StepState) -> None:
         gathering = s.gathering.pop(u)
         back = s.released.pop(u, None) if s.released else None
-        if back is not None:  # k > 1: its storage back, for the copy
-            in_t, in_f = ((None if b is None or not copies else regrow(b))
-                          for b in (back.trained, back.frozen))
-        else:
+        if back is None:
             in_t = None if into_t is None else into_t.get().view(k, -1)
             in_f = None if into_f is None else into_f.get().view(k, -1)
+        elif k > 1:  # its storage back, for the copy
+            in_t, in_f = _regrown(back.trained), _regrown(back.frozen)
+        else:  # the gather wrote into it, regrown there (a resize_ to its own size would
+            in_t = in_f = None  # reallocate it, under a gather still writing into it)
         out = wait(gathering.trained)
         buffer, rows = arrange(out, in_t)
         frozen = None if gathering.frozen is None else arrange(wait(gathering.frozen), in_f)[0]
@@ -102,7 +102,7 @@ def free_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
             fixed: OpFixed | None) -> Step:
     u = op.unit
     shared = schedule.units[u].role is Role.SHARED
-    held = fixed or (None, None)
+    held = fixed[:2] if fixed else (None, None)
 
     def free(s: StepState) -> None:
         gathered = s.gathered.pop(u, None)
@@ -150,7 +150,7 @@ def reduce_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
 
         return reduce_all
     rdt, device = model.precision.reduce, model.device
-    fp32, into = rdt == torch.float32, None if fixed is None else fixed.trained
+    fp32, into = rdt == torch.float32, None if fixed is None else fixed.reduced
 
     def reduce(s: StepState) -> None:
         g = _with_carry(s, u)

@@ -69,9 +69,7 @@ class Layers(NamedTuple):
                 box.append(g_aux[j])
             programs = self.programs[j]
             if into is not None and programs.backward_into is not None:  # k == 1
-                like = programs.grad_pieces  # (the views made once: read inline)
-                box.append(into.made if into.shapes is like else into.views(like))
-                out = programs.backward_into(box)
+                out = programs.backward_into(box, into)
             else:
                 out = programs.backward(box)
             grads[j], g = out[0], out[1]
