@@ -288,6 +288,46 @@ def test_python_bindings_only_where_they_dispatch_the_same_op():
     assert torch.equal(grad_row, wl.grad.reshape(-1))
 
 
+def test_a_rows_parameter_views_are_made_once_while_it_lives():
+    """``codegen.RowViews``: a layer's forward, inference and backward share one maker of their
+    row's parameter views; it makes a row's views at the row's first call, hands the same ones
+    back while the row lives, and drops them with it (a new row, even at a dead one's address,
+    gets its own). Every result is eager autograd's, bit for bit."""
+    import gc
+
+    from fz3.step import codegen, joint
+
+    def layer(row, frozen_row, h):
+        weight, bias = row.split([16, 4])
+        return torch.tanh(h @ weight.view(4, 4) + bias)
+
+    def makers(fn):
+        return [v for v in fn.__globals__.values() if isinstance(v, codegen.RowViews)]
+
+    def eager(row, h, g):
+        rl, hl = row.clone().requires_grad_(), h.clone().requires_grad_()
+        out = layer(rl, None, hl)
+        out.backward(g)
+        return out, rl.grad, hl.grad
+
+    h, g = torch.randn(3, 4), torch.randn(3, 4)
+    programs = joint.trace(layer, [torch.randn(20), h], False, [])
+    (maker,) = makers(programs.forward)
+    assert makers(programs.backward) == makers(programs.inference) == [maker]
+    for _ in range(3):  # a new row each time, maybe at the last one's address
+        row = torch.randn(20)
+        out, *residuals = programs.forward(row, h)
+        (again,) = programs.inference(row, h)
+        made = maker.made[id(row)][1]
+        grad_row, grad_h = programs.backward([row, *residuals, g])
+        assert maker(row) is made and len(maker.made) == 1
+        for got, want in zip((out, again, grad_row, grad_h), (eager(row, h, g)[0], *eager(row, h, g))):
+            assert torch.equal(got, want)
+        del row, residuals, made
+        gc.collect()
+        assert maker.made == {}  # the row gone, its views too (and with them its memory)
+
+
 # A layer that writes into its input (issue 23): plain PyTorch allows it (h is the previous
 # layer's output there); fz3 keeps a unit's input to recompute from, or differentiates it as a
 # leaf, so such a layer is given a copy. Reference: plain autograd on the unsharded module.

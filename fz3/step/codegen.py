@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -33,12 +34,49 @@ class Views(functools.partial):
         return super().__new__(cls, torch._C._nn.unflatten_dense_tensors,
                                tensors=[torch.empty(shape, device="meta") for shape in shapes])
 
+    @property
+    def shapes(self) -> list[tuple[int, ...]]:
+        return [tuple(t.shape) for t in self.keywords["tensors"]]
+
     def __repr__(self) -> str:
-        return f"views{[tuple(t.shape) for t in self.keywords['tensors']]}"
+        return f"views{self.shapes}"
 
 
-def one_call_views(graph: fx.Graph, params: int) -> None:
-    """``split_with_sizes(row)`` and a ``view`` of each piece -> one ``Views`` call."""
+class RowViews(Views):
+    """A parameter row's ``Views``, made once per row tensor while it lives: a layer's
+    programs (its forward, a recompute, its backward: ``one_call_views`` shares one between
+    them) read the same row within a step, and a fixed buffer's (``fz3.step.arena``) is the
+    same tensor every step. The views are of a detached alias of the row, so they keep
+    neither the row alive nor, once it is gone (``_forget``), its memory. A trace's fake row
+    is not kept."""
+
+    def __new__(cls, shapes: Sequence[tuple[int, ...]]):
+        self = super().__new__(cls, shapes)
+        self.made: dict[int, tuple] = {}  # by id(row): (a weak reference to it, its views)
+        return self
+
+    def __call__(self, row: torch.Tensor) -> tuple:
+        made = self.made.get(id(row))
+        if made is not None and made[0]() is row:
+            return made[1]
+        if type(row) is not torch.Tensor:  # a trace's (fake) row: nothing kept
+            return super().__call__(row)
+        views = super().__call__(row.detach())
+        key = id(row)
+        self.made[key] = (weakref.ref(row, functools.partial(_forget, self.made, key)), views)
+        return views
+
+
+def _forget(made: dict, key: int, ref: weakref.ref) -> None:
+    """A row is gone: drop its views (unless its id already names a newer row's)."""
+    if made.get(key, (None,))[0] is ref:
+        del made[key]
+
+
+def one_call_views(graph: fx.Graph, params: int, shared: dict[int, RowViews]) -> None:
+    """``split_with_sizes(row)`` and a ``view`` of each piece -> one ``RowViews`` call, the
+    one in ``shared`` for that row (by position; another program of the layer's made it)
+    where the pieces this graph reads have its shapes, else a new one, put there."""
     rows = [n for n in graph.nodes if n.op == "placeholder"][:params]
     split_op, view_op = torch.ops.aten.split_with_sizes.default, torch.ops.aten.view.default
     for split in [n for n in graph.nodes if n.target is split_op and n.args[0] in rows]:
@@ -56,11 +94,16 @@ def one_call_views(graph: fx.Graph, params: int) -> None:
                 shapes.append((size,))
                 if piece is not None:
                     replaced[i] = piece
+        position = rows.index(split.args[0])
+        views = shared.get(position)
+        if views is None or len(views.shapes) != len(shapes) or \
+                any(views.shapes[i] != shapes[i] for i in replaced):
+            views = shared[position] = RowViews(shapes)
         with graph.inserting_after(split):
-            views = graph.call_function(Views(shapes), (split.args[0],))
+            node = graph.call_function(views, (split.args[0],))
         for i, old in replaced.items():
-            with graph.inserting_after(views):
-                old.replace_all_uses_with(graph.call_function(operator.getitem, (views, i)))
+            with graph.inserting_after(node):
+                old.replace_all_uses_with(graph.call_function(operator.getitem, (node, i)))
         graph.eliminate_dead_code()
 
 

@@ -191,8 +191,9 @@ def programs(joint: Joint, keep: frozenset[str] | None = None) -> Programs:
     # call each, and constant zeros made once (a dozen ops fewer per program; nothing
     # inductor could compile)
     fwd, bwd, inf = (copy_graph(g) for g in graphs)
+    shared: dict = {}  # each row's views, made once for the layer's three programs
     for g in (fwd, bwd, inf):
-        one_call_views(g, params=first)
+        one_call_views(g, params=first, shared=shared)
     one_call_flatten(bwd)
     for g in (fwd, bwd, inf):
         constant_factories(g)
