@@ -207,6 +207,46 @@ def test_fixed_buffers_variants_match_new_buffers():
     assert got[0] == got[1] == got[2], got
 
 
+def views_ranks(rank, world):
+    """How often a steady step makes the layers' parameter views (``codegen.RowViews``, one
+    C++ call each): with new buffers once per gathered row (a recompute's forward and backward
+    share theirs), with fixed buffers never (each row is the same tensor every step)."""
+    from fz3.step import codegen
+
+    cfg = GPTConfig(vocab=37, seq=8, dim=16, heads=2, layers=6)
+    model, params = shard_gpt(gpt(cfg))
+    b = batches(cfg, world)[rank]
+    made = [0]
+    views = codegen.Views.__call__
+
+    def counting(self, row):
+        made[0] += 1
+        return views(self, row)
+
+    codegen.Views.__call__ = counting  # the test's own spy, undone below
+    out = {}
+    try:
+        for activations in ("save", "recompute"):
+            for fixed in (False, True):
+                f = fz3.value_and_grad(model, fz3.Policy(activations=activations),
+                                       check_sync=False, fixed_buffers=fixed)
+                f(params, b)
+                f(params, b)
+                made[0] = 0
+                f(params, b)
+                out[activations, fixed] = made[0]
+    finally:
+        codegen.Views.__call__ = views
+    return out
+
+
+def test_fixed_rows_make_their_views_once():
+    got = dist.run(2, views_ranks)[0]
+    rows = 2 * 6 - 1  # each layer gathered for its forward and its backward, the last once
+    assert got == {("save", False): rows, ("save", True): 0, ("recompute", False): rows,
+                   ("recompute", True): 0}, got
+
+
 def test_accumulate_with_fixed_buffers():
     assert dist.run(2, accumulate_ranks, timeout=240) == ["ok"] * 2
 
