@@ -247,6 +247,69 @@ def test_fixed_rows_make_their_views_once():
                    ("recompute", True): 0}, got
 
 
+def _held(schedule, plan) -> list[tuple[object, int, int, str]]:
+    """Each fixed buffer ``plan`` hands out, with the ops it must live over, from what the ops
+    mean (not from the arena's own books): a gather's outputs until the unit's next free (a
+    k-layer unit's through its wait, whose copies then live until the free), a backward's
+    gradient and a reduce's output until the unit's next wait_reduce."""
+    ops, out = schedule.ops, []
+
+    def next_op(i, u, kinds):
+        return next(j for j in range(i + 1, len(ops)) if ops[j].unit == u and ops[j].kind in kinds)
+
+    for i, fixed in plan.items():
+        op, k = ops[i], len(schedule.units[ops[i].unit].layers)
+        if op.kind in ("gather", "wait"):
+            # (the wait copies the rank-major gather into the layer-major: both alive in it)
+            end = next_op(i, op.unit, ("wait",)) + 1 if op.kind == "gather" and k > 1 else \
+                next_op(i, op.unit, ("free",))
+            out += [(f, i, end, op.kind.value) for f in fixed[:2] if f is not None]
+        elif op.kind in ("backward", "reduce"):
+            buffer = fixed.grad if op.kind == "backward" else fixed.reduced
+            out.append((buffer, i, next_op(i, op.unit, ("wait_reduce",)), op.kind.value))
+        else:
+            assert op.kind == "free" and fixed[2:] == (None, None), (op, fixed)
+    return out
+
+
+def plans_ranks(rank, world):
+    """``Arena.plan`` over 216 planned schedules: no two buffers alive at once are one, and
+    the arena holds of each size and dtype exactly the most alive at once."""
+    from fz3.step.arena import Arena
+
+    checked = 0
+    for precision in (fz3.Precision(), fz3.Precision(torch.bfloat16, torch.bfloat16),
+                      fz3.Precision(reduce_dtype=torch.bfloat16)):
+        for frozen in (False, True):
+            module = gpt(PADDED)
+            model, _ = shard_gpt(_freeze(module) if frozen else module, precision=precision)
+            for activations in ("save", "recompute"):
+                for prefetch, k in ((0, 1), (1, 1), (2, 1), (3, 1), (1, 2), (2, 2)):
+                    for reshard, reduce in ((True, "reduce_scatter"), (False, "reduce_scatter"),
+                                            (True, "all_reduce")):
+                        sched = fz3.plan(model, fz3.Policy(
+                            activations=activations, prefetch=prefetch, layers_per_unit=k,
+                            reshard_after_forward=reshard, reduce=reduce))
+                        arena = Arena(model)
+                        held = _held(sched, arena.plan(sched))
+                        case = (precision, frozen, activations, prefetch, k, reshard, reduce)
+                        for a, (f, i, end, what) in enumerate(held):
+                            for g, j, end2, what2 in held[a + 1:]:
+                                # alive at once: each starts before the other ends
+                                assert f is not g or end <= j or end2 <= i, \
+                                    (case, what, i, end, what2, j, end2)
+                        for made in arena.kinds.values():
+                            peak = max(sum(1 for f, i, end, _ in held if f in made and
+                                           i <= t < end) for t in range(len(sched.ops)))
+                            assert len(made) == peak, (case, len(made), peak)
+                        checked += 1
+    return checked
+
+
+def test_fixed_buffer_plans_never_share_a_live_buffer():
+    assert dist.run(2, plans_ranks)[0] == 216
+
+
 def test_accumulate_with_fixed_buffers():
     assert dist.run(2, accumulate_ranks, timeout=240) == ["ok"] * 2
 
