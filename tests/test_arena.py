@@ -1,7 +1,7 @@
 """Fixed buffers (issue 26, item 2; ``fz3.step.arena``): a step function's gathers, k-layer
 copies, one-layer units' unreduced gradients and low-precision reduces write into buffers
-made at their first use and reused every step at the same addresses. Checked at world size 2 (gloo), over policies, units of one and
-two layers, frozen parameters and a bf16 reduce:
+made at their first use and reused every step at the same addresses. Checked at world size 2
+(gloo), over policies, units of one and two layers, frozen parameters and a bf16 reduce:
 
 - each step's result is plain autograd's (fp32 rtol 1e-5 / atol 1e-6) and the same bit for bit
   in steps 1-3 (slots reused; what the last step left in them never leaks in);
@@ -11,7 +11,13 @@ two layers, frozen parameters and a bf16 reduce:
   op), the ops that move memory allocate nothing but the result's gradient shards and the
   gathers of units whose graphs hold their buffers past ``free`` (pre's; with ``trace=False``
   and ``save``, the layers'); a one-layer unit's traced backward allocates no gradient of its
-  size (the arena's Note says what stays allocated).
+  size (the arena's Note says what stays allocated);
+- the layers' parameter views are made once per gathered row, never again for a one-layer
+  unit's fixed buffer (counted).
+
+At 3 ranks, with padding: a bf16 step, prefetch 2 over two-layer units, an all-reduce, no
+resharding, each bitwise equal to new buffers. And ``Arena.plan`` over 216 planned schedules
+against what the ops mean: no two buffers alive at once share one.
 """
 
 from __future__ import annotations
@@ -208,43 +214,53 @@ def test_fixed_buffers_variants_match_new_buffers():
 
 
 def views_ranks(rank, world):
-    """How often a steady step makes the layers' parameter views (``codegen.RowViews``, one
-    C++ call each): with new buffers once per gathered row (a recompute's forward and backward
-    share theirs), with fixed buffers never (each row is the same tensor every step)."""
-    from fz3.step import codegen
+    """How often a steady step makes the layers' parameter views (``fz3.step.views``, one C++
+    call each): with new buffers once per gathered row (a recompute's forward and backward
+    share theirs; a frozen row is one more), with fixed buffers never for one-layer units
+    (each row is the same tensor every step), once per gather for units of two layers (their
+    rows are new each wait)."""
+    from fz3.step import views
 
     cfg = GPTConfig(vocab=37, seq=8, dim=16, heads=2, layers=6)
-    model, params = shard_gpt(gpt(cfg))
     b = batches(cfg, world)[rank]
     made = [0]
-    views = codegen.Views.__call__
+    call = views.Views.__call__
 
     def counting(self, row):
         made[0] += 1
-        return views(self, row)
+        return call(self, row)
 
-    codegen.Views.__call__ = counting  # the test's own spy, undone below
+    views.Views.__call__ = counting  # the test's own spy, undone below
     out = {}
     try:
-        for activations in ("save", "recompute"):
-            for fixed in (False, True):
-                f = fz3.value_and_grad(model, fz3.Policy(activations=activations),
-                                       check_sync=False, fixed_buffers=fixed)
-                f(params, b)
-                f(params, b)
-                made[0] = 0
-                f(params, b)
-                out[activations, fixed] = made[0]
+        for frozen in (False, True):
+            module = gpt(cfg)
+            model, params = shard_gpt(_freeze(module) if frozen else module)
+            for activations, k in (("save", 1), ("recompute", 1), ("save", 2)):
+                for fixed in (False, True):
+                    f = fz3.value_and_grad(model, fz3.Policy(activations=activations,
+                                                             layers_per_unit=k),
+                                           check_sync=False, fixed_buffers=fixed)
+                    f(params, b)
+                    f(params, b)
+                    made[0] = 0
+                    f(params, b)
+                    out[frozen, activations, k, fixed] = made[0]
     finally:
-        codegen.Views.__call__ = views
+        del views.Views.__call__
     return out
 
 
 def test_fixed_rows_make_their_views_once():
     got = dist.run(2, views_ranks)[0]
-    rows = 2 * 6 - 1  # each layer gathered for its forward and its backward, the last once
-    assert got == {("save", False): rows, ("save", True): 0, ("recompute", False): rows,
-                   ("recompute", True): 0}, got
+    gathered = {1: 2 * 6 - 1, 2: 2 * 6 - 2}  # rows gathered a step: forward's and backward's
+    want = {}
+    for frozen in (False, True):
+        for activations, k in (("save", 1), ("recompute", 1), ("save", 2)):
+            rows = gathered[k] * (2 if frozen else 1)
+            want[frozen, activations, k, False] = rows
+            want[frozen, activations, k, True] = 0 if k == 1 else rows
+    assert got == want, got
 
 
 def _held(schedule, plan) -> list[tuple[object, int, int, str]]:

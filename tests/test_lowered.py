@@ -10,12 +10,13 @@ same counts were 67 (``save``) and 71 (``recompute``) calls per layer at world s
 inlined the project's helpers, ``or_zeros``, ``frame_of``'s check, the carry and the debug
 delay, into the steps; they came back for one copy of each, at about 0.2 us a call). The
 arena (``fz3.step.arena``, off here) adds no call when off. Keeping a row's parameter views
-while the row lives (``codegen.RowViews``: a Python ``__call__`` per program call, a
-``_forget`` per row gone) raised them to 40/44 and 44/48; each reuse saves a C++ call making
-a dozen views (~38 us here): a layer's backward after its forward at one rank, a recompute's
-backward, a fixed buffer's every step (``benchmarks/README.md``). A change that makes the per-layer path do more fails
-here: measure it with ``benchmarks/host_overhead.py`` (interleaved A/B pairs) and raise the
-bound in the same change if it is worth it."""
+while the row lives (``fz3.step.views.RowViews``: a Python ``__call__`` per program call,
+a ``_forget`` per row gone) raised them to 40/44 and 44/48; each reuse saves a C++ call
+making a dozen views (38-42 us here): a layer's backward after its forward at one rank, a
+recompute's backward, a fixed buffer's every step (``benchmarks/README.md``, ninth stop).
+A change that makes the per-layer path do more fails here: measure it with
+``benchmarks/host_overhead.py`` (interleaved A/B pairs) and raise the bound in the same
+change if it is worth it."""
 
 from __future__ import annotations
 

@@ -138,9 +138,10 @@ def _local_rates(probe: Probe, repeats: int) -> list[float]:
     programs = trace(lambda r, frozen, x: binding(layout.views(r), (x,)), [row, h], False, [])
     seed = torch.ones_like(h)
 
-    def traced_step():
-        out = programs.forward(row, h)
-        programs.backward([row, *out[1:], seed])
+    def traced_step():  # a new gather's row each step: its parameter views made once
+        r = row.view(-1)
+        out = programs.forward(r, h)
+        programs.backward([r, *out[1:], seed])
 
     traced = _time(lambda: [traced_step() for _ in range(200)], repeats) / 200 / \
         cnt.work["tiny"].ops

@@ -27,7 +27,7 @@ group's gather is the shard itself (``fz3.comm``): nothing there takes a buffer.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -35,7 +35,9 @@ from ..schedule.ops import OpKind
 from ..schedule.schedule import Schedule
 from ..schedule.structure import Role
 from ..sharding.model import ShardedModel
-from .codegen import Views
+
+if TYPE_CHECKING:
+    from .views import Views
 
 
 class Fixed:
@@ -56,9 +58,10 @@ class Fixed:
         return t
 
     def views(self, make: Views) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """``(flat, make(flat))``, made once per buffer and ``make``: for a gradient written
-        into this buffer (``fz3.step.into``)."""
-        if self.made_by is not make or self.made is None:
+        """``(flat, make(flat))``, for a gradient written into this buffer
+        (``fz3.step.into``): made again only when another ``make`` than the last asks (two
+        programs whose gradients take turns in one buffer make theirs at each turn)."""
+        if self.made_by is not make:
             flat = self.get()
             self.made, self.made_by = (flat, make(flat)), make
         return self.made
@@ -118,23 +121,22 @@ class Arena:
             if taken is not None:
                 free[taken[0]].append(taken[1])
 
-        def fixed(taken: list, field: str = "trained") -> OpFixed:
-            made = [None if t is None else self.kinds[t[0]][t[1]] for t in taken]
-            return OpFixed(*made) if field == "trained" else OpFixed(**{field: made[0]})
+        def fixed(taken: tuple | None) -> Fixed | None:
+            return None if taken is None else self.kinds[taken[0]][taken[1]]
 
         for index, op in enumerate(schedule.ops):
             u, unit = op.unit, schedule.units[op.unit]
             k = len(unit.layers)
             if op.kind == OpKind.GATHER:
                 live[u] = [take(kind) for kind in self._kinds(unit)]
-                out[index] = fixed(live[u])
+                out[index] = OpFixed(*map(fixed, live[u]))
             elif op.kind == OpKind.WAIT and unit.role is Role.STACK and k > 1:
                 gathered, live[u] = live[u], [take(kind) for kind in self._kinds(unit)]
                 for taken in gathered:
                     give(taken)
-                out[index] = fixed(live[u])
+                out[index] = OpFixed(*map(fixed, live[u]))
             elif op.kind == OpKind.FREE and u in live:
-                out[index] = fixed(live[u])
+                out[index] = OpFixed(*map(fixed, live[u]))
                 for taken in live.pop(u):
                     give(taken)
             elif op.kind == OpKind.BACKWARD and unit.role is Role.STACK and k == 1 and \
@@ -142,12 +144,12 @@ class Arena:
                 # the unreduced gradient, written by the layer's program where it can
                 part = model.parts[unit.part]
                 reducing[u] = [take(("grad", part.layout.padded, compute))]
-                out[index] = fixed(reducing[u], "grad")
+                out[index] = OpFixed(grad=fixed(reducing[u][0]))
             elif op.kind == OpKind.REDUCE and schedule.reduce != "all_reduce" and \
                     model.precision.reduce != torch.float32:
                 n = model.parts[unit.part].layout.shard_numel * k
                 reducing.setdefault(u, []).append(take((n, model.precision.reduce)))
-                out[index] = fixed(reducing[u][-1:], "reduced")
+                out[index] = OpFixed(reduced=fixed(reducing[u][-1]))
             elif op.kind == OpKind.WAIT_REDUCE and u in reducing:
                 for taken in reducing.pop(u):
                     give(taken)

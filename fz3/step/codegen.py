@@ -1,82 +1,33 @@
 """Traced graphs as Python programs: each op called through its C++ binding, values dropped
 after their last use (``codegen``), the Python binding eager PyTorch uses where a re-trace shows
 it dispatches the very same ATen op (``fast_ops``), parameter views and a flat gradient made in
-one call each (``one_call_views``, ``one_call_flatten``), constant zeros made once
-(``constant_factories``).
+one call each (``one_call_views``: kept while the row lives, ``fz3.step.views``;
+``one_call_flatten``), constant zeros made once (``constant_factories``).
 ``fz3.step.joint`` makes the graphs.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import operator
-import weakref
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from .views import RowViews
+
 
 class TraceError(Exception):
     """The layer cannot be traced into programs (it runs through autograd instead)."""
 
 
-class Views(functools.partial):
-    """``row -> views`` of consecutive pieces of it, shaped as given: what
-    ``FlatLayout.views``' split and views do, in one C++ call (a ``partial`` of it: no Python
-    frame per call)."""
-
-    __name__ = "views"  # a node's target needs one
-
-    def __new__(cls, shapes: Sequence[tuple[int, ...]]):
-        return super().__new__(cls, torch._C._nn.unflatten_dense_tensors,
-                               tensors=[torch.empty(shape, device="meta") for shape in shapes])
-
-    @property
-    def shapes(self) -> list[tuple[int, ...]]:
-        return [tuple(t.shape) for t in self.keywords["tensors"]]
-
-    def __repr__(self) -> str:
-        return f"views{self.shapes}"
-
-
-class RowViews(Views):
-    """A parameter row's ``Views``, made once per row tensor while it lives: a layer's
-    programs (its forward, a recompute, its backward: ``one_call_views`` shares one between
-    them) read the same row within a step, and a fixed buffer's (``fz3.step.arena``) is the
-    same tensor every step. The views are of a detached alias of the row, so they keep
-    neither the row alive nor, once it is gone (``_forget``), its memory. A trace's fake row
-    is not kept."""
-
-    def __new__(cls, shapes: Sequence[tuple[int, ...]]):
-        self = super().__new__(cls, shapes)
-        self.made: dict[int, tuple] = {}  # by id(row): (a weak reference to it, its views)
-        return self
-
-    def __call__(self, row: torch.Tensor) -> tuple:
-        made = self.made.get(id(row))
-        if made is not None and made[0]() is row:
-            return made[1]
-        if type(row) is not torch.Tensor:  # a trace's (fake) row: nothing kept
-            return super().__call__(row)
-        views = super().__call__(row.detach())
-        key = id(row)
-        self.made[key] = (weakref.ref(row, functools.partial(_forget, self.made, key)), views)
-        return views
-
-
-def _forget(made: dict, key: int, ref: weakref.ref) -> None:
-    """A row is gone: drop its views (unless its id already names a newer row's)."""
-    if made.get(key, (None,))[0] is ref:
-        del made[key]
-
-
 def one_call_views(graph: fx.Graph, params: int, shared: dict[int, RowViews]) -> None:
     """``split_with_sizes(row)`` and a ``view`` of each piece -> one ``RowViews`` call, the
     one in ``shared`` for that row (by position; another program of the layer's made it)
-    where the pieces this graph reads have its shapes, else a new one, put there."""
+    where its pieces have this split's sizes and those this graph reads its shapes, else a
+    new one, put there."""
     rows = [n for n in graph.nodes if n.op == "placeholder"][:params]
     split_op, view_op = torch.ops.aten.split_with_sizes.default, torch.ops.aten.view.default
     for split in [n for n in graph.nodes if n.target is split_op and n.args[0] in rows]:
@@ -96,7 +47,7 @@ def one_call_views(graph: fx.Graph, params: int, shared: dict[int, RowViews]) ->
                     replaced[i] = piece
         position = rows.index(split.args[0])
         views = shared.get(position)
-        if views is None or len(views.shapes) != len(shapes) or \
+        if views is None or [math.prod(x) for x in views.shapes] != list(split.args[1]) or \
                 any(views.shapes[i] != shapes[i] for i in replaced):
             views = shared[position] = RowViews(shapes)
         with graph.inserting_after(split):

@@ -57,6 +57,9 @@ class Pieces(NamedTuple):
     # whether the buffer, and the frozen one, are the step's own memory; not: the parameters'
     # own shards (one rank gathers without a copy, ``fz3.comm``), never released by ``free``
     owned: tuple[bool, bool] = (True, True)
+    # a layer unit's: each layer's frozen row, 1-D, made once per gather (a program keeps a
+    # row's parameter views while that row lives: ``fz3.step.views.RowViews``)
+    frozen_rows: tuple[torch.Tensor, ...] = ()
 
 
 @dataclass(eq=False)

@@ -1,8 +1,8 @@
 """A traced backward that writes its flat gradient into a given buffer (a fixed one,
 ``fz3.step.arena``) instead of a new one: the ``flatten_dense_tensors`` that makes it is
 replaced by one ``_foreach_copy_`` of the same sources, in the same order, into views of the
-buffer (the same values, padding zeros included). Generated at its first call, so a program
-that no arena hands a buffer never pays for it.
+buffer (the same values, padding zeros included). Generated at its first call: a program
+that no arena hands a buffer keeps only its backward's graph for it.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import operator
 import torch
 from torch import fx
 
-from .codegen import Views, codegen, copy_graph
+from .codegen import codegen, copy_graph
+from .views import Views
 
 
 class BackwardInto:

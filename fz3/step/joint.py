@@ -282,5 +282,3 @@ def _forward_only(forward: fx.Graph, outputs: int = 1) -> fx.Graph:
     out.args = (tuple(out.args[0][:outputs]),)
     graph.eliminate_dead_code()
     return graph
-
-

@@ -48,7 +48,7 @@ def gather_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
         if back is None:
             out_t, out_f = into_t and into_t.get(), into_f and into_f.get()
         else:
-            out_t, out_f = _regrown(back.trained, True), _regrown(back.frozen, True)
+            out_t, out_f = _regrown(back.trained, flat=True), _regrown(back.frozen, flat=True)
         t = all_gather(comm, out_t, trained, label)
         f = None if frozen is None else all_gather(comm, out_f, frozen, label)
         s.gathering[u] = Gathering(t, f, (cast or not t.is_input, f is None or not f.is_input))
@@ -68,9 +68,10 @@ def _regrown(released: torch.Tensor | None, flat: bool = False) -> torch.Tensor 
 def wait_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
             fixed: OpFixed | None) -> Step:
     """The unit's gathered memory, one ``Pieces`` record: its trained buffer (``(k, full)``
-    for a stack unit, layer-major), each layer's row, its frozen buffer."""
+    for a stack unit, layer-major), each layer's row, its frozen buffer and rows."""
     u, unit = op.unit, schedule.units[op.unit]
     arrange, k = shapes.arranger(unit, model.world_size), len(unit.layers)
+    in_place = shapes.gathers_in_place(unit)
     into_t, into_f = fixed[:2] if fixed else (None, None)  # k > 1: the layer-major copy's
 
     def wait_(s: StepState) -> None:
@@ -79,13 +80,16 @@ def wait_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
         if back is None:
             in_t = None if into_t is None else into_t.get().view(k, -1)
             in_f = None if into_f is None else into_f.get().view(k, -1)
-        elif k > 1:  # its storage back, for the copy
+        elif not in_place:  # its storage back, for the copy
             in_t, in_f = _regrown(back.trained), _regrown(back.frozen)
-        else:  # the gather wrote into it, regrown there (a resize_ to its own size would
-            in_t = in_f = None  # reallocate it, under a gather still writing into it)
+        else:
+            # the gather wrote into it, regrown there (a resize_ to its own size would
+            # reallocate it, under a gather still writing into it)
+            in_t = in_f = None
         out = wait(gathering.trained)
         buffer, rows = arrange(out, in_t)
-        frozen = None if gathering.frozen is None else arrange(wait(gathering.frozen), in_f)[0]
+        frozen, frozen_rows = (None, ()) if gathering.frozen is None else \
+            arrange(wait(gathering.frozen), in_f)
         if back is not None:
             # The graph's saved views now hold the same values again; collectives and the copy
             # bumped the version counters (gloo: when the work completes), which autograd
@@ -93,7 +97,7 @@ def wait_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
             for version in back.versions:
                 with version:
                     pass
-        s.gathered[u] = Pieces(buffer, rows, frozen, gathering.owned)
+        s.gathered[u] = Pieces(buffer, rows, frozen, gathering.owned, frozen_rows)
 
     return wait_
 

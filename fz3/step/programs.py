@@ -28,10 +28,10 @@ class Layers(NamedTuple):
 
     def forward(self, pieces: Pieces, h: torch.Tensor, extras: Produced) -> tuple:
         """``(h, aux, residuals)``: residuals a list, one tuple per layer, in layer order."""
-        tensors, frozen, residuals, auxes = extras.traced.tensors, pieces.frozen, [], []
+        tensors, frozen, residuals, auxes = extras.traced.tensors, pieces.frozen_rows, [], []
         n = 2 if self.aux else 1  # the programs' outputs before their residuals
         for j, (programs, row) in enumerate(zip(self.programs, pieces.rows)):
-            out = programs.forward(*((row,) if frozen is None else (row, frozen[j])), h,
+            out = programs.forward(*((row, frozen[j]) if frozen else (row,)), h,
                                    *tensors)
             h = out[0]
             if self.aux:
@@ -40,9 +40,9 @@ class Layers(NamedTuple):
         return h, stacked(auxes) if self.aux else None, residuals
 
     def inference(self, pieces: Pieces, h: torch.Tensor, extras: Produced) -> tuple:
-        tensors, frozen, auxes = extras.traced.tensors, pieces.frozen, []
+        tensors, frozen, auxes = extras.traced.tensors, pieces.frozen_rows, []
         for j, (programs, row) in enumerate(zip(self.programs, pieces.rows)):
-            out = programs.inference(*((row,) if frozen is None else (row, frozen[j])), h,
+            out = programs.inference(*((row, frozen[j]) if frozen else (row,)), h,
                                      *tensors)
             h = out[0]
             if self.aux:
@@ -56,14 +56,14 @@ class Layers(NamedTuple):
         last use. A layer's aux cotangent is ``g_aux``'s row (zeros where the loss gave
         none). ``into`` (one layer): the fixed buffer (``fz3.step.arena.Fixed``) its
         gradient is written into where its program can (``Programs.backward_into``)."""
-        rows, frozen, k = pieces.rows, pieces.frozen, len(self.programs)
+        rows, frozen, k = pieces.rows, pieces.frozen_rows, len(self.programs)
         if self.aux and g_aux is None:
             shape, dtype = self.programs[0].aux
             g_aux = torch.zeros(k, *shape, dtype=dtype, device=g.device)
         grads: list = [None] * k
         summed: list = []
         for j in reversed(range(k)):
-            params = [rows[j]] if frozen is None else [rows[j], frozen[j]]
+            params = [rows[j], frozen[j]] if frozen else [rows[j]]
             box = [*params, *residuals.pop(), g]
             if self.aux:
                 box.append(g_aux[j])
