@@ -22,6 +22,7 @@ against what the ops mean: no two buffers alive at once share one.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -251,16 +252,67 @@ def views_ranks(rank, world):
     return out
 
 
-def test_fixed_rows_make_their_views_once():
-    got = dist.run(2, views_ranks)[0]
+@pytest.mark.parametrize("world", [1, 2])
+def test_fixed_rows_make_their_views_once(world):
+    """At one rank a one-layer unit computes on its row of the parameter shard, the same
+    tensor every step (``fz3.step.shapes.ShardRows``), so with or without fixed buffers a
+    steady step makes none of its views."""
+    got = dist.run(world, views_ranks)[0]
     gathered = {1: 2 * 6 - 1, 2: 2 * 6 - 2}  # rows gathered a step: forward's and backward's
     want = {}
     for frozen in (False, True):
         for activations, k in (("save", 1), ("recompute", 1), ("save", 2)):
             rows = gathered[k] * (2 if frozen else 1)
-            want[frozen, activations, k, False] = rows
+            want[frozen, activations, k, False] = 0 if k == 1 and world == 1 else rows
             want[frozen, activations, k, True] = 0 if k == 1 else rows
     assert got == want, got
+
+
+def kept_rows_ranks(rank, world):
+    """A step function keeps its parameter shards' rows (``fz3.step.shapes.ShardRows``) while
+    the shards live: a write into the parameters in place (the optimizer's) is seen by the
+    next step, bit for bit what a new step function gives; new parameters are split again,
+    and the old ones' memory is freed (the rows are of a detached alias)."""
+    import gc
+
+    import optree
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    cfg = GPTConfig(vocab=37, seq=8, dim=16, heads=2, layers=3)
+    b = batches(cfg, world)[rank]
+    model, params = shard_gpt(gpt(cfg))
+    f = fz3.value_and_grad(model, fz3.Policy(activations="save"), check_sync=False)
+    f(params, b)
+    with torch.no_grad():
+        for shard in params.parts:
+            shard.mul_(0.5)
+    for got, want in zip(optree.tree_leaves(f(params, b)), optree.tree_leaves(
+            fz3.value_and_grad(model, fz3.Policy(activations="save"))(params, b))):
+        assert torch.equal(got, want)
+    def fresh(params):  # what a new step function gives
+        return optree.tree_leaves(fz3.value_and_grad(model, fz3.Policy(activations="save"))(
+            params, b))
+
+    # new parameters while the old ones live: split again
+    kept = params
+    params = optree.tree_map(lambda t: t.clone() * 2, params)
+    for got, want in zip(optree.tree_leaves(f(params, b)), fresh(params)):
+        assert torch.equal(got, want)
+    # the parameters whose rows the step function keeps, gone: their memory is freed at
+    # once, not at the next step
+    stack = next(i for i, p in enumerate(model.parts) if p.rows > 1)
+    old = StorageWeakRef(params.parts[stack].untyped_storage())
+    params = optree.tree_map(lambda t: t.clone() * 3, params)
+    del kept
+    gc.collect()
+    assert old.expired(), "the step function's rows kept the parameters' memory"
+    for got, want in zip(optree.tree_leaves(f(params, b)), fresh(params)):
+        assert torch.equal(got, want)
+    return "ok"
+
+
+def test_a_step_keeps_the_parameter_rows_while_they_live():
+    assert dist.run(1, kept_rows_ranks) == ["ok"]
 
 
 def _held(schedule, plan) -> list[tuple[object, int, int, str]]:

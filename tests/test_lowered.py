@@ -14,7 +14,15 @@ while the row lives (``fz3.step.views.RowViews``: a Python ``__call__`` per prog
 a ``_forget`` per row gone) raised them to 40/44 and 44/48; each reuse saves a C++ call
 making a dozen views (38-42 us here): a layer's backward after its forward at one rank, a
 recompute's backward, a fixed buffer's every step (``benchmarks/README.md``, ninth stop).
-A change that makes the per-layer path do more fails here: measure it with
+At world size 2 a row's ``forget`` runs when gloo lets go of its last collective's
+tensors, sometimes in the next step: the count varies by a quarter call a layer or more
+between runs (44.125 seen against the bound of 44 on ``3c81967``), so those two bounds have
+about one call more than counted. Then (tenth stop) recompute's backward ran a layer's forward
+and backward as one program (``Programs.recompute``, ``Layers.recompute`` called where
+``Layers.forward`` was), and one rank kept its parameter rows while the shards live
+(``fz3.step.shapes.ShardRows``: no row is gone, so no ``forget``, per step): 39/42 at world
+size 1, 44/46.25 at world size 2. A change that makes the per-layer path do more fails
+here: measure it with
 ``benchmarks/host_overhead.py`` (interleaved A/B pairs) and raise the bound in the same
 change if it is worth it."""
 
@@ -31,7 +39,7 @@ from fz3.models.gpt import GPTConfig
 from reference import batches, gpt
 
 # per layer, steady step: (world size, policy) -> the most fz3 calls allowed
-BOUNDS = {(1, "save"): 40, (1, "recompute"): 44, (2, "save"): 44, (2, "recompute"): 48}
+BOUNDS = {(1, "save"): 39, (1, "recompute"): 42, (2, "save"): 45, (2, "recompute"): 47}
 
 
 def _policy(name: str) -> fz3.Policy:

@@ -275,7 +275,7 @@ def test_python_bindings_only_where_they_dispatch_the_same_op():
         return torch.ops.aten.mul.Scalar(h @ row.view(4, 4), 2.0) + h
 
     programs = joint.trace(layer, [w.reshape(-1), torch.randn(3, 4)], False, [])
-    forward, backward, _ = programs.graphs
+    forward, backward = programs.graphs[:2]
     assert codegen.fast_ops(forward) == {torch.ops.aten.mul.Scalar}
     assert torch.ops.aten.mul.Scalar in codegen.fast_ops(backward, boxed=True)
     h, g = torch.randn(3, 4), torch.randn(3, 4)
@@ -327,6 +327,56 @@ def test_a_rows_parameter_views_are_made_once_while_it_lives():
         del row, residuals, made
         gc.collect()
         assert maker.made == {}  # the row gone, its views too (and with them its memory)
+
+
+def _aten_ops(fn, *args):
+    """The ATen ops ``fn(*args)`` dispatches, by name, and its result."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as ops:
+        out = fn(*args)
+    return ops.names, out
+
+
+def test_recompute_runs_forward_and_backward_as_one_program():
+    """``Programs.recompute``: a layer's forward and backward joined in one program, bit for bit
+    what the two give and eager autograd's, without the ops only the layer's output needed
+    (``sin``: its derivative reads its input, not its output). A weight's ``t`` is made with
+    the row's views (``RowViews.derive``): once per row, not per program call."""
+    from fz3.step import codegen, joint
+
+    def layer(row, frozen_row, h):
+        weight, bias = row.split([16, 4])
+        return torch.sin(torch.nn.functional.linear(h, weight.view(4, 4), bias))
+
+    h, g, row = torch.randn(3, 4), torch.randn(3, 4), torch.randn(20)
+    programs = joint.trace(layer, [row, h], False, [])
+    (maker,) = [v for v in programs.recompute.__globals__.values()
+                if isinstance(v, codegen.RowViews)]
+    assert [op.__name__ for _, op, _ in maker.derived] == ["t"], maker.derived
+    _, residuals = _aten_ops(programs.forward, row, h)
+    split, (grad_row, grad_h) = _aten_ops(programs.backward, [row, *residuals[1:], g])
+    joined, (got_row, got_h) = _aten_ops(programs.recompute, [row, h, g])
+    rl, hl = row.clone().requires_grad_(), h.clone().requires_grad_()
+    layer(rl, None, hl).backward(g)
+    for got, want in ((got_row, grad_row), (got_h, grad_h), (got_row, rl.grad),
+                      (got_h, hl.grad)):
+        assert torch.equal(got, want)
+    forward = _aten_ops(programs.forward, row, h)[0]
+    assert "sin" in forward and "sin" not in joined, joined
+    # the weight's t comes with the row's views (made: a hit); the backward's own t of its
+    # gradient is run
+    assert "t" not in forward and joined.count("t") == split.count("t") == 1, (joined, split)
+    assert len(joined) < len(forward) + len(split), (joined, forward, split)
 
 
 # A layer that writes into its input (issue 23): plain PyTorch allows it (h is the previous

@@ -30,6 +30,7 @@ def one_call_views(graph: fx.Graph, params: int, shared: dict[int, RowViews]) ->
     new one, put there."""
     rows = [n for n in graph.nodes if n.op == "placeholder"][:params]
     split_op, view_op = torch.ops.aten.split_with_sizes.default, torch.ops.aten.view.default
+    calls: dict[int, fx.Node] = {}  # row position -> this graph's call of its views
     for split in [n for n in graph.nodes if n.target is split_op and n.args[0] in rows]:
         pieces = {u.args[1]: u for u in split.users if u.target is operator.getitem}
         if len(pieces) != len(split.users):
@@ -50,12 +51,47 @@ def one_call_views(graph: fx.Graph, params: int, shared: dict[int, RowViews]) ->
         if views is None or [math.prod(x) for x in views.shapes] != list(split.args[1]) or \
                 any(views.shapes[i] != shapes[i] for i in replaced):
             views = shared[position] = RowViews(shapes)
-        with graph.inserting_after(split):
-            node = graph.call_function(views, (split.args[0],))
+        # a second split of the row in this graph (a recompute's backward half) reads the
+        # first one's call
+        node = calls.get(position)
+        if node is None or node.target is not views:
+            with graph.inserting_after(split):
+                node = calls[position] = graph.call_function(views, (split.args[0],))
+        made = {}
         for i, old in replaced.items():
             with graph.inserting_after(node):
-                old.replace_all_uses_with(graph.call_function(operator.getitem, (node, i)))
+                piece = graph.call_function(operator.getitem, (node, i))
+            old.replace_all_uses_with(piece)
+            made[piece] = i
+        _derive(graph, node, views, made)
         graph.eliminate_dead_code()
+
+
+# View ops that a program takes of a parameter's view (a weight's ``t`` for ``mm``), each
+# with the Python binding that dispatches it for integer arguments: ``RowViews.derive`` makes
+# them once per row
+_T = torch._C.TensorBase
+VIEW_OPS = {torch.ops.aten.t.default: _T.t, torch.ops.aten.transpose.int: _T.transpose,
+            torch.ops.aten.permute.default: _T.permute, torch.ops.aten.view.default: _T.view,
+            torch.ops.aten.unsqueeze.default: _T.unsqueeze,
+            torch.ops.aten.squeeze.dim: _T.squeeze}
+
+
+def _derive(graph: fx.Graph, node: fx.Node, views: RowViews, made: dict[fx.Node, int]) -> None:
+    """Each ``VIEW_OPS`` node on one of ``views``' results (``made``: result node -> its
+    position; constant other arguments) -> a result of ``views`` too (``RowViews.derive``)."""
+    for n in list(graph.nodes):
+        if n.target not in VIEW_OPS or n.args[0] not in made or n.kwargs or \
+                n.all_input_nodes != [n.args[0]] or \
+                not all(isinstance(a, (int, list, tuple)) for a in n.args[1:]):
+            continue
+        position = views.derive(made[n.args[0]], VIEW_OPS[n.target], tuple(n.args[1:]))
+        with graph.inserting_after(node):
+            new = graph.call_function(operator.getitem, (node, position))
+        new.meta = dict(n.meta)
+        n.replace_all_uses_with(new)
+        graph.erase_node(n)
+        made[new] = position
 
 
 # Ops that make a tensor from nothing but their arguments, the same every call (no RNG).

@@ -1,7 +1,7 @@
 """The one protocol a layer unit's compute runs through, and its autograd implementation.
 
 [Note: the layer protocol]
-The executor calls a unit of a stack's layers only through three methods:
+The executor calls a unit of a stack's layers only through four methods:
 
 - ``forward(pieces, h, extras) -> (h, aux, residuals)``: the unit's forward, keeping what its
   backward needs;
@@ -12,7 +12,11 @@ The executor calls a unit of a stack's layers only through three methods:
   grad_extras)``: the gradient of the unit's trained buffer (``(padded,)`` or ``(1, padded)``
   for one layer, ``(k, padded)`` for k), of its input, and of each extra that carries
   gradient (``Produced.positions``' order, summed over its layers); ``into``: a fixed buffer
-  (``fz3.step.arena``) the buffer's gradient may be written into and returned, or None.
+  (``fz3.step.arena``) the buffer's gradient may be written into and returned, or None;
+- ``recompute(pieces, h, g, g_aux, extras, into)``: what ``backward`` returns for the
+  residuals ``forward(pieces, h, extras)`` would keep (``recompute``'s backward, the
+  forward's RNG restored first): traced programs run a layer's forward and backward as one
+  program, which skips what only the layer's output needed.
 
 ``aux`` is the unit's layers' auxiliary outputs, ``(k, *shape)`` (``ShardedModel.layer_aux``:
 every layer returns ``(h, aux)``, an MoE router's statistics), or None; ``g_aux`` its
@@ -24,7 +28,7 @@ outputs the layers take (``Produced``). Two implementations:
 that cannot be traced). ``holds_buffer`` says whether residuals may view the gathered buffer
 (then ``free`` keeps its storage object, ``fz3.step.movement``).
 
-Pre, between and post units run through the same three methods (``Stage``): ``h`` is their
+Pre, between and post units run through the first three (``Stage``): ``h`` is their
 input (none for pre: the batch is theirs), ``extras`` the batch, ``forward`` returns their
 outputs (``(h, extras)``, or post's ``(loss, aux)``) and keeps their graph, ``backward``
 takes the cotangent of h (post: the loss's seed) and their extras' summed cotangents, and
@@ -115,6 +119,11 @@ class AutogradLayers:
             cotangents.append(g_aux)
         grads = torch.autograd.grad(outputs, wrt, cotangents, allow_unused=True)
         return grads[0], grads[1], grads[2:]
+
+    def recompute(self, pieces: Pieces, h: torch.Tensor, g: torch.Tensor,
+                  g_aux: torch.Tensor | None, extras: Produced, into=None) -> tuple:
+        """``backward`` of ``forward`` run again from ``h`` (the RNG restored by the caller)."""
+        return self.backward(pieces, self.forward(pieces, h, extras)[2], g, g_aux, extras, into)
 
     def _run(self, buffer: torch.Tensor, frozen: torch.Tensor | None, h: torch.Tensor,
              extras: tuple) -> tuple:

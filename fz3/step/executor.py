@@ -33,6 +33,7 @@ from ..schedule.schedule import Schedule
 from ..sharding import compute
 from ..sharding.model import Params, ShardedModel
 from . import shapes
+from .shapes import ShardRows
 from .arena import Arena, OpFixed
 from .engine import Produced
 from .record import observed
@@ -49,6 +50,9 @@ class Program(NamedTuple):
 
     schedule: Schedule
     steps: tuple[Step, ...]
+    # the parameter shards' rows, kept while the shards live (every step of this program
+    # gathers the same row tensors)
+    shard_rows: ShardRows
 
 
 def lower(model: ShardedModel, schedule: Schedule, arena: Arena | None = None) -> Program:
@@ -59,7 +63,7 @@ def lower(model: ShardedModel, schedule: Schedule, arena: Arena | None = None) -
     runs any batch."""
     fixed = {} if arena is None else arena.plan(schedule)
     return Program(schedule, tuple(STEPS[op.kind](model, schedule, op, index, fixed.get(index))
-                                   for index, op in enumerate(schedule.ops)))
+                                   for index, op in enumerate(schedule.ops)), ShardRows())
 
 
 def execute(model: ShardedModel, program: Program, params: Params, batch: Any, recorder=None,
@@ -77,7 +81,8 @@ def execute(model: ShardedModel, program: Program, params: Params, batch: Any, r
     ``frames=False``: no ``Frame`` is made or yielded (a caller that only drains the step)."""
     schedule = program.schedule
     state = StepState(model, schedule, params, batch, loss or Loss(model.post), loss_scale,
-                      carry, reduce_replicas, traced=traced, frames=frames)
+                      carry, reduce_replicas, traced=traced, frames=frames,
+                      shard_rows=program.shard_rows)
     # With a profiler running (torch.profiler), each op is a named range in its trace; without
     # one, and without a recorder, this costs a check per step, nothing per op.
     profiling = torch.autograd._profiler_enabled()
@@ -206,18 +211,16 @@ def _backward_layers(model: ShardedModel, schedule: Schedule, op: Op, index: int
     def backward_layers(s: StepState) -> Frame | None:
         saved = s.saved.pop(u)
         engine, memory, extras = saved.engine, s.gathered[u], s.produced[producer]
+        g_aux = s.grad_aux.pop(u, None) if s.grad_aux else None
         if isinstance(saved, Kept):
-            residuals = saved.residuals
+            g_buffer, g_x, g_extras = engine.backward(memory, saved.residuals, s.grad_h, g_aux,
+                                                      extras, into)
         else:  # recompute, replaying the forward's RNG
             # Nothing after the loss draws but recompute, which sets its own state; _finish
             # leaves the RNG as plain autograd would (rng_after), so none is kept here.
             rng.restore(saved.rng, device)
-            # (not ``_, residuals = ...``: a name would hold the recomputed output meanwhile)
-            residuals = engine.forward(memory, saved.x, extras)[2]
-        g_aux = s.grad_aux.pop(u, None) if s.grad_aux else None
-        g_buffer, g_x, g_extras = engine.backward(memory, residuals, s.grad_h, g_aux, extras,
-                                                  into)
-        del residuals
+            g_buffer, g_x, g_extras = engine.recompute(memory, saved.x, s.grad_h, g_aux, extras,
+                                                       into)
         grad_out, s.grad_h = s.grad_h, or_zeros(g_x, saved.x)
         for j, ge in zip(extras.positions, g_extras):
             if ge is not None:

@@ -27,14 +27,17 @@ class Kernels:
         self._kernels: dict[tuple, Callable[..., Any]] = {}  # (graph, signature) -> compiled
 
     def compiled(self, programs: Programs, name: str) -> Programs:
-        """``programs`` whose three programs are compiled at their first call; ``name`` the
-        layer they were traced from (for messages)."""
-        fwd, bwd, inf = programs.graphs
+        """``programs`` whose four programs are compiled at their first call (a step runs
+        two or three of them: ``save`` its forward and backward, recompute its inference and
+        recompute); ``name`` the layer they were traced from (for messages)."""
+        fwd, bwd, inf, rec = programs.graphs
         return programs._replace(
             forward=_Inductor(self, fwd, programs.forward, f"{name}'s forward"),
             backward=_Inductor(self, bwd, programs.backward, f"{name}'s backward", boxed=True),
             inference=_Inductor(self, inf, programs.inference, f"{name}'s inference"),
-            backward_into=None)  # its flat gradient is inductor's own
+            recompute=_Inductor(self, rec, programs.recompute, f"{name}'s recompute",
+                                boxed=True),
+            backward_into=None, recompute_into=None)  # their flat gradients are inductor's
 
     def kernel(self, graph: torch.fx.Graph, args: tuple, python: Callable[..., Any],
                name: str = "a layer's") -> Callable[..., Any]:

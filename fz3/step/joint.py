@@ -29,7 +29,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .codegen import (TraceError, codegen, constant_factories, copy_graph, fast_ops,
                       one_call_flatten, one_call_views)
 from .into import BackwardInto
-from .partition import partition, written, written_args
+from .partition import joined, partition, written, written_args
 
 Layer = Callable[..., torch.Tensor]  # (row, frozen_row | None, h, *extras) -> h | (h, aux)
 
@@ -43,12 +43,15 @@ class Programs(NamedTuple):
     g_aux`` last. ``inputs`` are ``(row, frozen_row, h,
     *tensor_extras)``, ``frozen_row`` left out when the layer has none. The graphs are kept
     for inductor (and identify the programs: compilations are keyed by them); ``source`` is
-    the Python programs' code, for reading (constants appear by name, not value)."""
+    the Python programs' code, for reading (constants appear by name, not value).
+    ``recompute([*inputs, g]) -> what backward returns`` (``g, g_aux`` last with an aux
+    output; one list, emptied): the forward and the backward as one program
+    (``partition.joined``), for a recompute."""
 
     forward: Callable[..., tuple]
     backward: Callable[..., tuple]
     inference: Callable[..., torch.Tensor]
-    graphs: tuple[fx.Graph, fx.Graph, fx.Graph]
+    graphs: tuple[fx.Graph, fx.Graph, fx.Graph, fx.Graph]  # forward, backward, inference, recompute
     source: str
     # a residual may share storage with a parameter row (then the executor keeps the row's
     # storage object across free and re-gather, as for an autograd graph)
@@ -58,6 +61,8 @@ class Programs(NamedTuple):
     # at its first call; None: it has no such form (inductor's programs, a gradient not made
     # by one flatten)
     backward_into: BackwardInto | None = None
+    recompute: Callable[..., tuple] | None = None  # None: forward, then backward
+    recompute_into: BackwardInto | None = None  # ``backward_into``'s, for ``recompute``
 
     @property
     def outputs(self) -> int:
@@ -185,23 +190,28 @@ def programs(joint: Joint, keep: frozenset[str] | None = None) -> Programs:
     aliases = _residuals_alias_params(fwd, params=first, outputs=n)
     # Forwards without gradient run the forward's ops, residuals not returned: the same
     # kernels as the recompute that follows them (eager may pick others without grad mode)
-    graphs = (fwd, bwd, _forward_only(fwd, n))  # for inductor, as traced
+    graphs = (fwd, bwd, _forward_only(fwd, n), joined(fwd, bwd, first, n))  # as traced
     slow_f, slow_b = fast_ops(fwd), fast_ops(bwd, boxed=True)
+    # the joined program's nodes are the two halves', arguments and all: what each half
+    # calls through ``_op`` it does (not traced again: ~90 ms a layer here)
+    slow_r = None if slow_f is None or slow_b is None else slow_f | slow_b
     # for Python, a copy with the parameter views made and the gradient flattened in one
     # call each, and constant zeros made once (a dozen ops fewer per program; nothing
     # inductor could compile)
-    fwd, bwd, inf = (copy_graph(g) for g in graphs)
-    shared: dict = {}  # each row's views, made once for the layer's three programs
-    for g in (fwd, bwd, inf):
+    fwd, bwd, inf, rec = (copy_graph(g) for g in graphs)
+    shared: dict = {}  # each row's views, made once for the layer's programs
+    for g in (fwd, bwd, inf, rec):
         one_call_views(g, params=first, shared=shared)
-    one_call_flatten(bwd)
-    for g in (fwd, bwd, inf):
+    for g in (bwd, rec):
+        one_call_flatten(g)
+    for g in (fwd, bwd, inf, rec):
         constant_factories(g)
     forward, s1 = codegen(fwd, "forward", slow=slow_f)
     backward, s2 = codegen(bwd, "backward", boxed=True, slow=slow_b)
     infer, s3 = codegen(inf, "inference", slow=slow_f)
-    return Programs(forward, backward, infer, graphs, s1 + s2 + s3, aliases, joint.aux,
-                    BackwardInto.of(bwd, slow_b))
+    recompute, s4 = codegen(rec, "recompute", boxed=True, slow=slow_r)
+    return Programs(forward, backward, infer, graphs, s1 + s2 + s3 + s4, aliases, joint.aux,
+                    BackwardInto.of(bwd, slow_b), recompute, BackwardInto.of(rec, slow_r))
 
 
 def _residuals_alias_params(forward: fx.Graph, params: int, outputs: int = 1) -> bool:

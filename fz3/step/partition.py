@@ -86,6 +86,34 @@ def partition(joint: fx.Graph, params: range, grads: int,
     return fwd, bwd
 
 
+def joined(forward: fx.Graph, backward: fx.Graph, params: int, outputs: int = 1) -> fx.Graph:
+    """``forward`` then ``backward`` as one graph, ``(*inputs, *cotangents) -> grads``: the
+    recompute's (``fz3.step.programs.Layers.recompute``). Each residual is read where the
+    forward computed it, and what only the layer's outputs needed (its last ``mm``, the
+    residual ``add``) is not computed: dead code, except ops that draw random numbers or
+    write in place (impure), so the RNG is drawn as by the forward."""
+    graph, env = fx.Graph(), {}
+    ins = [n for n in forward.nodes if n.op == "placeholder"]
+    places = [n for n in backward.nodes if n.op == "placeholder"]
+    for p in ins:
+        env[p] = _placeholder(graph, p.name, p)
+    seeds = places[len(places) - outputs:]
+    benv = {s: _placeholder(graph, s.name, s) for s in seeds}
+    for node in forward.nodes:
+        if node.op == "call_function":
+            env[node] = graph.node_copy(node, env.__getitem__)
+    kept = next(n for n in forward.nodes if n.op == "output").args[0][outputs:]
+    benv.update(zip(places[:params], (env[p] for p in ins[:params])))
+    benv.update(zip(places[params:len(places) - outputs], (env[r] for r in kept)))
+    for node in backward.nodes:
+        if node.op == "call_function":
+            benv[node] = graph.node_copy(node, benv.__getitem__)
+    out = next(n for n in backward.nodes if n.op == "output")
+    graph.output(tuple(benv[m] for m in out.args[0]))
+    graph.eliminate_dead_code()
+    return graph
+
+
 # [Note: selective recompute]
 # ``Policy(activations="selective")`` keeps the outputs of the compute-heavy ops
 # (``fz3.schedule.ops.HEAVY_OPS``: matrix products, attention, convolutions; ``fz3.keep``

@@ -31,8 +31,7 @@ class Layers(NamedTuple):
         tensors, frozen, residuals, auxes = extras.traced.tensors, pieces.frozen_rows, [], []
         n = 2 if self.aux else 1  # the programs' outputs before their residuals
         for j, (programs, row) in enumerate(zip(self.programs, pieces.rows)):
-            out = programs.forward(*((row, frozen[j]) if frozen else (row,)), h,
-                                   *tensors)
+            out = programs.forward(*((row, frozen[j]) if frozen else (row,)), h, *tensors)
             h = out[0]
             if self.aux:
                 auxes.append(out[1])
@@ -42,20 +41,22 @@ class Layers(NamedTuple):
     def inference(self, pieces: Pieces, h: torch.Tensor, extras: Produced) -> tuple:
         tensors, frozen, auxes = extras.traced.tensors, pieces.frozen_rows, []
         for j, (programs, row) in enumerate(zip(self.programs, pieces.rows)):
-            out = programs.inference(*((row, frozen[j]) if frozen else (row,)), h,
-                                     *tensors)
+            out = programs.inference(*((row, frozen[j]) if frozen else (row,)), h, *tensors)
             h = out[0]
             if self.aux:
                 auxes.append(out[1])
         return h, stacked(auxes) if self.aux else None
 
     def backward(self, pieces: Pieces, residuals: list, g: torch.Tensor,
-                 g_aux: torch.Tensor | None, extras: Produced, into=None) -> tuple:
+                 g_aux: torch.Tensor | None, extras: Produced, into=None,
+                 joined: bool = False) -> tuple:
         """Last layer first; the buffer's gradient is ``(padded,)`` for one layer, ``(k,
         padded)`` for k. Empties ``residuals``: each is freed inside its program after its
         last use. A layer's aux cotangent is ``g_aux``'s row (zeros where the loss gave
         none). ``into`` (one layer): the fixed buffer (``fz3.step.arena.Fixed``) its
-        gradient is written into where its program can (``Programs.backward_into``)."""
+        gradient is written into where its program can (``Programs.backward_into``).
+        ``joined`` (``recompute``'s): the last layer's entry in ``residuals`` is its inputs,
+        for its ``Programs.recompute``."""
         rows, frozen, k = pieces.rows, pieces.frozen_rows, len(self.programs)
         if self.aux and g_aux is None:
             shape, dtype = self.programs[0].aux
@@ -63,18 +64,37 @@ class Layers(NamedTuple):
         grads: list = [None] * k
         summed: list = []
         for j in reversed(range(k)):
-            params = [rows[j], frozen[j]] if frozen else [rows[j]]
-            box = [*params, *residuals.pop(), g]
+            box = [rows[j], frozen[j], *residuals.pop(), g] if frozen else \
+                [rows[j], *residuals.pop(), g]
             if self.aux:
                 box.append(g_aux[j])
             programs = self.programs[j]
-            if into is not None and programs.backward_into is not None:  # k == 1
-                out = programs.backward_into(box, into)
-            else:
-                out = programs.backward(box)
+            run, run_into = ((programs.recompute, programs.recompute_into)
+                             if joined and j == k - 1 else
+                             (programs.backward, programs.backward_into))
+            out = run(box) if into is None or run_into is None else run_into(box, into)
             grads[j], g = out[0], out[1]
             summed = list(out[2:]) if not summed else [a + b for a, b in zip(summed, out[2:])]
         return shapes.buffer_grad(grads), g, summed
+
+    def recompute(self, pieces: Pieces, h: torch.Tensor, g: torch.Tensor,
+                  g_aux: torch.Tensor | None, extras: Produced, into=None) -> tuple:
+        """``backward`` of ``forward`` run again from the unit's input ``h`` (the forward's
+        RNG restored by the caller): the last layer's forward and backward as one program
+        (``Programs.recompute``: what only its output needed is not computed, no residual
+        tuple), the layers before it forward, then backward."""
+        if self.programs[-1].recompute is None:
+            return self.backward(pieces, self.forward(pieces, h, extras)[2], g, g_aux, extras,
+                                 into)
+        tensors, frozen, residuals = extras.traced.tensors, pieces.frozen_rows, []
+        for j, (programs, row) in enumerate(zip(self.programs[:-1], pieces.rows)):
+            out = programs.forward(*((row, frozen[j]) if frozen else (row,)), h, *tensors)
+            h = out[0]
+            residuals.append(out[programs.outputs:])
+            del out
+        residuals.append((h, *tensors))  # the last layer's inputs, for its joined program
+        del h
+        return self.backward(pieces, residuals, g, g_aux, extras, into, joined=True)
 
 
 class Extras(NamedTuple):

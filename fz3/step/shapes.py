@@ -15,21 +15,46 @@ between, post, shared) is one ``(padded,)`` buffer.
 
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import Callable, Sequence
 
 import torch
 
 from ..schedule.schedule import Unit
 from ..schedule.structure import Role
+from .views import forget
+
+
+class ShardRows:
+    """Each stack part's trained shard split into its layers' rows, kept while that shard
+    lives (one per lowered program, ``fz3.step.executor.Program``): a one-layer unit gathers
+    its row, and one rank computes on it (``fz3.comm``), so that row is the same tensor every
+    step and its parameter views are kept too (``fz3.step.views.RowViews``). The rows are of
+    a detached alias: they keep neither the shard alive nor, once it is gone (new parameters,
+    split again), its memory."""
+
+    def __init__(self):
+        self.made: dict[int, tuple[weakref.ref, tuple[torch.Tensor, ...]]] = {}  # by part
+
+    def get(self, part: int, trained: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        made = self.made.get(part)
+        if made is not None and made[0]() is trained:
+            return made[1]
+        rows = trained.detach().unbind(0)
+        self.made[part] = (weakref.ref(trained, functools.partial(forget, self.made, part)),
+                           rows)
+        return rows
 
 
 def shard_picker(unit: Unit, frozen: torch.Tensor | None
-                 ) -> Callable[[torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor | None]]:
+                 ) -> Callable[[torch.Tensor, ShardRows], tuple[torch.Tensor,
+                                                                torch.Tensor | None]]:
     """What a unit gathers, as ``pick(trained, rows) -> (trained, frozen)``, both 1-D:
     from its part's trained shard (``(L, shard)`` for a stack) a one-layer unit its row (the
-    shard's rows split once per step into ``rows[unit.part]``), a unit of k layers its ``(k,
-    shard)`` rows flat, any other unit the shard; likewise from the part's ``frozen`` shard
-    (decided here, once)."""
+    shard's rows, ``rows.get(unit.part, trained)``), a unit of k layers its ``(k, shard)``
+    rows flat, any other unit the shard; likewise from the part's ``frozen`` shard (decided
+    here, once)."""
     if unit.role is not Role.STACK:
         flat = None if frozen is None else frozen.reshape(-1)
         return lambda trained, rows: (trained.reshape(-1), flat)
@@ -37,10 +62,10 @@ def shard_picker(unit: Unit, frozen: torch.Tensor | None
     if stop - first == 1:
         row = None if frozen is None else frozen[first]
 
-        def one(trained: torch.Tensor, rows: dict):
-            split = rows.get(part)
-            if split is None:
-                split = rows[part] = trained.unbind(0)
+        def one(trained: torch.Tensor, rows: ShardRows):
+            made = rows.made.get(part)  # (``ShardRows.get``'s hit, without its call)
+            split = made[1] if made is not None and made[0]() is trained else \
+                rows.get(part, trained)
             return split[first], row
 
         return one

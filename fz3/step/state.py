@@ -47,6 +47,7 @@ from ..schedule.schedule import Schedule
 from ..sharding.binding import Binding
 from ..sharding.model import Params, ShardedModel
 from .engine import Pieces, Produced
+from .shapes import ShardRows
 
 
 class Frame(NamedTuple):
@@ -150,9 +151,10 @@ class StepState:
     gathering: dict[int, Gathering] = field(default_factory=dict)
     gathered: dict[int, Pieces] = field(default_factory=dict)
     released: dict[int, Released] = field(default_factory=dict)
-    # by part: its trained shard's rows, split once per step (a stack's one-layer units gather
-    # them), and its gradient shard with its rows, where its units' reduces land
-    shard_rows: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    # by part: its trained shard's rows (a stack's one-layer units gather them; kept by the
+    # lowered program while the shard lives), and its gradient shard with its rows, where
+    # its units' reduces land
+    shard_rows: ShardRows = field(default_factory=ShardRows)
     grad_rows: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = field(
         default_factory=dict)
     # by part in ``Schedule.join_grads``: its units' reduced (k, shard) rows, by first layer,

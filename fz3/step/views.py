@@ -1,12 +1,13 @@
 """A row's parameter views in one C++ call (``Views``), and kept while the row lives
-(``RowViews``): ``fz3.step.codegen`` puts them in the traced programs.
+(``RowViews``), with the views a program takes of them (a weight's ``t``): ``fz3.step.codegen``
+puts them in the traced programs.
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -36,27 +37,48 @@ class RowViews(Views):
     between them) read the same row within a step, and a one-layer unit's fixed buffer
     (``fz3.step.arena``) is the same tensor every step (a k-layer unit's rows are new each
     wait: made once per gather). The views are of a detached alias of the row, so they keep
-    neither the row alive nor, once it is gone (``_forget``), its memory. A fake row (a
-    trace's) is not kept."""
+    neither the row alive nor, once it is gone (``forget``), its memory. A fake row (a
+    trace's) is not kept. After the views come the ``derived`` ones, views of them made with
+    them (``derive``)."""
 
     def __new__(cls, shapes: Sequence[tuple[int, ...]]):
         self = super().__new__(cls, shapes)
         self.made: dict[int, tuple] = {}  # by id(row): (a weak reference to it, its views)
+        # (the position of the view it is taken of, the view op, its other arguments)
+        self.derived: list[tuple[int, Callable, tuple]] = []
         return self
+
+    def derive(self, source: int, op: Callable, args: tuple[Any, ...]) -> int:
+        """The position among this call's results of ``op(results[source], *args)``, a view
+        op on a parameter's view (a weight's ``t``, made again by each program otherwise,
+        ~0.7 us a call here): made with the views, once per row. The same one asked twice
+        (by a layer's forward and inference) is one."""
+        spec = (source, op, args)
+        if spec not in self.derived:
+            self.derived.append(spec)
+            self.made.clear()  # views made before lack it
+        return len(self.keywords["tensors"]) + self.derived.index(spec)
 
     def __call__(self, row: torch.Tensor) -> tuple:
         made = self.made.get(id(row))
         if made is not None and made[0]() is row:
             return made[1]
-        if type(row) is not torch.Tensor:  # a trace's (fake) row: nothing kept
-            return super().__call__(row)
-        views = super().__call__(row.detach())
+        fake = type(row) is not torch.Tensor  # a trace's row: nothing kept
+        views = super().__call__(row if fake else row.detach())
+        if self.derived:  # (here, not in a method: no Python frame more per row)
+            views = list(views)
+            for source, op, args in self.derived:
+                views.append(op(views[source], *args))
+            views = tuple(views)
+        if fake:
+            return views
         key = id(row)
-        self.made[key] = (weakref.ref(row, functools.partial(_forget, self.made, key)), views)
+        self.made[key] = (weakref.ref(row, functools.partial(forget, self.made, key)), views)
         return views
 
 
-def _forget(made: dict, key: int, ref: weakref.ref) -> None:
-    """A row is gone: drop its views (unless its id already names a newer row's)."""
+def forget(made: dict, key: Any, ref: weakref.ref) -> None:
+    """A weak reference's callback: its tensor is gone, so drop what ``made[key]`` kept for it
+    (unless ``key`` already names a newer tensor's)."""
     if made.get(key, (None,))[0] is ref:
         del made[key]
