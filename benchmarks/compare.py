@@ -46,6 +46,7 @@ def systems_for(config: str, layers: int) -> dict[str, tuple[str, dict]]:
     (``PAIRS``); fz3's policies are schedule knobs, nothing else."""
     return {
         "limit": ("plain", {}),
+        "limit + AC": ("plain", {"ac": True}),  # each block checkpointed: recompute's limit
         "limit compiled": ("plain", {"compile_blocks": True}),
         "fz3 whole stack": ("fz3_system", {"policy": whole_stack(layers)}),
         "FSDP2 root only": ("fsdp2", {"root_only": True}),
@@ -63,6 +64,9 @@ def systems_for(config: str, layers: int) -> dict[str, tuple[str, dict]]:
 # (fz3 system, its like-for-like peer): the same memory policy on both sides
 PAIRS = [("fz3 whole stack", "FSDP2 root only"), ("fz3 save", "FSDP2"), ("fz3 recompute", "FSDP2 + AC"),
          ("fz3 save compiled", "FSDP2 compiled")]
+# (system, its no-communication limit with the same checkpointing)
+LIMITS = [("fz3 save", "limit"), ("FSDP2", "limit"), ("fz3 recompute", "limit + AC"),
+          ("FSDP2 + AC", "limit + AC"), ("DeepSpeed ZeRO-3", "limit")]
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -134,8 +138,8 @@ def launch(config: str, name: str, builder: str, kwargs: dict, args: argparse.Na
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--quick", action="store_true", help="thin only; limit, fz3 save/recompute and their FSDP2 "
-                                                          "peers; 1 repeat")
+    ap.add_argument("--quick", action="store_true", help="thin only; limit (also + AC), fz3 save/recompute and "
+                                                          "their FSDP2 peers; 1 repeat")
     ap.add_argument("--configs", default="thin,fat")
     ap.add_argument("--systems", default=None, help="comma-separated subset of system names")
     ap.add_argument("--repeats", type=int, default=5)
@@ -159,7 +163,7 @@ def main() -> None:
         return scaling(args)
     if args.quick:
         args.configs, args.repeats = "thin", 1
-        args.systems = args.systems or "limit,fz3 save,FSDP2,fz3 recompute,FSDP2 + AC"
+        args.systems = args.systems or "limit,limit + AC,fz3 save,FSDP2,fz3 recompute,FSDP2 + AC"
         args.steps = args.steps or 10
     want = set(args.systems.split(",")) if args.systems else None
 
@@ -284,20 +288,29 @@ def summarize(results: dict, args: argparse.Namespace) -> str:
             pr = statistics.median(paired) if paired else float("nan")
             lines.append(f"| {name} | {step:.4f} | {_median(ok, 'fwd_bwd_s'):.4f} | {_median(ok, 'optimizer_s'):.4f} "
                          f"| {tps:.0f} | {ratio:.2f} | {pr:.2f} | {_median(ok, 'rss_mib'):.0f} | {ok[-1]['loss']:.5f} |")
-        lines += ["", "Like for like (the same memory policy on both sides): fz3 / its peer, medians of the "
-                      "paired per-repeat ratios", "", "| fz3 | peer | step | fwd+bwd | optimizer | peak RSS |",
-                  "|---|---|---:|---:|---:|---:|"]
-        for mine, peer in PAIRS:
-            a_runs, b_runs = by_system.get(mine, []), by_system.get(peer, [])
-            pairs = [(x, y) for x, y in zip(a_runs, b_runs) if "error" not in x | y]
-            if not pairs:
-                continue
-            ratio = {k: statistics.median(x[k] / y[k] for x, y in pairs)
-                     for k in ("step_s", "fwd_bwd_s", "optimizer_s", "rss_mib")}
-            lines.append(f"| {mine} | {peer} | {ratio['step_s']:.2f} | {ratio['fwd_bwd_s']:.2f} | "
-                         f"{ratio['optimizer_s']:.2f} | {ratio['rss_mib']:.2f} |")
+        lines += _paired(by_system, PAIRS, "Like for like (the same memory policy on both sides): fz3 / its "
+                                           "peer", ("fz3", "peer"))
+        lines += _paired(by_system, LIMITS, "Against the no-communication limit with the same checkpointing "
+                                            "(recompute's: each block checkpointed)", ("system", "limit"))
         lines.append("")
     return "\n".join(lines)
+
+
+def _paired(by_system: dict, pairs: list[tuple[str, str]], title: str, heads: tuple[str, str]) -> list[str]:
+    """A table of ``mine / theirs`` for each pair both ran: medians of the per-repeat ratios
+    (each repeat's runs were made one after the other)."""
+    lines = ["", f"{title}, medians of the paired per-repeat ratios", "",
+             f"| {heads[0]} | {heads[1]} | step | fwd+bwd | optimizer | peak RSS |", "|---|---|---:|---:|---:|---:|"]
+    for mine, theirs in pairs:
+        both = [(x, y) for x, y in zip(by_system.get(mine, []), by_system.get(theirs, []))
+                if "error" not in x | y]
+        if not both:
+            continue
+        ratio = {k: statistics.median(x[k] / y[k] for x, y in both)
+                 for k in ("step_s", "fwd_bwd_s", "optimizer_s", "rss_mib")}
+        lines.append(f"| {mine} | {theirs} | {ratio['step_s']:.2f} | {ratio['fwd_bwd_s']:.2f} | "
+                     f"{ratio['optimizer_s']:.2f} | {ratio['rss_mib']:.2f} |")
+    return lines if len(lines) > 5 else []
 
 
 def _median(runs: list[dict], key: str) -> float:

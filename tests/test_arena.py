@@ -255,8 +255,9 @@ def views_ranks(rank, world):
 @pytest.mark.parametrize("world", [1, 2])
 def test_fixed_rows_make_their_views_once(world):
     """At one rank a one-layer unit computes on its row of the parameter shard, the same
-    tensor every step (``fz3.step.shapes.ShardRows``), so with or without fixed buffers a
-    steady step makes none of its views."""
+    tensor every call on the same parameters (``fz3.step.shapes.ShardRows``; not across a
+    training loop's steps, whose optimizer returns new tensors), so with or without fixed
+    buffers a steady step makes none of its views."""
     got = dist.run(world, views_ranks)[0]
     gathered = {1: 2 * 6 - 1, 2: 2 * 6 - 2}  # rows gathered a step: forward's and backward's
     want = {}

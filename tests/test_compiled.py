@@ -178,3 +178,44 @@ def fallback_ranks(rank, world):
 
 def test_fallback_strict_and_recompiles_are_reported():
     assert dist.run(1, fallback_ranks, timeout=300) == ["ok"]
+
+
+def unread_random_ranks(rank, world):
+    """``Kernels.compiled``: inductor drops a random draw that nothing reads, so a joined
+    graph with one (noise only the layer's output needed) gets no compiled recompute program
+    and runs forward, then backward; otherwise every later draw would shift and the gradient
+    be of other dropout masks than the loss's. Where every draw is read, the compiled
+    recompute draws what the compiled forward does, bit for bit."""
+    import torch.nn.functional as F
+
+    from fz3.step import joint
+    from fz3.step.inductor import Kernels
+
+    def read(row, frozen_row, h):
+        w, b = row.split([16, 4])
+        a = h * (1 + 0.1 * torch.randn_like(h))  # the gradient reads this noise
+        return a + F.dropout(torch.tanh(F.linear(h, w.view(4, 4), b)), 0.5, True)
+
+    def unread(row, frozen_row, h):
+        w, b = row.split([16, 4])
+        y = h + F.dropout(torch.tanh(F.linear(h, w.view(4, 4), b)), 0.5, True)
+        return y + 0.1 * torch.randn_like(h)  # only the output reads it
+
+    row, h = torch.randn(20), torch.randn(64, 4)
+    traced = {layer: joint.trace(layer, [row, h], False, []) for layer in (read, unread)}
+    assert Kernels(strict=True).compiled(traced[unread], "unread").recompute is None
+    assert traced[unread].recompute is not None  # Python runs the unread draw: it keeps it
+    compiled = Kernels(strict=True).compiled(traced[read], "read")
+    g = torch.randn_like(h)
+    torch.manual_seed(0)
+    out = compiled.forward(row, h)
+    want = compiled.backward([row, *out[1:], g])
+    torch.manual_seed(0)
+    got = compiled.recompute([row, h, g])
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    return "ok"
+
+
+def test_a_random_draw_nothing_reads_keeps_the_compiled_recompute_apart():
+    assert dist.run(1, unread_random_ranks, timeout=300) == ["ok"]

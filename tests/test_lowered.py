@@ -14,15 +14,17 @@ while the row lives (``fz3.step.views.RowViews``: a Python ``__call__`` per prog
 a ``_forget`` per row gone) raised them to 40/44 and 44/48; each reuse saves a C++ call
 making a dozen views (38-42 us here): a layer's backward after its forward at one rank, a
 recompute's backward, a fixed buffer's every step (``benchmarks/README.md``, ninth stop).
-At world size 2 a row's ``forget`` runs when gloo lets go of its last collective's
-tensors, sometimes in the next step: the count varies by a quarter call a layer or more
-between runs (44.125 seen against the bound of 44 on ``3c81967``), so those two bounds have
-about one call more than counted. Then (tenth stop) recompute's backward ran a layer's forward
-and backward as one program (``Programs.recompute``, ``Layers.recompute`` called where
-``Layers.forward`` was), and one rank kept its parameter rows while the shards live
-(``fz3.step.shapes.ShardRows``: no row is gone, so no ``forget``, per step): 39/42 at world
-size 1, 44/46.25 at world size 2. A change that makes the per-layer path do more fails
-here: measure it with
+A row's ``forget`` (``fz3.step.views``, a weak reference's callback) runs when gloo lets go
+of its last collective's tensors, sometimes in the next step, so it is not counted with the
+rest: its count varied by more than half a call a layer between runs (44.625 seen against
+the bound of 44 on ``3c81967``, whose bounds counted it); it is bounded apart, by the rows a
+layer gathers in two steps (one per gather: two a step). Without it, the counts were 39/43 at world
+size 1 and 42/46 at world size 2 on ``3c81967``. Then (tenth stop) recompute's backward ran
+a layer's forward and backward as one program (``Programs.recompute``; ``Layers.recompute``
+called where ``Layers.forward`` was) and one rank kept its parameter rows while the shards
+live (``fz3.step.shapes.ShardRows``; this test calls the step on the same parameters, as a
+loop with an optimizer does not): 39/42 and 42/45. A change that makes the per-layer
+path do more fails here: measure it with
 ``benchmarks/host_overhead.py`` (interleaved A/B pairs) and raise the bound in the same
 change if it is worth it."""
 
@@ -39,7 +41,8 @@ from fz3.models.gpt import GPTConfig
 from reference import batches, gpt
 
 # per layer, steady step: (world size, policy) -> the most fz3 calls allowed
-BOUNDS = {(1, "save"): 39, (1, "recompute"): 42, (2, "save"): 45, (2, "recompute"): 47}
+BOUNDS = {(1, "save"): 39, (1, "recompute"): 42, (2, "save"): 42, (2, "recompute"): 45}
+FORGET = "step/views.py:forget"  # counted apart (see above)
 
 
 def _policy(name: str) -> fz3.Policy:
@@ -73,15 +76,19 @@ def calls_ranks(rank, world, policy):
         step(params, b)
         per_layers[layers] = _fz3_calls(step, params, b)
     more = per_layers[16] - per_layers[8]
-    return sum(more.values()) / 8, {k: v / 8 for k, v in more.most_common(12)}
+    forgets = more.pop(FORGET, 0) / 8
+    return sum(more.values()) / 8, {k: v / 8 for k, v in more.most_common(12)}, forgets
 
 
 def test_a_steady_step_makes_few_python_calls_per_layer():
     for (world, policy), bound in BOUNDS.items():
-        per_layer, top = dist.run(world, calls_ranks, policy, timeout=300)[0]
+        per_layer, top, forgets = dist.run(world, calls_ranks, policy, timeout=300)[0]
         assert per_layer <= bound, (
             f"world size {world}, {policy}: {per_layer} calls into fz3 per layer in a steady step, "
             f"the bound is {bound} (the most frequent: {top}); see this file's docstring")
+        # one rank gathers no row; two gather two a layer per step, of which some die in the
+        # next step: at most this step's and the last one's
+        assert forgets <= 4 * (world > 1), (world, policy, forgets)
 
 
 def lowered_ranks(rank, world):

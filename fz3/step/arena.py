@@ -59,11 +59,15 @@ class Fixed:
 
     def views(self, make: Views) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``(flat, make(flat))``, for a gradient written into this buffer
-        (``fz3.step.into``): made again only when another ``make`` than the last asks (two
-        programs whose gradients take turns in one buffer make theirs at each turn)."""
+        (``fz3.step.into``): made again only when another ``make`` than the last asks, of
+        other shapes (a layer's backward and its recompute program ask for the same views;
+        two layers' programs whose gradients take turns in one buffer make theirs at each
+        turn)."""
         if self.made_by is not make:
-            flat = self.get()
-            self.made, self.made_by = (flat, make(flat)), make
+            if self.made_by is None or self.made_by.shapes != make.shapes:
+                flat = self.get()
+                self.made = (flat, make(flat))
+            self.made_by = make
         return self.made
 
     def let_go(self, buffer: torch.Tensor | None) -> None:

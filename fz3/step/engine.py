@@ -15,8 +15,8 @@ The executor calls a unit of a stack's layers only through four methods:
   (``fz3.step.arena``) the buffer's gradient may be written into and returned, or None;
 - ``recompute(pieces, h, g, g_aux, extras, into)``: what ``backward`` returns for the
   residuals ``forward(pieces, h, extras)`` would keep (``recompute``'s backward, the
-  forward's RNG restored first): traced programs run a layer's forward and backward as one
-  program, which skips what only the layer's output needed.
+  forward's RNG restored first): traced programs run the unit's last layer's forward and
+  backward as one program, which skips what only that layer's output needed.
 
 ``aux`` is the unit's layers' auxiliary outputs, ``(k, *shape)`` (``ShardedModel.layer_aux``:
 every layer returns ``(h, aux)``, an MoE router's statistics), or None; ``g_aux`` its

@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 
 from .joint import Programs
+from .partition import unread_random
 
 
 class CompileError(RuntimeError):
@@ -27,16 +28,20 @@ class Kernels:
         self._kernels: dict[tuple, Callable[..., Any]] = {}  # (graph, signature) -> compiled
 
     def compiled(self, programs: Programs, name: str) -> Programs:
-        """``programs`` whose four programs are compiled at their first call (a step runs
-        two or three of them: ``save`` its forward and backward, recompute its inference and
-        recompute); ``name`` the layer they were traced from (for messages)."""
+        """``programs`` whose programs are compiled at their first call (``save`` runs the
+        forward and backward, a one-layer recompute unit the inference and recompute, a
+        k-layer one all four); ``name`` the layer they were traced from (for messages). A
+        joined graph with a random draw nothing reads gets no recompute program (inductor
+        would drop that draw and shift the later ones): its recompute runs forward, then
+        backward."""
         fwd, bwd, inf, rec = programs.graphs
+        joined = None if rec is None or unread_random(rec) else \
+            _Inductor(self, rec, programs.recompute, f"{name}'s recompute", boxed=True)
         return programs._replace(
             forward=_Inductor(self, fwd, programs.forward, f"{name}'s forward"),
             backward=_Inductor(self, bwd, programs.backward, f"{name}'s backward", boxed=True),
             inference=_Inductor(self, inf, programs.inference, f"{name}'s inference"),
-            recompute=_Inductor(self, rec, programs.recompute, f"{name}'s recompute",
-                                boxed=True),
+            recompute=joined,
             backward_into=None, recompute_into=None)  # their flat gradients are inductor's
 
     def kernel(self, graph: torch.fx.Graph, args: tuple, python: Callable[..., Any],

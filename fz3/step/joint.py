@@ -1,4 +1,5 @@
-"""A layer's pure function, traced once into two plain programs: forward and backward.
+"""A layer's pure function, traced once into plain programs: forward and backward (and from
+them inference, and the two joined for a recompute).
 
 The autograd engine is the largest host cost of a per-layer executor: every layer pays one
 ``torch.autograd.grad`` call and the engine's bookkeeping per op (``benchmarks/host_floor.py``).
@@ -51,7 +52,7 @@ class Programs(NamedTuple):
     forward: Callable[..., tuple]
     backward: Callable[..., tuple]
     inference: Callable[..., torch.Tensor]
-    graphs: tuple[fx.Graph, fx.Graph, fx.Graph, fx.Graph]  # forward, backward, inference, recompute
+    graphs: tuple  # forward, backward, inference, recompute (None: selective programs)
     source: str
     # a residual may share storage with a parameter row (then the executor keeps the row's
     # storage object across free and re-gather, as for an autograd graph)
@@ -189,29 +190,34 @@ def programs(joint: Joint, keep: frozenset[str] | None = None) -> Programs:
                          outputs=n)
     aliases = _residuals_alias_params(fwd, params=first, outputs=n)
     # Forwards without gradient run the forward's ops, residuals not returned: the same
-    # kernels as the recompute that follows them (eager may pick others without grad mode)
-    graphs = (fwd, bwd, _forward_only(fwd, n), joined(fwd, bwd, first, n))  # as traced
+    # kernels as the recompute that follows them (eager may pick others without grad mode);
+    # selective programs never recompute (they keep residuals): no joined one
+    rec = joined(fwd, bwd, first, n) if keep is None else None
+    graphs = (fwd, bwd, _forward_only(fwd, n), rec)  # as traced
     slow_f, slow_b = fast_ops(fwd), fast_ops(bwd, boxed=True)
-    # the joined program's nodes are the two halves', arguments and all: what each half
-    # calls through ``_op`` it does (not traced again: ~90 ms a layer here)
+    # the joined nodes are the halves', arguments and all: each half's ``_op`` calls are its
     slow_r = None if slow_f is None or slow_b is None else slow_f | slow_b
     # for Python, a copy with the parameter views made and the gradient flattened in one
     # call each, and constant zeros made once (a dozen ops fewer per program; nothing
     # inductor could compile)
-    fwd, bwd, inf, rec = (copy_graph(g) for g in graphs)
+    fwd, bwd, inf, rec = (None if g is None else copy_graph(g) for g in graphs)
+    made = [g for g in (fwd, bwd, inf, rec) if g is not None]
     shared: dict = {}  # each row's views, made once for the layer's programs
-    for g in (fwd, bwd, inf, rec):
+    for g in made:
         one_call_views(g, params=first, shared=shared)
-    for g in (bwd, rec):
-        one_call_flatten(g)
-    for g in (fwd, bwd, inf, rec):
+        if g is bwd or g is rec:  # their flat gradients
+            one_call_flatten(g)
+    for g in made:
         constant_factories(g)
     forward, s1 = codegen(fwd, "forward", slow=slow_f)
     backward, s2 = codegen(bwd, "backward", boxed=True, slow=slow_b)
     infer, s3 = codegen(inf, "inference", slow=slow_f)
-    recompute, s4 = codegen(rec, "recompute", boxed=True, slow=slow_r)
+    recompute, s4, into = None, "", None
+    if rec is not None:
+        recompute, s4 = codegen(rec, "recompute", boxed=True, slow=slow_r)
+        into = BackwardInto.of(rec, slow_r)
     return Programs(forward, backward, infer, graphs, s1 + s2 + s3 + s4, aliases, joint.aux,
-                    BackwardInto.of(bwd, slow_b), recompute, BackwardInto.of(rec, slow_r))
+                    BackwardInto.of(bwd, slow_b), recompute, into)
 
 
 def _residuals_alias_params(forward: fx.Graph, params: int, outputs: int = 1) -> bool:

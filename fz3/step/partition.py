@@ -91,7 +91,8 @@ def joined(forward: fx.Graph, backward: fx.Graph, params: int, outputs: int = 1)
     recompute's (``fz3.step.programs.Layers.recompute``). Each residual is read where the
     forward computed it, and what only the layer's outputs needed (its last ``mm``, the
     residual ``add``) is not computed: dead code, except ops that draw random numbers or
-    write in place (impure), so the RNG is drawn as by the forward."""
+    write in place (impure), so the RNG is drawn as by the forward (in Python; inductor drops
+    a draw nothing reads: ``unread_random``)."""
     graph, env = fx.Graph(), {}
     ins = [n for n in forward.nodes if n.op == "placeholder"]
     places = [n for n in backward.nodes if n.op == "placeholder"]
@@ -211,6 +212,14 @@ def _writes_into(node: fx.Node, tensors: set[fx.Node]) -> bool:
         if value in tensors:
             return True
     return False
+
+
+def unread_random(graph: fx.Graph) -> bool:
+    """Whether an op of ``graph`` draws random numbers that nothing reads (noise only the
+    layer's output needed, in a ``joined`` graph: Python runs it, inductor drops it, and every
+    later draw would shift)."""
+    return any(n.op == "call_function" and _draws_random(n) and not n.users
+               for n in graph.nodes)
 
 
 def _draws_random(node: fx.Node) -> bool:

@@ -28,11 +28,13 @@ from .views import forget
 
 class ShardRows:
     """Each stack part's trained shard split into its layers' rows, kept while that shard
-    lives (one per lowered program, ``fz3.step.executor.Program``): a one-layer unit gathers
-    its row, and one rank computes on it (``fz3.comm``), so that row is the same tensor every
-    step and its parameter views are kept too (``fz3.step.views.RowViews``). The rows are of
-    a detached alias: they keep neither the shard alive nor, once it is gone (new parameters,
-    split again), its memory."""
+    tensor lives (one per lowered program, ``fz3.step.executor.Program``): a one-layer unit
+    gathers its row, and one rank computes on it (``fz3.comm``), so a step called again on
+    the same shard tensor (micro-batches, evaluation) computes on the same row tensors and
+    its parameter views are kept too (``fz3.step.views.RowViews``). Not across a training
+    loop's steps: ``fz3.optim.step`` returns new tensor objects (donated: new aliases of the
+    same memory), split again. The rows are of a detached alias: they keep neither the shard
+    alive nor, once it is gone, its memory."""
 
     def __init__(self):
         self.made: dict[int, tuple[weakref.ref, tuple[torch.Tensor, ...]]] = {}  # by part

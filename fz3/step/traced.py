@@ -1,7 +1,7 @@
 """``TracedLayers``: each stack's layers run as traced programs, without the autograd engine.
 
-``fz3.step.joint`` traces a layer into a forward, a backward and an inference program. This
-file decides which layers share them and when they are made:
+``fz3.step.joint`` traces a layer into a forward, a backward, an inference and a recompute
+program. This file decides which layers share them and when they are made:
 
 - Layers share programs when their modules hold the same Python state (every attribute that
   is not a parameter, a submodule or an empty hook table: ``layer_idx``, a sliding window, a
