@@ -33,7 +33,6 @@ from ..schedule.schedule import Schedule
 from ..sharding import compute
 from ..sharding.model import Params, ShardedModel
 from . import shapes
-from .shapes import ShardRows
 from .arena import Arena, OpFixed
 from .engine import Produced
 from .record import observed
@@ -52,7 +51,7 @@ class Program(NamedTuple):
     steps: tuple[Step, ...]
     # the parameter shards' rows, kept while the shards live (every step of this program
     # gathers the same row tensors)
-    shard_rows: ShardRows
+    shard_rows: shapes.ShardRows
 
 
 def lower(model: ShardedModel, schedule: Schedule, arena: Arena | None = None) -> Program:
@@ -63,7 +62,7 @@ def lower(model: ShardedModel, schedule: Schedule, arena: Arena | None = None) -
     runs any batch."""
     fixed = {} if arena is None else arena.plan(schedule)
     return Program(schedule, tuple(STEPS[op.kind](model, schedule, op, index, fixed.get(index))
-                                   for index, op in enumerate(schedule.ops)), ShardRows())
+                                   for index, op in enumerate(schedule.ops)), shapes.ShardRows())
 
 
 def execute(model: ShardedModel, program: Program, params: Params, batch: Any, recorder=None,

@@ -69,9 +69,10 @@ class Layers(NamedTuple):
             if self.aux:
                 box.append(g_aux[j])
             programs = self.programs[j]
-            run, run_into = ((programs.recompute, programs.recompute_into)
-                             if joined and j == k - 1 else
-                             (programs.backward, programs.backward_into))
+            if joined and j == k - 1:
+                run, run_into = programs.recompute, programs.recompute_into
+            else:
+                run, run_into = programs.backward, programs.backward_into
             out = run(box) if into is None or run_into is None else run_into(box, into)
             grads[j], g = out[0], out[1]
             summed = list(out[2:]) if not summed else [a + b for a, b in zip(summed, out[2:])]
