@@ -12,7 +12,9 @@ loss, the same for everyone, drop out. Systems: plain eager, plain with each blo
 (the default) and, for ``save``, not (``trace=False``). Repeats are interleaved across
 systems and the medians reported, as the machine drifts. At world size 1 fz3 gathers
 nothing (its layers compute on the shards, ``fz3/comm``) and FSDP2's collectives go through
-gloo.
+gloo. With ``--loop`` each system's optimizer step (fused AdamW, fz3's with ``donate=True``)
+runs untimed after each timed forward+backward, as in a training loop: fz3 then gets new
+parameter tensors every call (aliases of the donated memory), the others the same ones.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def systems():
 
 
 def build(kind: str, kwargs: dict, layers: int):
-    """A ``forward_backward(batch)`` for one system at ``layers`` layers."""
+    """One system (its ``forward_backward(batch)`` and ``optimizer()``) at ``layers`` layers."""
     import torch
 
     import fz3
@@ -59,12 +61,12 @@ def build(kind: str, kwargs: dict, layers: int):
     cfg = GPTConfig(**CFG, layers=layers)
     cpu = torch.device("cpu")
     if kind == "plain":
-        return s.plain(cfg, cpu, **kwargs).forward_backward
+        return s.plain(cfg, cpu, **kwargs)
     if kind == "fsdp2":
-        return s.fsdp2(cfg, cpu, **kwargs).forward_backward
+        return s.fsdp2(cfg, cpu, **kwargs)
     policy = fz3.Policy(**(kwargs["whole"](layers) if "whole" in kwargs else kwargs["policy"]))
     return s.fz3_system(cfg, cpu, policy=policy, compile=kwargs.get("compile", False),
-                        trace=kwargs.get("trace", True)).forward_backward
+                        trace=kwargs.get("trace", True))
 
 
 def main() -> None:
@@ -73,6 +75,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--out", default=None, help="also write the table to this markdown file")
     ap.add_argument("--systems", default=None, help="comma-separated subset of the systems")
+    ap.add_argument("--loop", action="store_true",
+                    help="run each system's optimizer step (untimed) after each timed call")
     args = ap.parse_args()
     chosen = {n: v for n, v in systems().items() if args.systems is None or n in args.systems.split(",")}
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -91,8 +95,9 @@ def main() -> None:
     deep: dict[str, list[float]] = {name: [] for name in chosen}
     for r in range(args.repeats):
         for name in chosen:
-            t_deep = s.median_time(lambda: built[name, DEEP](batch), args.steps)
-            t_shallow = s.median_time(lambda: built[name, SHALLOW](batch), args.steps)
+            t_deep, t_shallow = (s.median_time(
+                lambda: built[name, L].forward_backward(batch), args.steps,
+                between=built[name, L].optimizer if args.loop else None) for L in (DEEP, SHALLOW))
             per_layer[name].append((t_deep - t_shallow) / (DEEP - SHALLOW) * 1e6)
             deep[name].append(t_deep * 1e3)
         print(f"repeat {r + 1}/{args.repeats}: " + ", ".join(f"{n} {v[-1]:.0f}" for n, v in per_layer.items()),
@@ -100,6 +105,7 @@ def main() -> None:
     plain = statistics.median(per_layer["plain eager"]) if "plain eager" in per_layer else float("nan")
     lines = [f"`python benchmarks/host_overhead.py {' '.join(sys.argv[1:])}` on {datetime.date.today()}, torch "
              f"{torch.__version__}, world size 1 (gloo), 1 thread; forward+backward of a GPT of hidden 16, seq 8, "
+             f"{'in a training loop (optimizer untimed), ' if args.loop else ''}"
              f"batch 1; per layer = (t({DEEP} layers) - t({SHALLOW} layers)) / {DEEP - SHALLOW}; medians of "
              f"{args.repeats} interleaved repeats", "",
              "| system | us per layer | x plain eager | ms per step at 48 layers |", "|---|---:|---:|---:|"]

@@ -276,14 +276,17 @@ def time_steps(make: Callable[[], System], cfg: GPTConfig, micro: int, device: t
     return Timed(step, build, times, host, loss)
 
 
-def median_time(fn: Callable[[], object], steps: int, warmup: int = 3) -> float:
-    """Median seconds of ``steps`` calls of ``fn`` after ``warmup`` untimed ones."""
-    for _ in range(warmup):
-        fn()
+def median_time(fn: Callable[[], object], steps: int, warmup: int = 3,
+                between: Callable[[], object] | None = None) -> float:
+    """Median seconds of ``steps`` calls of ``fn`` after ``warmup`` untimed ones; ``between``,
+    if given, runs untimed after each call (a training loop's optimizer step)."""
     ts = []
-    for _ in range(steps):
+    for i in range(warmup + steps):
         t0 = time.perf_counter()
         fn()
-        ts.append(time.perf_counter() - t0)
+        if i >= warmup:
+            ts.append(time.perf_counter() - t0)
+        if between is not None:
+            between()
     return statistics.median(ts)
 
