@@ -255,8 +255,8 @@ def views_ranks(rank, world):
 @pytest.mark.parametrize("world", [1, 2])
 def test_fixed_rows_make_their_views_once(world):
     """At one rank a one-layer unit computes on its row of the parameter shard, the same
-    tensor every call on the same parameters (``fz3.step.shapes.ShardRows``; not across a
-    training loop's steps, whose optimizer returns new tensors), so with or without fixed
+    tensor every call on the same parameters (``fz3.step.shapes.ShardRows``; a training
+    loop's too: ``test_a_training_loop_keeps_the_parameter_rows``), so with or without fixed
     buffers a steady step makes none of its views."""
     got = dist.run(world, views_ranks)[0]
     gathered = {1: 2 * 6 - 1, 2: 2 * 6 - 2}  # rows gathered a step: forward's and backward's
@@ -314,6 +314,76 @@ def kept_rows_ranks(rank, world):
 
 def test_a_step_keeps_the_parameter_rows_while_they_live():
     assert dist.run(1, kept_rows_ranks) == ["ok"]
+
+
+def loop_rows_ranks(rank, world):
+    """A training loop at one rank: ``fz3.optim.step(..., donate=True)`` returns new tensor
+    objects on the same memory every step, and the step function recognises them
+    (``fz3.step.shapes.ShardRows``): a steady step makes none of the layers' parameter views,
+    and each step is bit for bit what a new step function gives on the same parameters."""
+    from fz3.step import views
+
+    cfg = GPTConfig(vocab=37, seq=8, dim=16, heads=2, layers=4)
+    b = batches(cfg, world)[rank]
+    model, params = shard_gpt(gpt(cfg))
+    opt = fz3.optim.adamw(lr=1e-2)
+    state = opt.init(params)
+    made, call = [0], views.Views.__call__
+
+    def counting(self, row):
+        made[0] += 1
+        return call(self, row)
+
+    out = []
+    for activations in ("save", "recompute"):
+        f = fz3.value_and_grad(model, fz3.Policy(activations=activations), check_sync=False)
+        for step in range(3):
+            want = fz3.value_and_grad(model, fz3.Policy(activations=activations),
+                                      check_sync=False)(params, b)
+            views.Views.__call__ = counting  # the test's own spy, undone below
+            try:
+                made[0] = 0
+                loss, grads = f(params, b)
+            finally:
+                del views.Views.__call__
+            assert torch.equal(loss, want[0]), (activations, step)
+            assert all(torch.equal(g, w) for g, w in zip(grads.parts, want[1].parts)), step
+            params, state = fz3.optim.step(opt, grads, state, params, donate=True)
+        out.append(made[0])  # the third step's
+    return out
+
+
+def test_a_training_loop_keeps_the_parameter_rows():
+    assert dist.run(1, loop_rows_ranks) == [[0, 0]]
+
+
+def test_shard_rows_own_nothing_and_follow_the_memory():
+    """``ShardRows`` unit by unit: a new alias of the same memory gets the same rows; other
+    memory (a copy, or the same tensor object pointed at other memory with ``set_``) is split
+    again and read where it now is; the rows keep no memory alive, except ``owning=True``'s
+    (``step_through``'s, whose frames may outlive the parameters)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from fz3.step.shapes import ShardRows
+
+    shard = torch.arange(12.0).view(3, 4)
+    rows = ShardRows()
+    first = rows.get(0, shard)
+    assert [r.tolist() for r in first] == shard.tolist()
+    alias = shard.detach()  # what fz3.optim.step(..., donate=True) returns
+    assert rows.get(0, alias) is first
+    alias.set_(shard.clone().mul_(2))  # the same object on other memory (the old one alive)
+    assert [r.tolist() for r in rows.get(0, alias)] == (2 * shard).tolist()
+    copy = shard.clone()
+    assert [r.tolist() for r in rows.get(0, copy)] == shard.tolist()
+    memory = StorageWeakRef(copy.untyped_storage())  # the memory whose rows it holds now
+    del copy
+    assert memory.expired(), "ShardRows kept the shard's memory alive"
+    owned, owning = torch.ones(2, 3), ShardRows(owning=True)
+    memory = StorageWeakRef(owned.untyped_storage())
+    owning.get(0, owned)
+    del owned
+    assert not memory.expired()
 
 
 def _held(schedule, plan) -> list[tuple[object, int, int, str]]:

@@ -54,15 +54,18 @@ class Program(NamedTuple):
     shard_rows: shapes.ShardRows
 
 
-def lower(model: ShardedModel, schedule: Schedule, arena: Arena | None = None) -> Program:
+def lower(model: ShardedModel, schedule: Schedule, arena: Arena | None = None, *,
+          owning_rows: bool = False) -> Program:
     """``schedule`` (validated) as steps made once for ``model``: each op's unit, shapes,
     dtypes, engine and collective decided here, so a step runs its ops without reading op
     kinds or the schedule. ``arena``: where its gathers and reduces find fixed buffers, the
     same every step (``fz3.step.arena``; None: new ones each step). Local; the same program
-    runs any batch."""
+    runs any batch. ``owning_rows``: its parameter rows own their memory (``step_through``'s
+    frames may outlive the parameters: [Note: rows that own nothing], ``fz3.step.shapes``)."""
     fixed = {} if arena is None else arena.plan(schedule)
     return Program(schedule, tuple(STEPS[op.kind](model, schedule, op, index, fixed.get(index))
-                                   for index, op in enumerate(schedule.ops)), shapes.ShardRows())
+                                   for index, op in enumerate(schedule.ops)),
+                   shapes.ShardRows(owning_rows))
 
 
 def execute(model: ShardedModel, program: Program, params: Params, batch: Any, recorder=None,

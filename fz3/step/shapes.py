@@ -15,37 +15,68 @@ between, post, shared) is one ``(padded,)`` buffer.
 
 from __future__ import annotations
 
-import functools
 import weakref
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..schedule.schedule import Unit
 from ..schedule.structure import Role
-from .views import forget
+
+
+class Split(NamedTuple):
+    """A stack part's trained shard split into its layers' rows (``ShardRows``)."""
+
+    shard: weakref.ref  # the tensor object last passed in for this memory
+    ptr: int  # its data_ptr
+    layout: tuple  # its storage's nbytes, its offset, shape, stride and dtype
+    memory: StorageWeakRef  # its storage, expired once freed (keeps no memory alive)
+    rows: tuple[torch.Tensor, ...]  # views of a non-owning alias of that memory
 
 
 class ShardRows:
-    """Each stack part's trained shard split into its layers' rows, kept while that shard
-    tensor lives (one per lowered program, ``fz3.step.executor.Program``): a one-layer unit
-    gathers its row, and one rank computes on it (``fz3.comm``), so a step called again on
-    the same shard tensor (micro-batches, evaluation) computes on the same row tensors and
-    its parameter views are kept too (``fz3.step.views.RowViews``). Not across a training
-    loop's steps: ``fz3.optim.step`` returns new tensor objects (donated: new aliases of the
-    same memory), split again. The rows are of a detached alias: they keep neither the shard
-    alive nor, once it is gone, its memory."""
+    """Each stack part's trained shard split into its layers' rows, kept across steps (one per
+    lowered program, ``fz3.step.executor.Program``): a one-layer unit gathers its row, and one
+    rank computes on it (``fz3.comm``), so a step called again on the same memory computes on
+    the same row tensors and its parameter views are kept too (``fz3.step.views.RowViews``).
+    The same memory: the same shard tensor (micro-batches, evaluation), or a new tensor object
+    on the very same storage, address and layout (a training loop: ``fz3.optim.step(...,
+    donate=True)`` updates the memory in place and returns a new alias every step).
+    [Note: rows that own nothing]: the rows are views of an alias that does not own the memory
+    (``torch._C._construct_storage_from_data_pointer``, as inductor's CUDA graph trees make
+    theirs), so they keep nothing alive once the caller drops the shard; they are read only
+    while a tensor on that memory, alive and checked as above, was passed in for this step,
+    and the step hands none of them out (``step_through``'s frames may: its program, lowered
+    per call, has ``owning=True``). Also a shard tensor pointed at other memory (``set_``)
+    is split again (its address is checked on every hit)."""
 
-    def __init__(self):
-        self.made: dict[int, tuple[weakref.ref, tuple[torch.Tensor, ...]]] = {}  # by part
+    def __init__(self, owning: bool = False):
+        self.owning = owning
+        self.made: dict[int, Split] = {}  # by part
 
     def get(self, part: int, trained: torch.Tensor) -> tuple[torch.Tensor, ...]:
         made = self.made.get(part)
-        if made is not None and made[0]() is trained:
-            return made[1]
-        rows = trained.detach().unbind(0)
-        self.made[part] = (weakref.ref(trained, functools.partial(forget, self.made, part)),
-                           rows)
+        if made is not None and made.shard() is trained and trained.data_ptr() == made.ptr:
+            return made.rows
+        if type(trained) is not torch.Tensor or trained.is_meta:
+            return trained.detach().unbind(0)  # (a fake or meta shard: a trace's; nothing kept)
+        storage = trained.untyped_storage()
+        layout = (storage.nbytes(), trained.storage_offset(), trained.shape, trained.stride(),
+                  trained.dtype)
+        if (made is not None and made.ptr == trained.data_ptr() and made.layout == layout
+                and made.memory.cdata == storage._cdata and not made.memory.expired()):
+            self.made[part] = made._replace(shard=weakref.ref(trained))  # a new alias of it
+            return made.rows
+        if self.owning:
+            rows = trained.detach().unbind(0)
+        else:
+            alias = torch._C._construct_storage_from_data_pointer(
+                storage.data_ptr(), trained.device, storage.nbytes())
+            rows = trained.new_empty(0).set_(alias, trained.storage_offset(), trained.shape,
+                                             trained.stride()).unbind(0)
+        self.made[part] = Split(weakref.ref(trained), trained.data_ptr(), layout,
+                                StorageWeakRef(storage), rows)
         return rows
 
 
@@ -66,8 +97,8 @@ def shard_picker(unit: Unit, frozen: torch.Tensor | None
 
         def one(trained: torch.Tensor, rows: ShardRows):
             made = rows.made.get(part)  # (``ShardRows.get``'s hit, without its call)
-            split = made[1] if made is not None and made[0]() is trained else \
-                rows.get(part, trained)
+            split = made.rows if made is not None and made.shard() is trained and \
+                trained.data_ptr() == made.ptr else rows.get(part, trained)
             return split[first], row
 
         return one
