@@ -115,10 +115,14 @@ def dying_ranks(rank, world):
         out = (*first, str(e), e.lost)
     # A survivor that returns stops its heartbeat: the other may still be judging liveness
     # (a wait drained after the first error looks again), so both stay until both are done.
+    # The store's own timeout is FZ3_TEST_PG_TIMEOUT's 30 s, which a survivor on a loaded
+    # machine has outwaited here (CI, "Wait timeout"); the test's 90 s bounds the whole run.
+    import datetime
+
     from fz3.comm.compat import default_store
 
     default_store().set(f"test/dying/done/{rank}", "1")
-    default_store().wait([f"test/dying/done/{r}" for r in (0, 2)])
+    default_store().wait([f"test/dying/done/{r}" for r in (0, 2)], datetime.timedelta(seconds=80))
     return out
 
 
