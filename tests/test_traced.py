@@ -502,3 +502,38 @@ def test_a_failing_fake_kernel_prints_no_traceback(caplog):
     printed = [r for r in caplog.records if r.name.startswith("torch._subclasses")]
     assert not printed, [r.getMessage()[:200] for r in printed]
     assert logging.getLogger("torch._subclasses.fake_tensor").level == logging.NOTSET
+
+
+def new_shape_ranks(rank, world):
+    """A batch of another shape than the programs were traced for: the layers are traced
+    again for it, said once at INFO (naming the new and the earlier shapes), and its step is
+    still bit for bit the untraced one; that shape again, the first one again, or the same
+    shape in eval mode, say nothing."""
+    from reference import fz3_said
+
+    model, params = shard_gpt(gpt(CFG))
+    long, short = batches(CFG, world)[rank], batches(GPTConfig(**{**CFG.__dict__, "seq": 5}),
+                                                     world)[rank]
+    policy = fz3.Policy(activations="save")
+    step = fz3.value_and_grad(model, policy)
+    with fz3_said() as said:
+        step(params, long)
+        quiet = list(said)
+        torch.manual_seed(3)
+        loss, grads = step(params, short)
+        told = list(said)
+        step(params, short)
+        step(params, long)
+        fz3.apply(model.eval(), params, short)
+    torch.manual_seed(3)
+    want_loss, want = fz3.value_and_grad(model, policy, trace=False)(params, short)
+    assert torch.equal(loss, want_loss) and _same(grads, want)
+    assert not [m for m in quiet if "another shape" in m], quiet
+    new = [m for m in told if "another shape" in m]
+    assert len(new) == 1 and "h [2, 5, 16]" in new[0] and "before: [2, 8, 16]" in new[0], told
+    assert [m for m in said if "another shape" in m] == new, said
+    return "ok"
+
+
+def test_a_batch_of_another_shape_is_traced_again_and_said_once():
+    assert dist.run(1, new_shape_ranks) == ["ok"]

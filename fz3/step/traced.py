@@ -71,6 +71,7 @@ class TracedLayers:
         # parts said to run selective units as recompute, and said to have no op a rule keeps
         self._warned_keep: set[str] = set()
         self._kept_none: set[str] = set()
+        self._shapes: dict[str, list[tuple]] = {}  # part name -> input shapes traced, in order
         for i, part in enumerate(model.parts):
             if part.role is Role.STACK:
                 self.groups[i] = groups(model.functions[i], part, self.failed)
@@ -124,6 +125,7 @@ class TracedLayers:
         else:
             signature = Signature(tuple(h.shape), h.stride(), h.dtype, self.model.training,
                                   extras.consts, keep)
+            self._say_new_shape(part, signature)
             layers = self._layers(part_index, part, first, stop, h, extras, signature)
         if layers is not None:
             self._units[unit] = layers
@@ -132,6 +134,21 @@ class TracedLayers:
             log.info("fz3: %s: selective units run as recompute (its layers run through "
                      "autograd)", part.name)
         return layers
+
+    def _say_new_shape(self, part: Part, signature: Signature) -> None:
+        """Say at INFO, once per shape, that a stack's layers meet inputs of another shape than
+        before (a batch of other shapes): their programs are traced (and compiled) again for
+        it, and kept for later steps of that shape."""
+        shape = (signature.shape, signature.dtype, signature.extras)
+        seen = self._shapes.setdefault(part.name, [])
+        if shape in seen:
+            return
+        if seen:
+            log.info("fz3: %s: layers traced%s again for inputs of another shape (h %s %s; "
+                     "before: %s): once per shape, kept for later steps", part.name,
+                     " and compiled" if self.compile else "", list(signature.shape),
+                     signature.dtype, ", ".join(str(list(s[0])) for s in seen[:3]))
+        seen.append(shape)
 
     def _layers(self, part_index: int, part: Part, first: int, stop: int, h: torch.Tensor,
                 extras: Extras, signature: tuple) -> Layers | None:
