@@ -216,10 +216,10 @@ def test_fixed_buffers_variants_match_new_buffers():
 
 def views_ranks(rank, world):
     """How often a steady step makes the layers' parameter views (``fz3.step.views``, one C++
-    call each): with new buffers once per gathered row (a recompute's forward and backward
-    share theirs; a frozen row is one more), with fixed buffers never for one-layer units
-    (each row is the same tensor every step), once per gather for units of two layers (their
-    rows are new each wait)."""
+    call each): never for one-layer units, whose gathers write into the same tensor objects
+    every step (a fixed buffer, or one whose storage ``free`` released:
+    ``fz3.step.movement.free_op``; one rank computes on its shard's rows), once per gather for
+    units of two layers (their rows are new each wait; a frozen row is one more)."""
     from fz3.step import views
 
     cfg = GPTConfig(vocab=37, seq=8, dim=16, heads=2, layers=6)
@@ -256,15 +256,17 @@ def views_ranks(rank, world):
 def test_fixed_rows_make_their_views_once(world):
     """At one rank a one-layer unit computes on its row of the parameter shard, the same
     tensor every call on the same parameters (``fz3.step.shapes.ShardRows``; a training
-    loop's too: ``test_a_training_loop_keeps_the_parameter_rows``), so with or without fixed
-    buffers a steady step makes none of its views."""
+    loop's too: ``test_a_training_loop_keeps_the_parameter_rows``); at two, it gathers into
+    the same tensor every step, so with or without fixed buffers a steady step makes none of
+    its views. Units of two layers make theirs once per gather (their rows are arranged anew
+    at each wait, at any world size)."""
     got = dist.run(world, views_ranks)[0]
-    gathered = {1: 2 * 6 - 1, 2: 2 * 6 - 2}  # rows gathered a step: forward's and backward's
+    gathered = 2 * 6 - 2  # two-layer units' gathers a step: forward's and backward's
     want = {}
     for frozen in (False, True):
         for activations, k in (("save", 1), ("recompute", 1), ("save", 2)):
-            rows = gathered[k] * (2 if frozen else 1)
-            want[frozen, activations, k, False] = 0 if k == 1 and world == 1 else rows
+            rows = gathered * (2 if frozen else 1)
+            want[frozen, activations, k, False] = 0 if k == 1 else rows
             want[frozen, activations, k, True] = 0 if k == 1 else rows
     assert got == want, got
 

@@ -190,7 +190,7 @@ def budget_ranks(rank, world):
         step = fz3.value_and_grad(model, chosen)
         torch.manual_seed(1)
         loss, grads = step(params, bs[rank])
-        with LiveBytes() as live:  # what the step itself holds (the plan's transient part)
+        with LiveBytes(writes=True) as live:  # what the step itself holds (the plan's transient part)
             torch.manual_seed(1)
             again = step(params, bs[rank])
             torch.distributed.barrier()

@@ -165,7 +165,7 @@ def plan_vs_live_ranks(rank, world):
                 plan = fz3.memory_plan(model, sched, batch, trace=trace)
                 step = fz3.value_and_grad(model, sched, trace=trace)
                 step(params, batch)  # warm: nothing cached on the first call is counted
-                with LiveBytes() as live:
+                with LiveBytes(writes=True) as live:
                     step(params, batch)
                     torch.distributed.barrier()  # gloo lets its last tensors go
                 predicted = plan.peak - plan.params - plan.optimizer

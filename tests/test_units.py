@@ -298,7 +298,7 @@ def plan_vs_live_ranks(rank, world):
             assert (plan.gathered == 0) == (world == 1 and precision is None), plan
             step = fz3.value_and_grad(model, sched)
             step(params, batch)  # warm: nothing cached on the first call is counted
-            with LiveBytes() as live:
+            with LiveBytes(writes=True) as live:
                 loss, grads = step(params, batch)
                 # gloo keeps the tensors of its last completed collectives until later ones
                 # complete: one more collective lets them go, so what is left is fz3's

@@ -10,6 +10,13 @@ its size of the moment.
 
 Storages are told apart by identity, never by address: a released buffer's address can be
 handed to a new allocation while the old storage object lives on at size zero.
+
+``writes=True`` also counts a storage made before the context from the first op that writes
+into it (an argument the op's schema marks written, a ``copy_``'s destination; an output of
+an op that is no view op aliasing an input, a collective's output): a step function keeps
+its gathered buffers' objects between steps, their storage released
+(``fz3.step.movement.free_op``), and regrows them outside any op; the parameters, only
+read by a step, are not counted.
 """
 
 from __future__ import annotations
@@ -27,8 +34,9 @@ class LiveBytes(TorchDispatchMode):
 
     Each op costs a pass over the storages alive: a measuring tool, not for a hot path."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, writes: bool = False) -> None:
         super().__init__()
+        self.writes = writes
         self.now = self.peak = self._since_mark = 0
         # id of a storage object -> a weak reference to it; the entry leaves when it dies
         self._live: dict[int, weakref.ref] = {}
@@ -37,14 +45,27 @@ class LiveBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         inputs = {id(t.untyped_storage()) for t in optree.tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+        written = self.writes and not func.is_view  # (an output aliasing an input: written)
         for t in optree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()
                 key = id(storage)
-                if key not in inputs and key not in self._live:
-                    self._live[key] = weakref.ref(storage, lambda _, k=key: self._live.pop(k, None))
+                if (written or key not in inputs) and key not in self._live:
+                    self._track(storage)
+        if self.writes and func._schema.is_mutable:  # written, maybe not returned
+            for i, arg in enumerate(func._schema.arguments):
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    value = args[i] if i < len(args) else (kwargs or {}).get(arg.name)
+                    for t in optree.tree_leaves(value):
+                        if isinstance(t, torch.Tensor) and t.device.type != "meta" and \
+                                id(t.untyped_storage()) not in self._live:
+                            self._track(t.untyped_storage())
         self._count()
         return out
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        key = id(storage)
+        self._live[key] = weakref.ref(storage, lambda _, k=key: self._live.pop(k, None))
 
     def _count(self) -> None:
         sizes = (ref() for ref in list(self._live.values()))

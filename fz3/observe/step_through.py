@@ -77,7 +77,7 @@ def step_through(model: ShardedModel, params: Params, batch: Any,
     """
     check_call(model, params, batch, entry="fz3.step_through")  # local, before any collective
     sched = prepare(model, schedule, grad=True, entry="step_through")
-    gen = execute(model, lower(model, sched, owning_rows=True), params, batch, recorder)
+    gen = execute(model, lower(model, sched, handed_out=True), params, batch, recorder)
     try:
         while True:
             try:

@@ -49,23 +49,23 @@ class Program(NamedTuple):
 
     schedule: Schedule
     steps: tuple[Step, ...]
-    # the parameter shards' rows, kept while the shards live (every step of this program
-    # gathers the same row tensors)
-    shard_rows: shapes.ShardRows
+    shard_rows: shapes.ShardRows  # kept between steps: the parameter shards' rows, and
+    released: dict | None  # by unit, its buffers, storage released (``movement.free_op``)
 
 
 def lower(model: ShardedModel, schedule: Schedule, arena: Arena | None = None, *,
-          owning_rows: bool = False) -> Program:
+          handed_out: bool = False) -> Program:
     """``schedule`` (validated) as steps made once for ``model``: each op's unit, shapes,
     dtypes, engine and collective decided here, so a step runs its ops without reading op
     kinds or the schedule. ``arena``: where its gathers and reduces find fixed buffers, the
     same every step (``fz3.step.arena``; None: new ones each step). Local; the same program
-    runs any batch. ``owning_rows``: its parameter rows own their memory (``step_through``'s
-    frames may outlive the parameters: [Note: rows that own nothing], ``fz3.step.shapes``)."""
+    runs any batch. ``handed_out``: its buffers and rows may outlive the step
+    (``step_through``'s frames): no ``released``, each step's are its own, the rows own
+    their memory."""
     fixed = {} if arena is None else arena.plan(schedule)
     return Program(schedule, tuple(STEPS[op.kind](model, schedule, op, index, fixed.get(index))
                                    for index, op in enumerate(schedule.ops)),
-                   shapes.ShardRows(owning_rows))
+                   shapes.ShardRows(owning=handed_out), None if handed_out else {})
 
 
 def execute(model: ShardedModel, program: Program, params: Params, batch: Any, recorder=None,
@@ -82,11 +82,11 @@ def execute(model: ShardedModel, program: Program, params: Params, batch: Any, r
     layers (without the autograd engine), or None (autograd: ``fz3.step.engine``).
     ``frames=False``: no ``Frame`` is made or yielded (a caller that only drains the step)."""
     schedule = program.schedule
+    kept = program.released
     state = StepState(model, schedule, params, batch, loss or Loss(model.post), loss_scale,
-                      carry, reduce_replicas, traced=traced, frames=frames,
-                      shard_rows=program.shard_rows)
-    # With a profiler running (torch.profiler), each op is a named range in its trace; without
-    # one, and without a recorder, this costs a check per step, nothing per op.
+                      carry, reduce_replicas, traced=traced, frames=frames, reuse=kept is not None,
+                      shard_rows=program.shard_rows, released={} if kept is None else kept)
+    # With a profiler running, each op is a named range in its trace; else a check per step.
     profiling = torch.autograd._profiler_enabled()
     try:
         with compute.mode(model):

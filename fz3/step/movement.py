@@ -23,7 +23,7 @@ from . import shapes
 from .arena import OpFixed
 from .engine import Pieces
 from .shapes import regrow
-from .state import Gathering, Kept, Reducing, Step, StepState, release
+from .state import Gathering, Kept, Reducing, Released, Step, StepState, release
 from .unit_io import result_lander
 
 
@@ -47,22 +47,25 @@ def gather_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
         back = s.released.get(u) if in_place and s.released else None
         if back is None:
             out_t, out_f = into_t and into_t.get(), into_f and into_f.get()
-        else:
-            out_t, out_f = _regrown(back.trained, flat=True), _regrown(back.frozen, flat=True)
+        else:  # its storage back, written into: a program's views of it are kept
+            out_t, out_f = _regrown(back, flat=True)
         t = all_gather(comm, out_t, trained, label)
         f = None if frozen is None else all_gather(comm, out_f, frozen, label)
-        s.gathering[u] = Gathering(t, f, (cast or not t.is_input, f is None or not f.is_input))
+        written = not t.is_input
+        s.gathering[u] = Gathering(t, f, (cast or written, f is None or not f.is_input), written)
 
     return gather
 
 
-def _regrown(released: torch.Tensor | None, flat: bool = False) -> torch.Tensor | None:
-    """A released buffer with its storage back, ``flat`` for a gather to write into (None:
-    it was not released)."""
-    if released is None:
-        return None
-    buffer = regrow(released)
-    return buffer.view(-1) if flat else buffer
+def _regrown(back: Released, flat: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A released record's buffers, trained and frozen, with their storage back (None stays
+    None), ``flat`` for a gather to write into."""
+    trained, frozen = back.trained, back.frozen
+    if trained is not None:
+        trained = regrow(trained, flat)
+    if frozen is not None:
+        frozen = regrow(frozen, flat)
+    return trained, frozen
 
 
 def wait_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
@@ -81,7 +84,7 @@ def wait_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
             in_t = None if into_t is None else into_t.get().view(k, -1)
             in_f = None if into_f is None else into_f.get().view(k, -1)
         elif not in_place:  # its storage back, for the copy
-            in_t, in_f = _regrown(back.trained), _regrown(back.frozen)
+            in_t, in_f = _regrown(back, flat=False)
         else:
             # the gather wrote into it, regrown there (a resize_ to its own size would
             # reallocate it, under a gather still writing into it)
@@ -97,7 +100,8 @@ def wait_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
             for version in back.versions:
                 with version:
                     pass
-        s.gathered[u] = Pieces(buffer, rows, frozen, gathering.owned, frozen_rows)
+        s.gathered[u] = Pieces(buffer, rows, frozen, gathering.owned, frozen_rows,
+                               gathering.written)
 
     return wait_
 
@@ -107,6 +111,9 @@ def free_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
     u = op.unit
     shared = schedule.units[u].role is Role.SHARED
     held = fixed[:2] if fixed else (None, None)
+    gathered_as = shapes.gathered_as(schedule.units[u])
+    # regathered into the same objects (its fixed buffers, if any, are that already)
+    reusable = shapes.gathers_in_place(schedule.units[u]) and held == (None, None)
 
     def free(s: StepState) -> None:
         gathered = s.gathered.pop(u, None)
@@ -116,11 +123,19 @@ def free_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
         # traced layers whose residuals view none of the buffer do not hold it
         if not (isinstance(saved, Kept) and saved.engine.holds_buffer
                 or shared and held_by_a_reader(s, u)):
+            if reusable and s.reuse and gathered.written:
+                # the next gather writes into the same objects, so the views a program made of
+                # them are kept (``fz3.step.views.RowViews``): free the storage only
+                trained, frozen = gathered_as(gathered)
+                trained.untyped_storage().resize_(0)
+                if frozen is not None:
+                    frozen.untyped_storage().resize_(0)
+                s.released[u] = Released(trained, frozen, ())  # (no graph: no versions)
             return
         # a live graph holds views: free the storage only (not the parameters' own, which a
         # one-rank run computes on)
         buffers = tuple(b if own else None
-                        for b, own in zip((gathered.buffer, gathered.frozen), gathered.owned))
+                        for b, own in zip(gathered_as(gathered), gathered.owned))
         if any(b is not None for b in buffers):
             for fix, b in zip(held, buffers):  # new ones next time ([Note: fixed buffers])
                 if fix is not None:

@@ -16,7 +16,7 @@ between, post, shared) is one ``(padded,)`` buffer.
 from __future__ import annotations
 
 import weakref
-from typing import Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -137,11 +137,25 @@ def arranger(unit: Unit, world: int) -> Callable[[torch.Tensor, torch.Tensor | N
     return layer_major
 
 
-def regrow(buf: torch.Tensor) -> torch.Tensor:
+def gathered_as(unit: Unit) -> Callable[[Any], tuple[torch.Tensor | None, ...]]:
+    """``(trained, frozen)`` of a unit's gathered memory (``Pieces``) as ``free`` releases
+    them: a unit gathered in place (``gathers_in_place``) its gathers' own outputs, 1-D, so
+    the next gather writes into the very objects a program's views were made of; a k-layer
+    unit its ``(k, full)`` layer-major copies."""
+    if unit.role is Role.STACK and len(unit.layers) == 1:
+        return lambda g: (g.rows[0], g.frozen_rows[0] if g.frozen_rows else None)
+    return lambda g: (g.buffer, g.frozen)
+
+
+def regrow(buf: torch.Tensor, flat: bool = False) -> torch.Tensor:
     """Give a released buffer (``fz3.step.state.release``) its storage back (contents
-    undefined until written)."""
-    buf.untyped_storage().resize_(buf.numel() * buf.element_size())
-    return buf
+    undefined until written), ``flat``: 1-D (itself where it is). Not one that has it: a
+    ``resize_`` to its own size reallocates it, under whatever may still write into it."""
+    size = buf.numel() * buf.element_size()
+    storage = buf.untyped_storage()
+    if storage.nbytes() != size:
+        storage.resize_(size)
+    return buf.view(-1) if flat and buf.dim() > 1 else buf
 
 
 def leaf_rows(buffer: torch.Tensor) -> Sequence[torch.Tensor]:

@@ -113,6 +113,7 @@ class Gathering(NamedTuple):
     trained: Pending
     frozen: Pending | None  # its frozen parameters', gathered apart; None: it has none
     owned: tuple[bool, bool]  # as ``Pieces.owned``: whether each result is the step's memory
+    written: bool  # as ``Pieces.written``
 
     def pending(self) -> tuple[Pending, ...]:
         return (self.trained,) if self.frozen is None else (self.trained, self.frozen)
@@ -147,10 +148,12 @@ class StepState:
     traced: Any = None  # fz3.step.traced.TracedLayers: layers run as traced programs; None: not
     frames: bool = True  # False: compute ops make no Frame (nobody looks at them)
 
-    # parameters, by unit: in flight, gathered (its memory as one record), released
+    # parameters, by unit: in flight, gathered (its memory as one record), released (kept
+    # across steps by the lowered program where ``reuse``: ``fz3.step.movement.free_op``)
     gathering: dict[int, Gathering] = field(default_factory=dict)
     gathered: dict[int, Pieces] = field(default_factory=dict)
     released: dict[int, Released] = field(default_factory=dict)
+    reuse: bool = False
     # by part: its trained shard's rows (a stack's one-layer units gather them; kept by the
     # lowered program while the shard lives), and its gradient shard with its rows, where
     # its units' reduces land
