@@ -366,6 +366,7 @@ def test_shard_rows_own_nothing_and_follow_the_memory():
     (``step_through``'s, whose frames may outlive the parameters)."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
+    from fz3.observe.live_bytes import LiveBytes
     from fz3.step.shapes import ShardRows
 
     shard = torch.arange(12.0).view(3, 4)
@@ -381,11 +382,39 @@ def test_shard_rows_own_nothing_and_follow_the_memory():
     memory = StorageWeakRef(copy.untyped_storage())  # the memory whose rows it holds now
     del copy
     assert memory.expired(), "ShardRows kept the shard's memory alive"
+    ones = torch.ones(2, 3)
+    for writes in (False, True):
+        with LiveBytes(writes=writes) as live:  # the alias owns nothing: no memory counted
+            ShardRows().get(0, ones)
+        assert live.peak == 0, (writes, live.peak)
     owned, owning = torch.ones(2, 3), ShardRows(owning=True)
     memory = StorageWeakRef(owned.untyped_storage())
     owning.get(0, owned)
     del owned
     assert not memory.expired()
+
+
+def aux_view_ranks(rank, world):
+    """A loss's aux that is a view of a post parameter (gathered at two ranks): it stays
+    valid after the step, which keeps only stack units' buffer objects between steps, not
+    the post unit's (``fz3.step.movement.free_op``)."""
+    cfg = GPTConfig(vocab=37, seq=8, dim=16, heads=2, layers=2)
+    module = gpt(cfg)
+    want = module.norm.weight.detach().clone()
+    model, params = shard_gpt(module)
+    b = batches(cfg, world)[rank]
+
+    def loss(m, h, batch):
+        return m.loss(h, batch[1]), m.norm.weight
+
+    f = fz3.value_and_grad(model, fz3.Policy(activations="save"), loss=loss, has_aux=True)
+    auxes = [f(params, b)[0][1] for _ in range(2)]
+    assert all(torch.equal(aux, want) for aux in auxes), auxes
+    return "ok"
+
+
+def test_an_aux_viewing_a_parameter_outlives_the_step():
+    assert dist.run(2, aux_view_ranks) == ["ok"] * 2
 
 
 def _held(schedule, plan) -> list[tuple[object, int, int, str]]:

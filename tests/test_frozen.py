@@ -81,3 +81,32 @@ def memory_ranks(rank, world):
 
 def test_memory_scales_with_what_is_trained():
     assert dist.run(2, memory_ranks) == ["ok"] * 2
+
+
+def frozen_low_precision_ranks(rank, world):
+    """Frozen weights stored in bf16 beside trained ones cast to it, in pre (``tok``) and in
+    the layers (``qkv``): at one rank a unit's gathered buffers are the cast and the frozen
+    shard itself, which no ``free`` may release (a step function keeps the buffers it
+    gathers into at more ranks: ``fz3.step.movement.free_op``), also where a graph holds
+    them (pre's; the layers' with ``trace=False`` and ``save``). Three steps of each policy
+    equal a new step function's bit for bit, and the frozen shards stay unchanged."""
+    model, params = shard_gpt(freeze(gpt(CFG), names=("tok.", ".attn.qkv.")),
+                              precision=fz3.Precision(torch.bfloat16, torch.float32))
+    b = batches(CFG, world)[rank]
+    frozen_before = [None if t is None else t.clone() for t in model.frozen]
+    for policy, trace in ((fz3.Policy(activations="save"), True),
+                          (fz3.Policy(activations="save"), False), (fz3.Policy(), True)):
+        step = fz3.value_and_grad(model, policy, trace=trace)
+        for _ in range(3):
+            loss, grads = step(params, b)
+            want_loss, want = fz3.value_and_grad(model, policy, trace=trace)(params, b)
+            assert torch.equal(loss, want_loss), (policy, trace)
+            assert all(torch.equal(g, w) for g, w in zip(grads.parts, want.parts))
+            assert all(a is None or torch.equal(a, t) for a, t in zip(frozen_before,
+                                                                       model.frozen))
+    return "ok"
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_frozen_shards_in_low_precision_survive_steps(world):
+    assert dist.run(world, frozen_low_precision_ranks) == ["ok"] * world

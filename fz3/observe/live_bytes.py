@@ -28,6 +28,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
+SET = torch.ops.aten.set_
+
+
 class LiveBytes(TorchDispatchMode):
     """``with LiveBytes() as live: ...``; then ``live.peak`` (bytes), ``live.now``; ``mark()``
     returns the peak since the previous mark (for per-op peaks).
@@ -43,6 +46,8 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func.overloadpacket is SET:  # points a tensor at a storage made elsewhere (one that
+            return out  # owns nothing: ``fz3.step.shapes.ShardRows``' alias of the params)
         inputs = {id(t.untyped_storage()) for t in optree.tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor) and t.device.type != "meta"}
         written = self.writes and not func.is_view  # (an output aliasing an input: written)

@@ -36,9 +36,8 @@ from . import shapes
 from .arena import Arena, OpFixed
 from .engine import Produced
 from .record import observed
-from .state import Frame, Kept, Loss, Recompute, Result, Step, StepState
-from .movement import (accumulate_op, free_op, gather_op, reduce_op, wait_op,
-                       wait_reduce_op)
+from .state import Frame, Kept, Loss, Recompute, Released, Result, Step, StepState
+from .movement import accumulate_op, free_op, gather_op, reduce_op, wait_op, wait_reduce_op
 from .unit_io import (add_gradients, aux_cotangents, aux_units, detached, frame_of, joined,
                       layer_engine, or_zeros, stacked_aux, stage_engine, stage_pieces)
 
@@ -49,8 +48,9 @@ class Program(NamedTuple):
 
     schedule: Schedule
     steps: tuple[Step, ...]
-    shard_rows: shapes.ShardRows  # kept between steps: the parameter shards' rows, and
-    released: dict | None  # by unit, its buffers, storage released (``movement.free_op``)
+    # kept between steps: the parameter shards' rows, and by unit its released buffers
+    shard_rows: shapes.ShardRows
+    released: dict[int, Released] | None  # (``movement.free_op``; None: ``handed_out``)
 
 
 def lower(model: ShardedModel, schedule: Schedule, arena: Arena | None = None, *,
@@ -79,13 +79,13 @@ def execute(model: ShardedModel, program: Program, params: Params, batch: Any, r
     ``reduce_replicas`` (hybrid sharding): sum the gradient shards across replicas (False:
     the caller does it once for several micro-batches). ``recorder``: a ``fz3.Recorder``, or
     None (no cost). ``traced``: a ``fz3.step.traced.TracedLayers`` whose programs run the
-    layers (without the autograd engine), or None (autograd: ``fz3.step.engine``).
-    ``frames=False``: no ``Frame`` is made or yielded (a caller that only drains the step)."""
+    layers (without the autograd engine), or None (autograd). ``frames=False``: no ``Frame``
+    is made or yielded (a caller that only drains the step)."""
     schedule = program.schedule
     kept = program.released
-    state = StepState(model, schedule, params, batch, loss or Loss(model.post), loss_scale,
-                      carry, reduce_replicas, traced=traced, frames=frames, reuse=kept is not None,
-                      shard_rows=program.shard_rows, released={} if kept is None else kept)
+    state = StepState(model, schedule, params, batch, loss or Loss(model.post), loss_scale, carry,
+                      reduce_replicas, traced, frames, released={} if kept is None else kept,
+                      reuse=kept is not None, shard_rows=program.shard_rows)
     # With a profiler running, each op is a named range in its trace; else a check per step.
     profiling = torch.autograd._profiler_enabled()
     try:
@@ -95,21 +95,21 @@ def execute(model: ShardedModel, program: Program, params: Params, batch: Any, r
                     frame = step(state)
                     if frame is not None:
                         yield frame
-                        # the frame holds the unit's buffer: not past the next op (a free)
-                        frame = None
+                        frame = None  # it holds the unit's buffer: not past the next op
             else:
                 yield from observed(state, schedule, program.steps, recorder, profiling)
             return _finish(state)
-    except CollectiveMismatchError:  # ranks are absent: waiting for the rest would hang
-        state.abandon(state.model.comm.abandoned)
+    except BaseException as e:  # kept buffers may be mid-gather: the next step makes new ones
+        state.released.clear()
+        if isinstance(e, CollectiveMismatchError):  # ranks are absent: waiting would hang
+            state.abandon(state.model.comm.abandoned)
         raise
     finally:
         state.drain(wait)
 
 
 # The compute steps, in the order a step meets them: (model, schedule, op, index, fixed) ->
-# step (a layer unit's backward takes its gradient's fixed buffer); those that move memory
-# are fz3.step.movement's.
+# step; those that move memory are fz3.step.movement's.
 
 
 def _forward_stage(model: ShardedModel, schedule: Schedule, op: Op, index: int,

@@ -48,23 +48,26 @@ def gather_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
         if back is None:
             out_t, out_f = into_t and into_t.get(), into_f and into_f.get()
         else:  # its storage back, written into: a program's views of it are kept
-            out_t, out_f = _regrown(back, flat=True)
+            out_t, out_f = _regrown(back)
         t = all_gather(comm, out_t, trained, label)
         f = None if frozen is None else all_gather(comm, out_f, frozen, label)
-        written = not t.is_input
-        s.gathering[u] = Gathering(t, f, (cast or written, f is None or not f.is_input), written)
+        # across ranks into buffers of its own (not one rank's copy or hand-back: [Note: a
+        # group of one rank]), which free may keep
+        written = t.work is not None
+        s.gathering[u] = Gathering(t, f, (cast or not t.is_input, f is None or not f.is_input),
+                                   written)
 
     return gather
 
 
-def _regrown(back: Released, flat: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def _regrown(back: Released) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """A released record's buffers, trained and frozen, with their storage back (None stays
-    None), ``flat`` for a gather to write into."""
+    None): a gather writes into them as they are (1-D), a k-layer unit's wait copies."""
     trained, frozen = back.trained, back.frozen
     if trained is not None:
-        trained = regrow(trained, flat)
+        regrow(trained)
     if frozen is not None:
-        frozen = regrow(frozen, flat)
+        regrow(frozen)
     return trained, frozen
 
 
@@ -84,7 +87,7 @@ def wait_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
             in_t = None if into_t is None else into_t.get().view(k, -1)
             in_f = None if into_f is None else into_f.get().view(k, -1)
         elif not in_place:  # its storage back, for the copy
-            in_t, in_f = _regrown(back, flat=False)
+            in_t, in_f = _regrown(back)
         else:
             # the gather wrote into it, regrown there (a resize_ to its own size would
             # reallocate it, under a gather still writing into it)
@@ -112,8 +115,10 @@ def free_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
     shared = schedule.units[u].role is Role.SHARED
     held = fixed[:2] if fixed else (None, None)
     gathered_as = shapes.gathered_as(schedule.units[u])
-    # regathered into the same objects (its fixed buffers, if any, are that already)
-    reusable = shapes.gathers_in_place(schedule.units[u]) and held == (None, None)
+    # a one-layer unit of a stack is regathered into the same objects (its fixed buffers, if
+    # any, are that already); not pre, post or a shared unit, gathered once a step, whose
+    # parameters an aux or an extra may hand on as views
+    reusable = shapes.keeps_its_rows(schedule.units[u]) and held == (None, None)
 
     def free(s: StepState) -> None:
         gathered = s.gathered.pop(u, None)

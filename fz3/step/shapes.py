@@ -49,7 +49,8 @@ class ShardRows:
     while a tensor on that memory, alive and checked as above, was passed in for this step,
     and the step hands none of them out (``step_through``'s frames may: its program, lowered
     per call, has ``owning=True``). Also a shard tensor pointed at other memory (``set_``)
-    is split again (its address is checked on every hit)."""
+    is split again (its address is checked on every hit; its layout on a new object only:
+    a shard reshaped in place at the same address is not supported)."""
 
     def __init__(self, owning: bool = False):
         self.owning = owning
@@ -139,23 +140,30 @@ def arranger(unit: Unit, world: int) -> Callable[[torch.Tensor, torch.Tensor | N
 
 def gathered_as(unit: Unit) -> Callable[[Any], tuple[torch.Tensor | None, ...]]:
     """``(trained, frozen)`` of a unit's gathered memory (``Pieces``) as ``free`` releases
-    them: a unit gathered in place (``gathers_in_place``) its gathers' own outputs, 1-D, so
-    the next gather writes into the very objects a program's views were made of; a k-layer
-    unit its ``(k, full)`` layer-major copies."""
-    if unit.role is Role.STACK and len(unit.layers) == 1:
+    them: a one-layer unit of a stack its gathers' own 1-D outputs (its rows), so the next
+    gather writes into the very objects a program's views were made of; any other unit its
+    buffers (pre's, post's, a shared unit's 1-D as gathered, a k-layer unit's ``(k, full)``
+    layer-major copies)."""
+    if keeps_its_rows(unit):
         return lambda g: (g.rows[0], g.frozen_rows[0] if g.frozen_rows else None)
     return lambda g: (g.buffer, g.frozen)
 
 
-def regrow(buf: torch.Tensor, flat: bool = False) -> torch.Tensor:
+def keeps_its_rows(unit: Unit) -> bool:
+    """A one-layer unit of a stack: its row is its gathered buffer itself, so a gather into
+    the same buffer object gives the same row (``fz3.step.movement.free_op``)."""
+    return unit.role is Role.STACK and len(unit.layers) == 1
+
+
+def regrow(buf: torch.Tensor) -> torch.Tensor:
     """Give a released buffer (``fz3.step.state.release``) its storage back (contents
-    undefined until written), ``flat``: 1-D (itself where it is). Not one that has it: a
-    ``resize_`` to its own size reallocates it, under whatever may still write into it."""
+    undefined until written). Not one that has it: a ``resize_`` to its own size reallocates
+    it, under whatever may still write into it."""
     size = buf.numel() * buf.element_size()
     storage = buf.untyped_storage()
     if storage.nbytes() != size:
         storage.resize_(size)
-    return buf.view(-1) if flat and buf.dim() > 1 else buf
+    return buf
 
 
 def leaf_rows(buffer: torch.Tensor) -> Sequence[torch.Tensor]:

@@ -20,7 +20,11 @@ address), its lifetime is the same; only its memory outlives the step.
   that does is held like a graph). A unit freed while its graph is alive keeps its buffer
   object with zero-sized storage (``Released``) and is re-gathered
   into that same storage before its backward, as FSDP2 does with ``untyped_storage().resize_()``:
-  the graph's saved views then see the re-gathered values.
+  the graph's saved views then see the re-gathered values. Without fixed buffers a one-layer
+  unit of a stack, gathered across ranks, is released so at every ``free``, held or not, and
+  the lowered program keeps the record between steps (``Program.released``): every gather
+  writes into the same objects, whose parameter views the programs keep; a step that ends in
+  an error forgets them all.
 - backward (and loss, for the post unit): one flat gradient ``(world, k, n)`` in rank-major
   order (one layer's kept ``(world*n,)``, the same memory), alive until its reduce is
   waited. A unit of tied parameters (a shared part) gets its flat gradient from its first

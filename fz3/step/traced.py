@@ -137,17 +137,17 @@ class TracedLayers:
 
     def _say_new_shape(self, part: Part, signature: Signature) -> None:
         """Say at INFO, once per shape, that a stack's layers meet inputs of another shape than
-        before (a batch of other shapes): their programs are traced (and compiled) again for
-        it, and kept for later steps of that shape."""
+        before (a batch of other shapes; or dtype, or extras' shapes and values: "shape" for
+        short): their programs are traced (and compiled) again for it, and kept."""
         shape = (signature.shape, signature.dtype, signature.extras)
         seen = self._shapes.setdefault(part.name, [])
         if shape in seen:
             return
         if seen:
             log.info("fz3: %s: layers traced%s again for inputs of another shape (h %s %s; "
-                     "before: %s): once per shape, kept for later steps", part.name,
-                     " and compiled" if self.compile else "", list(signature.shape),
-                     signature.dtype, ", ".join(str(list(s[0])) for s in seen[:3]))
+                     "%d before, the last %s %s): once per shape, kept for later steps",
+                     part.name, " and compiled" if self.compile else "", list(signature.shape),
+                     signature.dtype, len(seen), list(seen[-1][0]), seen[-1][1])
         seen.append(shape)
 
     def _layers(self, part_index: int, part: Part, first: int, stop: int, h: torch.Tensor,
