@@ -64,8 +64,8 @@ class Pieces(NamedTuple):
     # a layer unit's: each layer's frozen row, 1-D, made once per gather (a program keeps a
     # row's parameter views while that row lives: ``fz3.step.views.RowViews``)
     frozen_rows: tuple[torch.Tensor, ...] = ()
-    # whether its gathers wrote into buffers (not: one rank's, which hand over the shard or
-    # its cast): ``free`` may keep those for the next gather (``fz3.step.movement.free_op``)
+    # whether its gathers ran across ranks into buffers (not one rank's, which copy or hand
+    # over the shard or its cast): ``free`` may keep those (``fz3.step.movement.free_op``)
     written: bool = False
 
 
