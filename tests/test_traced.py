@@ -10,6 +10,7 @@ the default."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 
@@ -512,8 +513,7 @@ def new_shape_ranks(rank, world):
     from reference import fz3_said
 
     model, params = shard_gpt(gpt(CFG))
-    long, short = batches(CFG, world)[rank], batches(GPTConfig(**{**CFG.__dict__, "seq": 5}),
-                                                     world)[rank]
+    long, short = batches(CFG, world)[rank], batches(dataclasses.replace(CFG, seq=5), world)[rank]
     policy = fz3.Policy(activations="save")
     step = fz3.value_and_grad(model, policy)
     with fz3_said() as said:

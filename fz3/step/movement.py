@@ -135,7 +135,8 @@ def free_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
                 trained.untyped_storage().resize_(0)
                 if frozen is not None:
                     frozen.untyped_storage().resize_(0)
-                s.released[u] = Released(trained, frozen, ())  # (no graph: no versions)
+                # (``release`` inlined: no graph holds it, so no versions; per layer, 2 calls)
+                s.released[u] = Released(trained, frozen, ())
             return
         # a live graph holds views: free the storage only (not the parameters' own, which a
         # one-rank run computes on)
