@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .arrival import absent_error
-from .compat import all_gather_into, reduce_scatter_into
+from .compat import all_gather_into, all_reduce_sum, reduce_scatter_into
 from .failures import lost_error
 from .liveness import Heartbeat
 
@@ -115,7 +115,7 @@ def all_gather(comm: Comm, out: torch.Tensor | None, shard: torch.Tensor,
                        label)
     if out is None:
         out = shard.new_empty(comm.world_size * shard.numel())
-    work = _issue(comm.group, label, all_gather_into, out, shard, group=comm.group, async_op=True)
+    work = _issue(comm.group, label, all_gather_into, out, shard, comm.group)
     return Pending(work, out, shard, comm.group, label, comm)
 
 
@@ -125,8 +125,7 @@ def reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor,
     comm._delay()
     if comm.local:
         return Pending(None, out.copy_(full), full, comm.reduce_group, label)
-    work = _issue(comm.reduce_group, label, reduce_scatter_into, out, full, op=dist.ReduceOp.SUM,
-                  group=comm.reduce_group, async_op=True)
+    work = _issue(comm.reduce_group, label, reduce_scatter_into, out, full, comm.reduce_group)
     return Pending(work, out, full, comm.reduce_group, label, comm)
 
 
@@ -138,8 +137,7 @@ def all_reduce(comm: Comm, t: torch.Tensor, *, group: dist.ProcessGroup | None =
     size = comm.replicas if group is comm.replicate_group else comm.world_size
     if size == 1 and comm.local_copies:
         return Pending(None, t, None, group, label)
-    work = _issue(group, label, dist.all_reduce, t, op=dist.ReduceOp.SUM, group=group,
-                  async_op=True)
+    work = _issue(group, label, all_reduce_sum, t, group)
     return Pending(work, t, None, group, label, comm)
 
 
@@ -186,8 +184,8 @@ def _timed_out(e: RuntimeError) -> bool:
     return "Operation timed out" in str(e)
 
 
-def _issue(pg: dist.ProcessGroup, label: object, fn, *args, **kwargs):
+def _issue(pg: dist.ProcessGroup, label: object, fn, *args):
     try:
-        return fn(*args, **kwargs)
+        return fn(*args)
     except RuntimeError as e:
         raise lost_error(pg, label, e) from e

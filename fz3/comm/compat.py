@@ -1,13 +1,57 @@
-"""The collectives' names across the torch versions fz3 supports: torch >= 2.13 names them
-``*_single`` and deprecates the old names with a warning on every call; older torch (2.11 on
-the GPU machine) only has the old names. Everything in fz3 calls these two."""
+"""The collectives fz3 issues, called on the process group itself, and their names across the
+torch versions fz3 supports.
+
+torch's ``dist.all_gather_single`` (and the others) check their arguments in Python, look for
+a torch-function override and a coalescing context, build an options object and log a
+failure, then call the process group's method: about 12 us of host time a call here
+(``benchmarks/collective_issue.py``), per unit and direction, on a step whose collectives
+the executor already names and checks. fz3 calls the method with options built once: the same
+C++ call, through the same dispatcher (``c10d::_allgather_base_``: dispatch modes see it).
+What it skips does not apply to fz3's calls: its groups always hold this rank, its tensors
+are real (not complex, not overridden), and it never coalesces. torch >= 2.13 names the
+methods ``*_single``; older torch (2.11 on the GPU machine) ``_allgather_base`` and
+``_reduce_scatter_base``.
+"""
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import (AllgatherOptions, AllreduceOptions,
+                                         ReduceScatterOptions)
 
-all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_PG = dist.ProcessGroup
+_GATHER = getattr(_PG, "all_gather_single", None) or _PG._allgather_base
+_SCATTER = getattr(_PG, "reduce_scatter_single", None) or _PG._reduce_scatter_base
+
+
+def _options(kind: type, **fields):
+    opts = kind()
+    opts.asyncOp = True
+    for name, value in fields.items():
+        setattr(opts, name, value)
+    return opts
+
+
+# read by the C++ call, never written: one of each serves every call
+_GATHER_OPTS = _options(AllgatherOptions)
+_SCATTER_OPTS = _options(ReduceScatterOptions, reduceOp=dist.ReduceOp.SUM)
+_REDUCE_OPTS = _options(AllreduceOptions, reduceOp=dist.ReduceOp.SUM)
+
+
+def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup):
+    """Issue ``out (world*n,) <- concat over ranks of shard (n,)``; returns its ``Work``."""
+    return _GATHER(group, out, shard, _GATHER_OPTS)
+
+
+def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup):
+    """Issue ``out (n,) <- sum over ranks of full[rank*n:(rank+1)*n]``; returns its ``Work``."""
+    return _SCATTER(group, out, full, _SCATTER_OPTS)
+
+
+def all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup):
+    """Issue an in-place sum of ``t`` over ``group``; returns its ``Work``."""
+    return group.allreduce([t], _REDUCE_OPTS)
 
 
 def default_store() -> dist.Store:
