@@ -3,7 +3,7 @@ torch versions fz3 supports.
 
 torch's ``dist.all_gather_single`` (and the others) check their arguments in Python, look for
 a torch-function override and a coalescing context, build an options object and log a
-failure, then call the process group's method: about 12 us of host time a call here
+failure, then call the process group's method: 5-12 us of host time a call here
 (``benchmarks/collective_issue.py``), per unit and direction, on a step whose collectives
 the executor already names and checks. fz3 calls the method with options built once: the same
 C++ call, through the same dispatcher (``c10d::_allgather_base_``: dispatch modes see it).
@@ -15,14 +15,20 @@ methods ``*_single``; older torch (2.11 on the GPU machine) ``_allgather_base`` 
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import (AllgatherOptions, AllreduceOptions,
                                          ReduceScatterOptions)
 
 _PG = dist.ProcessGroup
-_GATHER = getattr(_PG, "all_gather_single", None) or _PG._allgather_base
-_SCATTER = getattr(_PG, "reduce_scatter_single", None) or _PG._reduce_scatter_base
+# The process group's own methods, unbound, called ``method(group, *tensors, options)``: C++
+# entries, no Python frame between fz3's ``_issue`` and the call. Each returns its ``Work``.
+# ``all_gather_into(group, out (world*n,), shard (n,), GATHER)``: out <- concat of the shards
+all_gather_into = getattr(_PG, "all_gather_single", None) or _PG._allgather_base
+# ``reduce_scatter_into(group, out (n,), full (world*n,), SUM_SCATTER)``: this rank's chunk of
+# the sum over ranks
+reduce_scatter_into = getattr(_PG, "reduce_scatter_single", None) or _PG._reduce_scatter_base
+# ``all_reduce_into(group, [t], SUM)``: t <- the sum of t over ranks, in place
+all_reduce_into = _PG.allreduce
 
 
 def _options(kind: type, **fields):
@@ -34,24 +40,9 @@ def _options(kind: type, **fields):
 
 
 # read by the C++ call, never written: one of each serves every call
-_GATHER_OPTS = _options(AllgatherOptions)
-_SCATTER_OPTS = _options(ReduceScatterOptions, reduceOp=dist.ReduceOp.SUM)
-_REDUCE_OPTS = _options(AllreduceOptions, reduceOp=dist.ReduceOp.SUM)
-
-
-def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup):
-    """Issue ``out (world*n,) <- concat over ranks of shard (n,)``; returns its ``Work``."""
-    return _GATHER(group, out, shard, _GATHER_OPTS)
-
-
-def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup):
-    """Issue ``out (n,) <- sum over ranks of full[rank*n:(rank+1)*n]``; returns its ``Work``."""
-    return _SCATTER(group, out, full, _SCATTER_OPTS)
-
-
-def all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup):
-    """Issue an in-place sum of ``t`` over ``group``; returns its ``Work``."""
-    return group.allreduce([t], _REDUCE_OPTS)
+GATHER = _options(AllgatherOptions)
+SUM_SCATTER = _options(ReduceScatterOptions, reduceOp=dist.ReduceOp.SUM)
+SUM = _options(AllreduceOptions, reduceOp=dist.ReduceOp.SUM)
 
 
 def default_store() -> dist.Store:

@@ -18,7 +18,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..comm.compat import all_gather_into
+from ..comm.compat import GATHER, all_gather_into
 from ..comm.groups import destroy
 from ..schedule.ops import COMPUTE_KINDS
 from ..schedule.planner import Policy
@@ -26,6 +26,7 @@ from ..sharding.binding import Binding
 from ..sharding.layout import FlatLayout
 from ..sharding.model import Params, ShardedModel
 from ..step.joint import trace
+from ..step.programs import below_autograd
 from ..step.value_and_grad import value_and_grad
 from .estimate import Cluster, Workload, estimate
 from .workload import OpCounter
@@ -140,8 +141,9 @@ def _local_rates(probe: Probe, repeats: int) -> list[float]:
 
     def traced_step():  # a new gather's row each step: its parameter views made once
         r = row.view(-1)
-        out = programs.forward(r, h)
-        programs.backward([r, *out[1:], seed])
+        with below_autograd():  # as ``Layers`` runs them
+            out = programs.forward(r, h)
+            programs.backward([r, *out[1:], seed])
 
     traced = _time(lambda: [traced_step() for _ in range(200)], repeats) / 200 / \
         cnt.work["tiny"].ops
@@ -152,7 +154,7 @@ def _collective_overhead(single: Any, repeats: int) -> float:
     """Host time to issue an async all-gather and wait for it, with no network: this rank
     alone on a one-rank group."""
     src, out = torch.randn(64), torch.empty(64)
-    return _time(lambda: [all_gather_into(out, src, group=single, async_op=True).wait()
+    return _time(lambda: [all_gather_into(single, out, src, GATHER).wait()
                           for _ in range(500)], repeats) / 500
 
 
@@ -176,7 +178,7 @@ def _gather_rates(group: Any, world: int, repeats: int) -> tuple[float, float]:
     for n in (1 << 18, 1 << 20):
         src, out = torch.randn(n), torch.empty(world * n)
         dist.barrier(group)
-        times.append(_time(lambda: all_gather_into(out, src, group=group), repeats))
+        times.append(_time(lambda: all_gather_into(group, out, src, GATHER).wait(), repeats))
         sizes.append((world - 1) * n * 4)
     bw = (sizes[1] - sizes[0]) / max(times[1] - times[0], 1e-9)
     # Latency as a step sees it: a small async all-gather issued before ~1 ms of compute and
@@ -197,7 +199,7 @@ def _gather_rates(group: Any, world: int, repeats: int) -> tuple[float, float]:
         dist.barrier(group)
         t0 = time.perf_counter()
         for _ in range(k):
-            w = all_gather_into(out, src, group=group, async_op=True)
+            w = all_gather_into(group, out, src, GATHER)
             a @ b
             w.wait()
         together.append((time.perf_counter() - t0) / k)
