@@ -1,5 +1,20 @@
 """A unit's traced programs behind the layer protocol (``Layers``), and what programs are
-specialized to (``Extras``, ``Signature``). ``fz3.step.traced.TracedLayers`` makes them."""
+specialized to (``Extras``, ``Signature``). ``fz3.step.traced.TracedLayers`` makes them.
+
+[Note: programs run below autograd]
+``Layers`` runs its programs with the dispatcher's autograd and ADInplaceOrView keys skipped
+(``below_autograd``), as autograd's own kernels call the ops beneath them. Nothing is lost:
+no input of a program requires grad, so no graph would be recorded, and what those keys do
+besides is autograd's bookkeeping (a view's base and a version counter shared with it, an
+in-place op's version bump) for graphs that could save these tensors. No graph does: a
+program never writes into its inputs (refused when traced, and h is copied first,
+``fz3.step.joint``), and its outputs reach autograd only detached (the loss's input, the
+aux outputs stacked). What it saves is about a microsecond an op, most of it a view's
+autograd metadata: 13% of ``save``'s host time a layer (``benchmarks/README.md``,
+thirteenth stop). The tensors a program returns are not marked as views of each other
+(``_base`` is None); nothing reads that. Autograd-backed layers (``fz3.step.engine``) and
+inductor's compiled programs, called by ``Layers`` too, run below as well.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +26,9 @@ from ..sharding.compute import stacked
 from . import shapes
 from .engine import Pieces, Produced
 from .joint import Programs
+
+# (``Layers`` enters it around its programs: [Note: programs run below autograd])
+below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
 
 
 class Layers(NamedTuple):
@@ -28,24 +46,26 @@ class Layers(NamedTuple):
 
     def forward(self, pieces: Pieces, h: torch.Tensor, extras: Produced) -> tuple:
         """``(h, aux, residuals)``: residuals a list, one tuple per layer, in layer order."""
-        tensors, frozen, residuals, auxes = extras.traced.tensors, pieces.frozen_rows, [], []
-        n = 2 if self.aux else 1  # the programs' outputs before their residuals
-        for j, (programs, row) in enumerate(zip(self.programs, pieces.rows)):
-            out = programs.forward(*((row, frozen[j]) if frozen else (row,)), h, *tensors)
-            h = out[0]
-            if self.aux:
-                auxes.append(out[1])
-            residuals.append(out[n:])
-        return h, stacked(auxes) if self.aux else None, residuals
+        with below_autograd():
+            tensors, frozen, residuals, auxes = extras.traced.tensors, pieces.frozen_rows, [], []
+            n = 2 if self.aux else 1  # the programs' outputs before their residuals
+            for j, (programs, row) in enumerate(zip(self.programs, pieces.rows)):
+                out = programs.forward(*((row, frozen[j]) if frozen else (row,)), h, *tensors)
+                h = out[0]
+                if self.aux:
+                    auxes.append(out[1])
+                residuals.append(out[n:])
+            return h, stacked(auxes) if self.aux else None, residuals
 
     def inference(self, pieces: Pieces, h: torch.Tensor, extras: Produced) -> tuple:
-        tensors, frozen, auxes = extras.traced.tensors, pieces.frozen_rows, []
-        for j, (programs, row) in enumerate(zip(self.programs, pieces.rows)):
-            out = programs.inference(*((row, frozen[j]) if frozen else (row,)), h, *tensors)
-            h = out[0]
-            if self.aux:
-                auxes.append(out[1])
-        return h, stacked(auxes) if self.aux else None
+        with below_autograd():
+            tensors, frozen, auxes = extras.traced.tensors, pieces.frozen_rows, []
+            for j, (programs, row) in enumerate(zip(self.programs, pieces.rows)):
+                out = programs.inference(*((row, frozen[j]) if frozen else (row,)), h, *tensors)
+                h = out[0]
+                if self.aux:
+                    auxes.append(out[1])
+            return h, stacked(auxes) if self.aux else None
 
     def backward(self, pieces: Pieces, residuals: list, g: torch.Tensor,
                  g_aux: torch.Tensor | None, extras: Produced, into=None,
@@ -57,26 +77,27 @@ class Layers(NamedTuple):
         gradient is written into where its program can (``Programs.backward_into``).
         ``joined`` (``recompute``'s): the last layer's entry in ``residuals`` is its inputs,
         for its ``Programs.recompute``."""
-        rows, frozen, k = pieces.rows, pieces.frozen_rows, len(self.programs)
-        if self.aux and g_aux is None:
-            shape, dtype = self.programs[0].aux
-            g_aux = torch.zeros(k, *shape, dtype=dtype, device=g.device)
-        grads: list = [None] * k
-        summed: list = []
-        for j in reversed(range(k)):
-            box = [rows[j], frozen[j], *residuals.pop(), g] if frozen else \
-                [rows[j], *residuals.pop(), g]
-            if self.aux:
-                box.append(g_aux[j])
-            programs = self.programs[j]
-            if joined and j == k - 1:
-                run, run_into = programs.recompute, programs.recompute_into
-            else:
-                run, run_into = programs.backward, programs.backward_into
-            out = run(box) if into is None or run_into is None else run_into(box, into)
-            grads[j], g = out[0], out[1]
-            summed = list(out[2:]) if not summed else [a + b for a, b in zip(summed, out[2:])]
-        return shapes.buffer_grad(grads), g, summed
+        with below_autograd():
+            rows, frozen, k = pieces.rows, pieces.frozen_rows, len(self.programs)
+            if self.aux and g_aux is None:
+                shape, dtype = self.programs[0].aux
+                g_aux = torch.zeros(k, *shape, dtype=dtype, device=g.device)
+            grads: list = [None] * k
+            summed: list = []
+            for j in reversed(range(k)):
+                box = [rows[j], frozen[j], *residuals.pop(), g] if frozen else \
+                    [rows[j], *residuals.pop(), g]
+                if self.aux:
+                    box.append(g_aux[j])
+                programs = self.programs[j]
+                if joined and j == k - 1:
+                    run, run_into = programs.recompute, programs.recompute_into
+                else:
+                    run, run_into = programs.backward, programs.backward_into
+                out = run(box) if into is None or run_into is None else run_into(box, into)
+                grads[j], g = out[0], out[1]
+                summed = list(out[2:]) if not summed else [a + b for a, b in zip(summed, out[2:])]
+            return shapes.buffer_grad(grads), g, summed
 
     def recompute(self, pieces: Pieces, h: torch.Tensor, g: torch.Tensor,
                   g_aux: torch.Tensor | None, extras: Produced, into=None) -> tuple:
@@ -84,18 +105,19 @@ class Layers(NamedTuple):
         RNG restored by the caller): the last layer's forward and backward as one program
         (``Programs.recompute``: what only its output needed is not computed, no residual
         tuple), the layers before it forward, then backward."""
-        if self.programs[-1].recompute is None:
-            return self.backward(pieces, self.forward(pieces, h, extras)[2], g, g_aux, extras,
-                                 into)
-        tensors, frozen, residuals = extras.traced.tensors, pieces.frozen_rows, []
-        for j, (programs, row) in enumerate(zip(self.programs[:-1], pieces.rows)):
-            out = programs.forward(*((row, frozen[j]) if frozen else (row,)), h, *tensors)
-            h = out[0]
-            residuals.append(out[programs.outputs:])
-            del out
-        residuals.append((h, *tensors))  # the last layer's inputs, for its joined program
-        del h
-        return self.backward(pieces, residuals, g, g_aux, extras, into, joined=True)
+        with below_autograd():
+            if self.programs[-1].recompute is None:
+                return self.backward(pieces, self.forward(pieces, h, extras)[2], g, g_aux, extras,
+                                     into)
+            tensors, frozen, residuals = extras.traced.tensors, pieces.frozen_rows, []
+            for j, (programs, row) in enumerate(zip(self.programs[:-1], pieces.rows)):
+                out = programs.forward(*((row, frozen[j]) if frozen else (row,)), h, *tensors)
+                h = out[0]
+                residuals.append(out[programs.outputs:])
+                del out
+            residuals.append((h, *tensors))  # the last layer's inputs, for its joined program
+            del h
+            return self.backward(pieces, residuals, g, g_aux, extras, into, joined=True)
 
 
 class Extras(NamedTuple):
