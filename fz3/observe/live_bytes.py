@@ -13,10 +13,10 @@ handed to a new allocation while the old storage object lives on at size zero.
 
 ``writes=True`` also counts a storage made before the context from the first op that writes
 into it (an argument the op's schema marks written, a ``copy_``'s destination; an output of
-an op that is no view op aliasing an input, a collective's output): a step function keeps
-its gathered buffers' objects between steps, their storage released
-(``fz3.step.movement.free_op``), and regrows them outside any op; the parameters, only
-read by a step, are not counted.
+an op that is neither a view op nor made of other ops aliasing an input, a collective's
+output): a step function keeps its gathered buffers' objects between steps, their storage
+released (``fz3.step.movement.free_op``), and regrows them outside any op; the parameters,
+only read by a step, are not counted.
 """
 
 from __future__ import annotations
@@ -29,6 +29,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 
 SET = torch.ops.aten.set_
+_COMPOSITE: dict = {}  # op -> whether it is made of other ops (CompositeImplicitAutograd)
+
+
+def _composite(func) -> bool:
+    """An op made of other ops, which writes into nothing its schema does not mark written."""
+    known = _COMPOSITE.get(func)
+    if known is None:
+        known = _COMPOSITE[func] = torch._C._dispatch_has_kernel_for_dispatch_key(
+            func.name(), "CompositeImplicitAutograd")
+    return known
 
 
 class LiveBytes(TorchDispatchMode):
@@ -50,7 +60,9 @@ class LiveBytes(TorchDispatchMode):
             return out  # owns nothing: ``fz3.step.shapes.ShardRows``' alias of the params)
         inputs = {id(t.untyped_storage()) for t in optree.tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor) and t.device.type != "meta"}
-        written = self.writes and not func.is_view  # (an output aliasing an input: written)
+        # (an output aliasing an input: written; not by a view op, nor by a composite op seen
+        # whole, as below autograd (``fz3.step.programs``): ``unflatten_dense_tensors``' views)
+        written = self.writes and not func.is_view and not _composite(func)
         for t in optree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()
