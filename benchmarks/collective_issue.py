@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from fz3.comm.compat import GATHER, SUM_SCATTER, all_gather_into, reduce_scatter_into  # noqa: E402
+from fz3.comm.compat import ALL_GATHER, GATHER, REDUCE_SCATTER, SUM_SCATTER  # noqa: E402
 
 N, CALLS, ROUNDS = 3280, 500, 15
 
@@ -42,12 +42,12 @@ def rank_main(rank: int, port: int, ranks: int) -> None:
     ways = {
         "all-gather, torch's function": lambda: dist.all_gather_single(
             full, shard, group=group, async_op=True).wait(),
-        "all-gather, fz3 (the group's method)": lambda: all_gather_into(
-            group, full, shard, GATHER).wait(),
+        "all-gather, fz3 (the group's method)": lambda: getattr(group, ALL_GATHER)(
+            full, shard, GATHER).wait(),
         "reduce-scatter, torch's function": lambda: dist.reduce_scatter_single(
             shard, full, group=group, async_op=True).wait(),
-        "reduce-scatter, fz3 (the group's method)": lambda: reduce_scatter_into(
-            group, shard, full, SUM_SCATTER).wait(),
+        "reduce-scatter, fz3 (the group's method)": lambda: getattr(
+            group, REDUCE_SCATTER)(shard, full, SUM_SCATTER).wait(),
     }
     times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(ROUNDS):

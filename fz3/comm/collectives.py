@@ -38,8 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .arrival import absent_error
-from .compat import (GATHER, SUM, SUM_SCATTER, all_gather_into, all_reduce_into,
-                     reduce_scatter_into)
+from .compat import ALL_GATHER, ALL_REDUCE, GATHER, REDUCE_SCATTER, SUM, SUM_SCATTER
 from .failures import lost_error
 from .liveness import Heartbeat
 
@@ -116,7 +115,7 @@ def all_gather(comm: Comm, out: torch.Tensor | None, shard: torch.Tensor,
                        label)
     if out is None:
         out = shard.new_empty(comm.world_size * shard.numel())
-    work = _issue(comm.group, label, all_gather_into, comm.group, out, shard, GATHER)
+    work = _issue(comm.group, label, getattr(comm.group, ALL_GATHER), out, shard, GATHER)
     return Pending(work, out, shard, comm.group, label, comm)
 
 
@@ -126,8 +125,8 @@ def reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor,
     comm._delay()
     if comm.local:
         return Pending(None, out.copy_(full), full, comm.reduce_group, label)
-    work = _issue(comm.reduce_group, label, reduce_scatter_into, comm.reduce_group, out, full,
-                  SUM_SCATTER)
+    work = _issue(comm.reduce_group, label, getattr(comm.reduce_group, REDUCE_SCATTER), out,
+                  full, SUM_SCATTER)
     return Pending(work, out, full, comm.reduce_group, label, comm)
 
 
@@ -139,7 +138,7 @@ def all_reduce(comm: Comm, t: torch.Tensor, *, group: dist.ProcessGroup | None =
     size = comm.replicas if group is comm.replicate_group else comm.world_size
     if size == 1 and comm.local_copies:
         return Pending(None, t, None, group, label)
-    work = _issue(group, label, all_reduce_into, group, [t], SUM)
+    work = _issue(group, label, getattr(group, ALL_REDUCE), [t], SUM)
     return Pending(work, t, None, group, label, comm)
 
 

@@ -5,12 +5,14 @@ torch's ``dist.all_gather_single`` (and the others) check their arguments in Pyt
 a torch-function override and a coalescing context, build an options object and log a
 failure, then call the process group's method: 5-12 us of host time a call here
 (``benchmarks/collective_issue.py``), per unit and direction, on a step whose collectives
-the executor already names and checks. fz3 calls the method with options built once: the same
-C++ call, through the same dispatcher (``c10d::_allgather_base_``: dispatch modes see it).
-What it skips does not apply to fz3's calls: its groups always hold this rank, its tensors
-are real (not complex, not overridden), and it never coalesces. torch >= 2.13 names the
-methods ``*_single``; older torch (2.11 on the GPU machine) ``_allgather_base`` and
-``_reduce_scatter_base``.
+the executor already names and checks. fz3 calls the method on the group (a subclass's
+override runs) with options built once: the same C++ call, through the same dispatcher
+(``c10d::_allgather_base_``: dispatch modes see it; a torch-function mode does not). What it
+skips does not apply to fz3's calls: its groups always hold this rank, its tensors are real
+(not complex, not overridden), and it never coalesces. torch >= 2.13 names the methods
+``*_single``; older torch (2.11 on the GPU machine) ``_allgather_base`` and
+``_reduce_scatter_base``; before 2.8 the options had no ``asyncOp`` (every call was
+asynchronous).
 """
 
 from __future__ import annotations
@@ -20,20 +22,22 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceOptions,
                                          ReduceScatterOptions)
 
 _PG = dist.ProcessGroup
-# The process group's own methods, unbound, called ``method(group, *tensors, options)``: C++
-# entries, no Python frame between fz3's ``_issue`` and the call. Each returns its ``Work``.
-# ``all_gather_into(group, out (world*n,), shard (n,), GATHER)``: out <- concat of the shards
-all_gather_into = getattr(_PG, "all_gather_single", None) or _PG._allgather_base
-# ``reduce_scatter_into(group, out (n,), full (world*n,), SUM_SCATTER)``: this rank's chunk of
-# the sum over ranks
-reduce_scatter_into = getattr(_PG, "reduce_scatter_single", None) or _PG._reduce_scatter_base
-# ``all_reduce_into(group, [t], SUM)``: t <- the sum of t over ranks, in place
-all_reduce_into = _PG.allreduce
+# The names of the process group's own methods, called on the group (a subclass's override
+# runs), ``getattr(group, NAME)(*tensors, options)``: C++ entries, no Python frame between
+# fz3's ``_issue`` and the call. Each returns its ``Work``.
+# ``ALL_GATHER``: (out (world*n,), shard (n,), GATHER): out <- the shards, concatenated
+ALL_GATHER = "all_gather_single" if hasattr(_PG, "all_gather_single") else "_allgather_base"
+# ``REDUCE_SCATTER``: (out (n,), full (world*n,), SUM_SCATTER): this rank's chunk of the sum
+REDUCE_SCATTER = "reduce_scatter_single" if hasattr(_PG, "reduce_scatter_single") else \
+    "_reduce_scatter_base"
+# ``ALL_REDUCE``: ([t], SUM): t <- the sum of t over ranks, in place
+ALL_REDUCE = "allreduce"
 
 
 def _options(kind: type, **fields):
     opts = kind()
-    opts.asyncOp = True
+    if hasattr(opts, "asyncOp"):  # torch >= 2.8 asks; before, every call was asynchronous
+        opts.asyncOp = True
     for name, value in fields.items():
         setattr(opts, name, value)
     return opts

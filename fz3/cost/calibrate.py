@@ -18,7 +18,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..comm.compat import GATHER, all_gather_into
+from ..comm.compat import ALL_GATHER, GATHER
 from ..comm.groups import destroy
 from ..schedule.ops import COMPUTE_KINDS
 from ..schedule.planner import Policy
@@ -154,7 +154,7 @@ def _collective_overhead(single: Any, repeats: int) -> float:
     """Host time to issue an async all-gather and wait for it, with no network: this rank
     alone on a one-rank group."""
     src, out = torch.randn(64), torch.empty(64)
-    return _time(lambda: [all_gather_into(single, out, src, GATHER).wait()
+    return _time(lambda: [getattr(single, ALL_GATHER)(out, src, GATHER).wait()
                           for _ in range(500)], repeats) / 500
 
 
@@ -178,7 +178,7 @@ def _gather_rates(group: Any, world: int, repeats: int) -> tuple[float, float]:
     for n in (1 << 18, 1 << 20):
         src, out = torch.randn(n), torch.empty(world * n)
         dist.barrier(group)
-        times.append(_time(lambda: all_gather_into(group, out, src, GATHER).wait(), repeats))
+        times.append(_time(lambda: getattr(group, ALL_GATHER)(out, src, GATHER).wait(), repeats))
         sizes.append((world - 1) * n * 4)
     bw = (sizes[1] - sizes[0]) / max(times[1] - times[0], 1e-9)
     # Latency as a step sees it: a small async all-gather issued before ~1 ms of compute and
@@ -199,7 +199,7 @@ def _gather_rates(group: Any, world: int, repeats: int) -> tuple[float, float]:
         dist.barrier(group)
         t0 = time.perf_counter()
         for _ in range(k):
-            w = all_gather_into(group, out, src, GATHER)
+            w = getattr(group, ALL_GATHER)(out, src, GATHER)
             a @ b
             w.wait()
         together.append((time.perf_counter() - t0) / k)

@@ -12,8 +12,9 @@ program never writes into its inputs (refused when traced, and h is copied first
 aux outputs stacked). What it saves is about a microsecond an op, most of it a view's
 autograd metadata: 13% of ``save``'s host time a layer (``benchmarks/README.md``,
 thirteenth stop). The tensors a program returns are not marked as views of each other
-(``_base`` is None); nothing reads that. Autograd-backed layers (``fz3.step.engine``) and
-inductor's compiled programs, called by ``Layers`` too, run below as well.
+(``_base`` is None); nothing reads that. Inductor's compiled programs, which ``Layers`` calls
+too, run below autograd as well; autograd-backed layers (``fz3.step.engine``) do not (they
+record the graph their backward runs).
 """
 
 from __future__ import annotations
