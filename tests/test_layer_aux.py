@@ -199,3 +199,65 @@ def memory_plan_ranks(rank, world):
 
 def test_the_memory_plan_runs_post_with_the_layers_aux():
     assert dist.run(2, memory_plan_ranks, timeout=120) == ["ok"] * 2
+
+
+class Scaled(nn.Module):
+    """A layer whose aux output is a view of its own parameter (its scale, as statistics)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.mlp, self.scale = nn.Linear(width, width), nn.Parameter(torch.rand(width) + 0.5)
+
+    def forward(self, h):
+        return h + torch.tanh(self.mlp(h)) * self.scale, self.scale.view(-1)
+
+
+class ScaledNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(4, 8)
+        self.layers = nn.ModuleList([Scaled(8) for _ in range(3)])
+        self.head = nn.Linear(8, 1)
+
+
+def scaled_post(m, h, x, aux):
+    (scales,) = aux
+    return m.head(h).pow(2).mean() + 0.1 * (scales.sum(0) ** 2).sum()
+
+
+def aux_of_a_parameter_ranks(rank, world):
+    """Reference: plain autograd on ``ScaledNet``, the mean over ranks of each one's loss."""
+    net = ScaledNet()
+    total = 0.0
+    for r in range(world):
+        h, auxes = pre(net, batch(r)), []
+        for layer in net.layers:
+            h, a = layer(h)
+            auxes.append(a)
+        value = scaled_post(net, h, batch(r), (torch.stack(auxes),)) / world
+        value.backward()
+        total += float(value)
+    want = {n: p.grad for n, p in net.named_parameters()}
+    model, params = fz3.shard(ScaledNet(), "layers", pre, scaled_post, layer_aux=True)
+    for policy in (fz3.Policy(), fz3.Policy(activations="save")):
+        results = []
+        for trace in (True, False):
+            step = fz3.value_and_grad(model, policy, trace=trace)
+            for _ in range(2):  # the second step reuses the first's kept buffers
+                loss, grads = step(params, batch(rank))
+                torch.testing.assert_close(float(loss), total, rtol=1e-5, atol=1e-6)
+                got = fz3.full_state_dict(model, grads)  # (collective)
+                if rank == 0:
+                    assert_close(got, want, what=f"{policy}, trace={trace}")
+            results.append((loss, grads))
+        assert _same(*results), policy
+    return "ok"
+
+
+def test_an_aux_viewing_a_parameter_outlives_the_units_buffer():
+    """A layer's aux that views its parameter waits for the loss after its unit's gathered
+    buffer is freed (at two ranks the storage is released and kept for the next gather,
+    ``fz3.step.movement.free_op``): it is copied off first (``fz3.step.unit_io.apart``).
+    Without the copy the loss read released memory (a crash, with or without tracing)."""
+    assert dist.run(2, aux_of_a_parameter_ranks, timeout=180) == ["ok"] * 2

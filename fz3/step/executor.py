@@ -38,8 +38,8 @@ from .engine import Produced
 from .record import observed
 from .state import Frame, Kept, Loss, Recompute, Released, Result, Step, StepState
 from .movement import accumulate_op, free_op, gather_op, reduce_op, wait_op, wait_reduce_op
-from .unit_io import (add_gradients, aux_cotangents, aux_units, detached, frame_of, joined,
-                      layer_engine, or_zeros, stacked_aux, stage_engine, stage_pieces)
+from .unit_io import (add_gradients, apart, aux_cotangents, aux_units, detached, frame_of,
+                      joined, layer_engine, or_zeros, stacked_aux, stage_engine, stage_pieces)
 
 
 class Program(NamedTuple):
@@ -163,7 +163,7 @@ def _forward_layers(model: ShardedModel, schedule: Schedule, op: Op, index: int,
                 s.saved[u] = Recompute(x=x, engine=engine, rng=before)
         if aux is None:
             return frame_of(s, op, index, x, s.h, None)
-        s.layer_aux[u] = aux
+        s.layer_aux[u] = aux = apart(aux, s.gathered[u])  # it waits for the loss
         return frame_of(s, op, index, x, (s.h, aux), None)
 
     return forward_layers

@@ -18,7 +18,7 @@ from ..schedule.schedule import Schedule, Unit
 from ..schedule.structure import Role
 from ..sharding.model import ShardedModel
 from . import shapes
-from .engine import AutogradLayers, Produced, Stage, StagePieces
+from .engine import AutogradLayers, Pieces, Produced, Stage, StagePieces
 from .state import Frame, Loss, StepState
 
 
@@ -101,6 +101,17 @@ def stacked_aux(s: StepState, stacks: list[list[int]]) -> tuple[torch.Tensor, ..
                                  f"a stack return aux outputs of one shape and dtype")
         out.append(auxes[0] if len(auxes) == 1 else torch.cat(auxes))
     return tuple(out)
+
+
+def apart(aux: torch.Tensor, memory: Pieces) -> torch.Tensor:
+    """A layer unit's aux outputs, copied where they view its gathered memory (a layer that
+    returns a parameter's view, ``layer_aux``): ``free`` may release that memory before the
+    loss reads them."""
+    held = aux.untyped_storage().data_ptr()
+    if any(b is not None and b.untyped_storage().data_ptr() == held
+           for b in (memory.buffer, memory.frozen)):
+        return aux.clone()
+    return aux
 
 
 def aux_cotangents(s: StepState, stacks: list[list[int]],
