@@ -52,6 +52,7 @@ def calibrate_cpu(probe: Probe, group: Any = None, repeats: int = 5,
     ``network``: take the collectives' bandwidth and latency and the cores' interference from
     an earlier calibration (they need a group of 2 or more ranks) and measure only the local
     rates, which drift with the machine's load."""
+    group = dist.group.WORLD if group is None else group  # (its methods issue collectives)
     world = dist.get_world_size(group)
     rate, mem_bw, op, call, traced = _from_rank0(group, 5, lambda: _local_rates(probe, repeats))
     bw, lat, contention = mem_bw, 1e-6, 1.0
