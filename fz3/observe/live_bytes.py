@@ -29,16 +29,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 
 SET = torch.ops.aten.set_
-_COMPOSITE: dict = {}  # op -> whether it is made of other ops (CompositeImplicitAutograd)
-
-
-def _composite(func) -> bool:
-    """An op made of other ops, which writes into nothing its schema does not mark written."""
-    known = _COMPOSITE.get(func)
-    if known is None:
-        known = _COMPOSITE[func] = torch._C._dispatch_has_kernel_for_dispatch_key(
-            func.name(), "CompositeImplicitAutograd")
-    return known
 
 
 class LiveBytes(TorchDispatchMode):
@@ -53,6 +43,7 @@ class LiveBytes(TorchDispatchMode):
         self.now = self.peak = self._since_mark = 0
         # id of a storage object -> a weak reference to it; the entry leaves when it dies
         self._live: dict[int, weakref.ref] = {}
+        self._made_of_ops: dict = {}  # op -> whether it is CompositeImplicitAutograd
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -62,7 +53,7 @@ class LiveBytes(TorchDispatchMode):
                   if isinstance(t, torch.Tensor) and t.device.type != "meta"}
         # (an output aliasing an input: written; not by a view op, nor by a composite op seen
         # whole, as below autograd (``fz3.step.programs``): ``unflatten_dense_tensors``' views)
-        written = self.writes and not func.is_view and not _composite(func)
+        written = self.writes and not func.is_view and not self._composite(func)
         for t in optree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()
@@ -79,6 +70,15 @@ class LiveBytes(TorchDispatchMode):
                             self._track(t.untyped_storage())
         self._count()
         return out
+
+    def _composite(self, func) -> bool:
+        """An op made of other ops, which writes into nothing its schema does not mark
+        written."""
+        known = self._made_of_ops.get(func)
+        if known is None:
+            known = self._made_of_ops[func] = torch._C._dispatch_has_kernel_for_dispatch_key(
+                func.name(), "CompositeImplicitAutograd")
+        return known
 
     def _track(self, storage: torch.UntypedStorage) -> None:
         key = id(storage)

@@ -106,19 +106,19 @@ class Layers(NamedTuple):
         RNG restored by the caller): the last layer's forward and backward as one program
         (``Programs.recompute``: what only its output needed is not computed, no residual
         tuple), the layers before it forward, then backward."""
-        with below_autograd():
-            if self.programs[-1].recompute is None:
-                return self.backward(pieces, self.forward(pieces, h, extras)[2], g, g_aux, extras,
-                                     into)
-            tensors, frozen, residuals = extras.traced.tensors, pieces.frozen_rows, []
+        if self.programs[-1].recompute is None:
+            return self.backward(pieces, self.forward(pieces, h, extras)[2], g, g_aux, extras,
+                                 into)
+        tensors, frozen, residuals = extras.traced.tensors, pieces.frozen_rows, []
+        with below_autograd():  # (``backward`` enters it itself)
             for j, (programs, row) in enumerate(zip(self.programs[:-1], pieces.rows)):
                 out = programs.forward(*((row, frozen[j]) if frozen else (row,)), h, *tensors)
                 h = out[0]
                 residuals.append(out[programs.outputs:])
                 del out
-            residuals.append((h, *tensors))  # the last layer's inputs, for its joined program
-            del h
-            return self.backward(pieces, residuals, g, g_aux, extras, into, joined=True)
+        residuals.append((h, *tensors))  # the last layer's inputs, for its joined program
+        del h
+        return self.backward(pieces, residuals, g, g_aux, extras, into, joined=True)
 
 
 class Extras(NamedTuple):
