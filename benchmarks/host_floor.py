@@ -14,10 +14,15 @@ layers, one thread, forward+backward, microseconds per layer (median of 30 steps
 - + flat leaf, fz3's binding: the same, the views substituted by ``fz3.sharding.binding``
   (the name lookup done once per model), as fz3's layers run with ``trace=False``.
 - flat row, traced programs: the layer traced once into a forward and a backward program
-  (``fz3.step.joint``), called per layer without the autograd engine, as fz3's layers run
-  by default.
+  (``fz3.step.joint``), called per layer without the autograd engine.
+- + below autograd: the same programs with the dispatcher's autograd keys skipped
+  (``fz3.step.programs.below_autograd``), as fz3's layers run by default.
+- + inductor: those programs compiled by inductor (``fz3.step.inductor``), as with
+  ``compile=True``: the floor under ``host_overhead.py``'s compiled rows.
 
-fz3's own cost is what ``benchmarks/host_overhead.py`` measures beyond the last row.
+fz3's own cost is what ``benchmarks/host_overhead.py`` measures beyond the below-autograd row
+(beyond the inductor row, compiled). The compiled programs' gradient is checked against the
+uncompiled one's before anything is timed.
 """
 
 from __future__ import annotations
@@ -37,7 +42,9 @@ import systems  # noqa: E402
 from fz3.models.gpt import Block, GPTConfig  # noqa: E402
 from fz3.sharding.binding import Binding  # noqa: E402
 from fz3.sharding.layout import FlatLayout  # noqa: E402
+from fz3.step.inductor import Kernels  # noqa: E402
 from fz3.step.joint import trace  # noqa: E402
+from fz3.step.programs import below_autograd  # noqa: E402
 
 LAYERS = 48
 
@@ -103,20 +110,31 @@ def main() -> None:
 
     programs = trace(layer, [flats[0], x0], False, [])
 
-    def traced():  # fz3's traced programs: no autograd engine
+    def traced(run=programs):  # fz3's traced programs: no autograd engine
         residuals, h = [], x0
         for flat in flats:
-            out = programs.forward(flat, h)
+            out = run.forward(flat, h)
             h = out[0]
             residuals.append(out[1:])
         g = torch.ones_like(h)
         for flat in reversed(flats):
-            g = programs.backward([flat, *residuals.pop(), g])[1]
+            g = run.backward([flat, *residuals.pop(), g])[1]
+        return g
+
+    def below(run=programs):
+        with below_autograd():
+            return traced(run)
+
+    compiled = Kernels(strict=True).compiled(programs, "the block")
+    # inductor reorders float sums: equal to rounding, not bitwise
+    torch.testing.assert_close(below(compiled), below(), rtol=1e-4, atol=1e-6)
 
     rows = [("plain", per_layer_us(plain)), ("per-layer grad", per_layer_us(per_layer_grad)),
             ("+ flat leaf", per_layer_us(flat_leaf)),
             ("+ flat leaf, fz3's binding", per_layer_us(flat_leaf_bound)),
-            ("flat row, traced programs (no autograd)", per_layer_us(traced))]
+            ("flat row, traced programs (no autograd)", per_layer_us(traced)),
+            ("+ below autograd", per_layer_us(below)),
+            ("+ inductor (compile=True)", per_layer_us(lambda: below(compiled)))]
     print(f"torch {torch.__version__}, {LAYERS} layers, hidden {cfg.dim}, seq {cfg.seq}, 1 thread")
     print("| run | us per layer | x plain |\n|---|---:|---:|")
     for name, us in rows:
