@@ -126,3 +126,26 @@ def layer_pre(m, b):
 
 def layer_post(m, h, b):
     return torch.nn.functional.cross_entropy(m.head(h).flatten(0, 1), b[1].flatten())
+
+
+def time_major_pre(m, b):
+    """``layer_pre`` embedding time-major, h handed on as its transposed view: (B, T, 6)
+    with strides (6, B*6, 1)."""
+    return m.emb(b[0].t()).transpose(0, 1)
+
+
+def time_major_post(m, h, b):
+    """``layer_post`` reading h time-major: its gradient w.r.t. h is a transposed view."""
+    return torch.nn.functional.cross_entropy(m.head(h.transpose(0, 1)).flatten(0, 1),
+                                             b[1].t().flatten())
+
+
+def layer_net_plain(net, b, pre=layer_pre, post=layer_post):
+    """Loss and gradients of plain autograd on the unsharded ``LayerNet`` (a copy)."""
+    m = copy.deepcopy(net)
+    h = pre(m, b)
+    for layer in m.layers:
+        h = layer(h)
+    loss = post(m, h, b)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in m.named_parameters()}

@@ -12,6 +12,7 @@ compile costs seconds on these 2 cores, and inductor's cache makes the next ones
 
 from __future__ import annotations
 
+import copy
 import re
 import warnings
 
@@ -25,7 +26,8 @@ import fz3
 from fz3.models import shard_gpt
 from fz3.models.gpt import GPTConfig
 from fz3.step.inductor import Kernels
-from reference import LayerNet, assert_close, batches, gpt, layer_post, layer_pre, reference_grads
+from reference import (LayerNet, assert_close, batches, gpt, layer_post, layer_pre, reference_grads,
+                       time_major_post, time_major_pre)
 
 CFG = GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=2)
 RTOL, ATOL = 1e-4, 1e-5  # compiled kernels reorder fp32 sums (see the module docstring)
@@ -219,3 +221,56 @@ def unread_random_ranks(rank, world):
 
 def test_a_random_draw_nothing_reads_keeps_the_compiled_recompute_apart():
     assert dist.run(1, unread_random_ranks, timeout=300) == ["ok"]
+
+
+
+class TanhAux(nn.Module):
+    """A layer returning (h, aux): its output's mean over batch and time, per feature."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, h):
+        out = h + torch.tanh(self.lin(h))
+        return out, out.mean(dim=(0, 1))
+
+
+def time_major_aux_post(m, h, b, aux):
+    """``time_major_post`` plus a term reading the stack's aux (layers, 6) transposed: both
+    cotangents the layers get are transposed views."""
+    (stacked,) = aux  # one per stack
+    return time_major_post(m, h, b) + 0.1 * (stacked.t()[:3] ** 2).sum()
+
+
+def layouts_ranks(rank, world):
+    """Compiled programs check their inputs' strides: a pre handing on a transposed h, and a
+    loss whose gradients w.r.t. h and the layers' aux outputs are transposed views, still
+    meet the layouts the programs were traced and compiled for (``Layers.cotangent``), where
+    they raised inductor's stride assertion."""
+    g = torch.Generator().manual_seed(0)
+    b = (torch.randint(0, 11, (2, 5), generator=g), torch.randint(0, 11, (2, 5), generator=g))
+    torch.manual_seed(0)
+    net = LayerNet([TanhAux() for _ in range(3)])
+    m = copy.deepcopy(net)
+    h, auxes = time_major_pre(m, b), []
+    for layer in m.layers:
+        h, a = layer(h)
+        auxes.append(a)
+    want_loss = time_major_aux_post(m, h, b, (torch.stack(auxes),))
+    want_loss.backward()
+    want = {n: p.grad for n, p in m.named_parameters()}
+    model, params = fz3.shard(net, "layers", time_major_pre, time_major_aux_post,
+                              layer_aux=True)
+    # save: the backward programs take g and g_aux as they come (recompute's joined programs
+    # the same way; tests/test_traced.py covers both policies traced)
+    step = fz3.value_and_grad(model, fz3.Policy(activations="save"), compile=True, strict=True)
+    for _ in range(2):
+        loss, grads = step(params, b)
+        torch.testing.assert_close(loss, want_loss.detach(), rtol=RTOL, atol=ATOL)
+        assert_close(fz3.full_state_dict(model, grads), want, rtol=RTOL, atol=ATOL)
+    return "ok"
+
+
+def test_compiled_programs_meet_gradients_of_any_layout():
+    assert dist.run(1, layouts_ranks, timeout=300) == ["ok"]

@@ -136,10 +136,10 @@ def joint_trace(layer: Layer, inputs: Sequence[torch.Tensor], frozen: bool,
     try:
         with _quiet(FAKE_TENSOR_LOG):
             shape = _aux_shape(call, plain) if aux else None
-            cotangents = [torch.empty_like(plain[first])]
+            # g contiguous, as a layer's backward hands it on (``Layers.cotangent``)
+            cotangents = [torch.empty_like(plain[first], memory_format=torch.contiguous_format)]
             if shape is not None:
-                cotangents.append(torch.empty(shape[0], dtype=shape[1],
-                                              device=plain[first].device))
+                cotangents.append(torch.empty(shape[0], dtype=shape[1], device=plain[first].device))
             joint_gm = make_fx(joint, tracing_mode="fake")(*plain, *cotangents)
     except TraceError:
         raise

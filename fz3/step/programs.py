@@ -44,6 +44,11 @@ class Layers(NamedTuple):
     # None: it keeps what autograd would
     keep: frozenset[str] | None = None
     aux: bool = False  # each layer returns (h, aux) (``ShardedModel.layer_aux``)
+    # the strides the programs' cotangent g was traced for (h's shape, contiguous: as a
+    # layer's backward usually hands g on); a g with others (a loss's gradient of a
+    # transposed read of h) is copied into them first, as the programs' views need (and
+    # inductor's input checks); None: g is taken as it comes
+    cotangent: tuple | None = None
 
     def forward(self, pieces: Pieces, h: torch.Tensor, extras: Produced) -> tuple:
         """``(h, aux, residuals)``: residuals a list, one tuple per layer, in layer order."""
@@ -83,9 +88,15 @@ class Layers(NamedTuple):
             if self.aux and g_aux is None:
                 shape, dtype = self.programs[0].aux
                 g_aux = torch.zeros(k, *shape, dtype=dtype, device=g.device)
+            elif self.aux:  # its rows as the programs' aux cotangent was traced: contiguous
+                g_aux = g_aux.contiguous()
             grads: list = [None] * k
             summed: list = []
+            want = self.cotangent
             for j in reversed(range(k)):
+                if want is not None and g.stride() != want:
+                    g = torch.empty_strided(g.shape, want, dtype=g.dtype,
+                                            device=g.device).copy_(g)
                 box = [rows[j], frozen[j], *residuals.pop(), g] if frozen else \
                     [rows[j], *residuals.pop(), g]
                 if self.aux:

@@ -159,7 +159,7 @@ class TracedLayers:
                 return None
             programs.append(got)
         return Layers(tuple(programs), any(p.aliases_params for p in programs), signature.keep,
-                      self.model.layer_aux)
+                      self.model.layer_aux, torch.empty(h.shape, device="meta").stride())
 
     def _group(self, i: int, part: Part, layer: int, h: torch.Tensor, extras: Extras,
                signature: tuple) -> Programs | None:
