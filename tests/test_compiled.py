@@ -223,16 +223,16 @@ def test_a_random_draw_nothing_reads_keeps_the_compiled_recompute_apart():
     assert dist.run(1, unread_random_ranks, timeout=300) == ["ok"]
 
 
-
 class TanhAux(nn.Module):
-    """A layer returning (h, aux): its output's mean over batch and time, per feature."""
+    """A layer returning (h, aux): its output (contiguous, whatever its input's layout) and
+    that output's mean over batch and time, per feature."""
 
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(6, 6)
 
     def forward(self, h):
-        out = h + torch.tanh(self.lin(h))
+        out = (h + torch.tanh(self.lin(h))).contiguous()
         return out, out.mean(dim=(0, 1))
 
 
@@ -244,10 +244,11 @@ def time_major_aux_post(m, h, b, aux):
 
 
 def layouts_ranks(rank, world):
-    """Compiled programs check their inputs' strides: a pre handing on a transposed h, and a
-    loss whose gradients w.r.t. h and the layers' aux outputs are transposed views, still
-    meet the layouts the programs were traced and compiled for (``Layers.cotangent``), where
-    they raised inductor's stride assertion."""
+    """Compiled programs check their inputs' strides: a pre handing on a transposed h (so the
+    unit's later layers get contiguous inputs, its first a transposed one), and a loss whose
+    gradients w.r.t. h and the layers' aux outputs are transposed views, still meet the
+    layouts the programs were traced and compiled for ([Note: inputs in their traced
+    layout], ``fz3.step.programs``), where they raised inductor's stride assertion."""
     g = torch.Generator().manual_seed(0)
     b = (torch.randint(0, 11, (2, 5), generator=g), torch.randint(0, 11, (2, 5), generator=g))
     torch.manual_seed(0)
@@ -262,13 +263,15 @@ def layouts_ranks(rank, world):
     want = {n: p.grad for n, p in m.named_parameters()}
     model, params = fz3.shard(net, "layers", time_major_pre, time_major_aux_post,
                               layer_aux=True)
-    # save: the backward programs take g and g_aux as they come (recompute's joined programs
-    # the same way; tests/test_traced.py covers both policies traced)
-    step = fz3.value_and_grad(model, fz3.Policy(activations="save"), compile=True, strict=True)
+    # save, one unit of the three layers: one signature, two programs to compile (recompute's
+    # joined program takes g the same way; tests/test_traced.py runs both policies traced)
+    step = fz3.value_and_grad(model, fz3.Policy(activations="save", layers_per_unit=3),
+                              compile=True, strict=True)
     for _ in range(2):
         loss, grads = step(params, b)
         torch.testing.assert_close(loss, want_loss.detach(), rtol=RTOL, atol=ATOL)
         assert_close(fz3.full_state_dict(model, grads), want, rtol=RTOL, atol=ATOL)
+    assert step.traced.failed == {} and step.traced.compiles == 2, step.traced.failed
     return "ok"
 
 

@@ -6,9 +6,10 @@ tested against plain PyTorch autograd on the unsharded model in ``test_core`` an
 ``test_golden``). Tolerance: none, bit for bit: the programs run the same ATen ops with the
 same derivative formulas in the same order, and draw the same random numbers (dropout, with
 recompute replaying them). Every other test of a step runs the traced path too, since it is
-the default. One test compares with plain autograd at fp32's rtol 1e-5 / atol 1e-6 instead: a
-loss's gradient of h that is not contiguous is copied into contiguous memory first, and the
-last layer's backward may round otherwise than autograd's on the strided one."""
+the default. One test compares with plain autograd at fp32's rtol 1e-5 / atol 1e-6 instead: an
+input laid out otherwise than traced (a loss's gradient of h that is not contiguous, say) is
+copied into the traced layout first, and a layer's backward may then round otherwise than
+autograd's on the strided one."""
 
 from __future__ import annotations
 
@@ -472,23 +473,41 @@ def writes_input_ranks(rank, world):
     return "ok"
 
 
+class TimeMajorOut(nn.Module):
+    """Hands h on laid out time-major (its transpose's memory): the next layer of its unit
+    gets an input of other strides than the unit's, which its programs were traced for."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, h):
+        z = torch.tanh(self.lin(h.reshape(-1, 6))).view(h.shape)  # a view of h as traced
+        return (h + z).transpose(0, 1).contiguous().transpose(0, 1)
+
+
 def layouts_ranks(rank, world):
-    """A loss reading h time-major hands the last layer a transposed gradient (whose views
-    failed in the programs: "view size is not compatible"), and a pre handing on a
-    transposed h makes the programs' input one: the programs get their cotangent in the
-    layout they were traced for (contiguous, copied where it is not). Against plain autograd
-    (see the module docstring for the tolerance)."""
+    """Inputs laid out otherwise than their programs were traced for, each of which failed
+    in the programs' views ("view size is not compatible"): a loss reading h time-major hands
+    the last layer a transposed gradient; a pre handing on a transposed h gives the programs
+    one; a layer handing on a time-major h gives the next layer of its unit another input
+    layout than the unit's. Each is copied into the traced layout first ([Note: inputs in
+    their traced layout]). Against plain autograd (the tolerance: the module docstring)."""
     g = torch.Generator().manual_seed(0)
     bs = [(torch.randint(0, 11, (2, 5), generator=g), torch.randint(0, 11, (2, 5), generator=g))
           for _ in range(world)]
-    for pre, post in ((layer_pre, time_major_post), (time_major_pre, layer_post),
-                      (time_major_pre, time_major_post)):
+    for kind, pre, post in ((Lin, layer_pre, time_major_post), (Lin, time_major_pre, layer_post),
+                            (Lin, time_major_pre, time_major_post),
+                            (TimeMajorOut, layer_pre, layer_post)):
         torch.manual_seed(0)
-        net = LayerNet([Lin() for _ in range(4)])
+        net = LayerNet([kind() for _ in range(4)])
         want_loss, want = layer_net_plain(net, concat(bs), pre, post)
         model, params = fz3.shard(net, "layers", pre, post)
-        for policy in (fz3.Policy(), fz3.Policy(activations="save", layers_per_unit=2)):
-            what = (pre.__name__, post.__name__, str(policy))
+        for policy in (fz3.Policy(), fz3.Policy(layers_per_unit=2),
+                       fz3.Policy(activations="save", layers_per_unit=2)):
+            what = (kind.__name__, pre.__name__, post.__name__, str(policy))
+            # the plan runs the programs on its own cotangent (traced here, kept for the step)
+            assert fz3.memory_plan(model, fz3.plan(model, policy), bs[rank]).peak > 0
             step = fz3.value_and_grad(model, policy)
             for _ in range(2):
                 loss, grads = step(params, bs[rank])

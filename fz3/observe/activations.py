@@ -175,7 +175,7 @@ def traced_sizes(traced: TracedLayers, i: int, layer: LayerInputs,
         kept = live.mark()
         # the executor holds the cotangent (the step's, for its frame) through the backward,
         # and hands the residuals over in the list alone (freed inside after their last use)
-        g = torch.ones_like(out)
+        g = torch.ones(out.shape, dtype=out.dtype, device=out.device)  # as traced: contiguous
         seeds = [g] if programs.aux is None else [g, torch.ones(programs.aux[0],
                                                                 dtype=programs.aux[1],
                                                                 device=g.device)]

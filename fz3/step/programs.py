@@ -44,11 +44,14 @@ class Layers(NamedTuple):
     # None: it keeps what autograd would
     keep: frozenset[str] | None = None
     aux: bool = False  # each layer returns (h, aux) (``ShardedModel.layer_aux``)
-    # the strides the programs' cotangent g was traced for (h's shape, contiguous: as a
-    # layer's backward usually hands g on); a g with others (a loss's gradient of a
-    # transposed read of h) is copied into them first, as the programs' views need (and
-    # inductor's input checks); None: g is taken as it comes
+    # [Note: inputs in their traced layout] The programs' views assume the strides they were
+    # traced with (and inductor checks them): ``cotangent``, g's (h's shape, contiguous, as a
+    # layer's backward usually hands g on), and ``h``, the unit's input's (None where those
+    # are not dense). A g with others (a loss's gradient of a transposed read of h), or a
+    # later layer's h with others (its predecessor's output), is copied into them first.
+    # None: taken as it comes.
     cotangent: tuple | None = None
+    h: tuple | None = None
 
     def forward(self, pieces: Pieces, h: torch.Tensor, extras: Produced) -> tuple:
         """``(h, aux, residuals)``: residuals a list, one tuple per layer, in layer order."""
@@ -56,6 +59,8 @@ class Layers(NamedTuple):
             tensors, frozen, residuals, auxes = extras.traced.tensors, pieces.frozen_rows, [], []
             n = 2 if self.aux else 1  # the programs' outputs before their residuals
             for j, (programs, row) in enumerate(zip(self.programs, pieces.rows)):
+                if j and self.h is not None and h.stride() != self.h:
+                    h = laid_out(h, self.h)
                 out = programs.forward(*((row, frozen[j]) if frozen else (row,)), h, *tensors)
                 h = out[0]
                 if self.aux:
@@ -67,6 +72,8 @@ class Layers(NamedTuple):
         with below_autograd():
             tensors, frozen, auxes = extras.traced.tensors, pieces.frozen_rows, []
             for j, (programs, row) in enumerate(zip(self.programs, pieces.rows)):
+                if j and self.h is not None and h.stride() != self.h:
+                    h = laid_out(h, self.h)
                 out = programs.inference(*((row, frozen[j]) if frozen else (row,)), h, *tensors)
                 h = out[0]
                 if self.aux:
@@ -95,8 +102,7 @@ class Layers(NamedTuple):
             want = self.cotangent
             for j in reversed(range(k)):
                 if want is not None and g.stride() != want:
-                    g = torch.empty_strided(g.shape, want, dtype=g.dtype,
-                                            device=g.device).copy_(g)
+                    g = laid_out(g, want)
                 box = [rows[j], frozen[j], *residuals.pop(), g] if frozen else \
                     [rows[j], *residuals.pop(), g]
                 if self.aux:
@@ -125,11 +131,19 @@ class Layers(NamedTuple):
             for j, (programs, row) in enumerate(zip(self.programs[:-1], pieces.rows)):
                 out = programs.forward(*((row, frozen[j]) if frozen else (row,)), h, *tensors)
                 h = out[0]
+                if self.h is not None and h.stride() != self.h:
+                    h = laid_out(h, self.h)
                 residuals.append(out[programs.outputs:])
                 del out
         residuals.append((h, *tensors))  # the last layer's inputs, for its joined program
         del h
         return self.backward(pieces, residuals, g, g_aux, extras, into, joined=True)
+
+
+def laid_out(t: torch.Tensor, stride: tuple) -> torch.Tensor:
+    """A copy of ``t`` with ``stride``: the layout a program was traced for ([Note: inputs in
+    their traced layout])."""
+    return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
 
 
 class Extras(NamedTuple):

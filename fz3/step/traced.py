@@ -158,8 +158,10 @@ class TracedLayers:
             if got is None:
                 return None
             programs.append(got)
+        dense = torch.empty_like(h, device="meta").stride() == h.stride()  # a copy can take it
         return Layers(tuple(programs), any(p.aliases_params for p in programs), signature.keep,
-                      self.model.layer_aux, torch.empty(h.shape, device="meta").stride())
+                      self.model.layer_aux, torch.empty(h.shape, device="meta").stride(),
+                      h.stride() if dense else None)
 
     def _group(self, i: int, part: Part, layer: int, h: torch.Tensor, extras: Extras,
                signature: tuple) -> Programs | None:

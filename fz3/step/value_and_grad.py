@@ -80,8 +80,9 @@ def value_and_grad(model: ShardedModel, schedule: Schedule | Policy | None = Non
     Training or eval mode is the model's (``model.eval()`` is a copy in eval mode).
     ``trace`` (default): each stack's layers run as programs traced once from the layer's
     function (``fz3.step.traced``: forward and backward ATen ops called directly, no autograd
-    engine, autograd's results bit for bit unless a loss's gradient of h is not contiguous:
-    it is copied first); the layer's Python runs only while tracing, as with ``jax.jit``.
+    engine, autograd's results bit for bit unless an input is laid out otherwise than traced,
+    a loss's transposed gradient of h, say: it is copied first, ``fz3.step.programs``); the
+    layer's Python runs only while tracing, as with ``jax.jit``.
     ``trace=False`` runs it on every call (breakpoints, prints); a layer
     that cannot be traced runs that way anyway (``f.traced.failed`` says why).
     ``compile``: each stack's traced programs are compiled by inductor, once for every layer
