@@ -136,7 +136,7 @@ def joint_trace(layer: Layer, inputs: Sequence[torch.Tensor], frozen: bool,
     try:
         with _quiet(FAKE_TENSOR_LOG):
             shape = _aux_shape(call, plain) if aux else None
-            # g contiguous, as a layer's backward hands it on (``Layers.cotangent``)
+            # g contiguous, as a layer's backward hands it on (``Layers.g_strides``)
             cotangents = [torch.empty_like(plain[first], memory_format=torch.contiguous_format)]
             if shape is not None:
                 cotangents.append(torch.empty(shape[0], dtype=shape[1], device=plain[first].device))

@@ -45,13 +45,13 @@ class Layers(NamedTuple):
     keep: frozenset[str] | None = None
     aux: bool = False  # each layer returns (h, aux) (``ShardedModel.layer_aux``)
     # [Note: inputs in their traced layout] The programs' views assume the strides they were
-    # traced with (and inductor checks them): ``cotangent``, g's (h's shape, contiguous, as a
-    # layer's backward usually hands g on), and ``h``, the unit's input's (None where those
-    # are not dense). A g with others (a loss's gradient of a transposed read of h), or a
-    # later layer's h with others (its predecessor's output), is copied into them first.
+    # traced with (and inductor checks them): ``g_strides`` (h's shape, contiguous, as a
+    # layer's backward usually hands g on) and ``h_strides`` (the unit's input's; None where
+    # those are not dense). A g with others (a loss's gradient of a transposed read of h), or
+    # a later layer's h with others (its predecessor's output), is copied into them first.
     # None: taken as it comes.
-    cotangent: tuple | None = None
-    h: tuple | None = None
+    g_strides: tuple | None = None
+    h_strides: tuple | None = None
 
     def forward(self, pieces: Pieces, h: torch.Tensor, extras: Produced) -> tuple:
         """``(h, aux, residuals)``: residuals a list, one tuple per layer, in layer order."""
@@ -59,8 +59,8 @@ class Layers(NamedTuple):
             tensors, frozen, residuals, auxes = extras.traced.tensors, pieces.frozen_rows, [], []
             n = 2 if self.aux else 1  # the programs' outputs before their residuals
             for j, (programs, row) in enumerate(zip(self.programs, pieces.rows)):
-                if j and self.h is not None and h.stride() != self.h:
-                    h = laid_out(h, self.h)
+                if j and self.h_strides is not None and h.stride() != self.h_strides:
+                    h = laid_out(h, self.h_strides)
                 out = programs.forward(*((row, frozen[j]) if frozen else (row,)), h, *tensors)
                 h = out[0]
                 if self.aux:
@@ -72,8 +72,8 @@ class Layers(NamedTuple):
         with below_autograd():
             tensors, frozen, auxes = extras.traced.tensors, pieces.frozen_rows, []
             for j, (programs, row) in enumerate(zip(self.programs, pieces.rows)):
-                if j and self.h is not None and h.stride() != self.h:
-                    h = laid_out(h, self.h)
+                if j and self.h_strides is not None and h.stride() != self.h_strides:
+                    h = laid_out(h, self.h_strides)
                 out = programs.inference(*((row, frozen[j]) if frozen else (row,)), h, *tensors)
                 h = out[0]
                 if self.aux:
@@ -99,7 +99,7 @@ class Layers(NamedTuple):
                 g_aux = g_aux.contiguous()
             grads: list = [None] * k
             summed: list = []
-            want = self.cotangent
+            want = self.g_strides
             for j in reversed(range(k)):
                 if want is not None and g.stride() != want:
                     g = laid_out(g, want)
@@ -131,8 +131,8 @@ class Layers(NamedTuple):
             for j, (programs, row) in enumerate(zip(self.programs[:-1], pieces.rows)):
                 out = programs.forward(*((row, frozen[j]) if frozen else (row,)), h, *tensors)
                 h = out[0]
-                if self.h is not None and h.stride() != self.h:
-                    h = laid_out(h, self.h)
+                if self.h_strides is not None and h.stride() != self.h_strides:
+                    h = laid_out(h, self.h_strides)
                 residuals.append(out[programs.outputs:])
                 del out
         residuals.append((h, *tensors))  # the last layer's inputs, for its joined program
