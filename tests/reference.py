@@ -140,12 +140,17 @@ def time_major_post(m, h, b):
                                              b[1].t().flatten())
 
 
-def layer_net_plain(net, b, pre=layer_pre, post=layer_post):
-    """Loss and gradients of plain autograd on the unsharded ``LayerNet`` (a copy)."""
+def layer_net_plain(net, b, pre=layer_pre, post=layer_post, aux: bool = False):
+    """Loss and gradients of plain autograd on the unsharded ``LayerNet`` (a copy). ``aux``:
+    its layers return ``(h, aux)``, and ``post`` takes their aux stacked, as fz3's one stack's
+    (``layer_aux=True``)."""
     m = copy.deepcopy(net)
-    h = pre(m, b)
+    h, auxes = pre(m, b), []
     for layer in m.layers:
         h = layer(h)
-    loss = post(m, h, b)
+        if aux:
+            h, a = h
+            auxes.append(a)
+    loss = post(m, h, b, (torch.stack(auxes),)) if aux else post(m, h, b)
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in m.named_parameters()}

@@ -82,9 +82,9 @@ def value_and_grad(model: ShardedModel, schedule: Schedule | Policy | None = Non
     function (``fz3.step.traced``: forward and backward ATen ops called directly, no autograd
     engine, autograd's results bit for bit unless an input is laid out otherwise than traced,
     a loss's transposed gradient of h, say: it is copied first, ``fz3.step.programs``); the
-    layer's Python runs only while tracing, as with ``jax.jit``.
-    ``trace=False`` runs it on every call (breakpoints, prints); a layer
-    that cannot be traced runs that way anyway (``f.traced.failed`` says why).
+    layer's Python runs only while tracing, as with ``jax.jit``. ``trace=False`` runs it on
+    every call (breakpoints, prints); a layer that cannot be traced runs that way anyway
+    (``f.traced.failed`` says why).
     ``compile``: each stack's traced programs are compiled by inductor, once for every layer
     that shares them; a layer that cannot be traced runs through autograd (one warning), and
     a program inductor fails on runs as Python with a warning, or raises
