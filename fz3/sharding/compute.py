@@ -14,10 +14,10 @@ from typing import Any, Iterator, NamedTuple, Sequence
 
 import optree
 import torch
-from torch.overrides import TorchFunctionMode
 
 from .binding import Binding
 from .model import ShardedModel
+from .unreachable import PartReadError
 
 Extras = tuple[Any, ...]
 
@@ -42,45 +42,20 @@ def leaf(buffer: torch.Tensor) -> torch.Tensor:
 
 
 def call(binding: Binding, tensors: Sequence[torch.Tensor], args: tuple, name: object) -> Any:
-    """``binding(tensors, args)``, naming a parameter of another part used by mistake: it is
-    still on the meta device in the skeleton, and an op that mixes it with real tensors fails."""
+    """``binding(tensors, args)``; a parameter of another part read by mistake (the skeleton
+    holds an ``Unreachable`` for it) raises ``PartReadError`` naming it, its part, this
+    function and the fix."""
     try:
         return binding(tensors, args)
-    except (RuntimeError, NotImplementedError) as e:
-        if "meta" not in str(e):
-            raise
-        raise _outside_part(name, f"it is on the meta device ({e})",
-                            read_outside(binding, tensors, args)) from e
+    except PartReadError as e:
+        reader = (None if isinstance(name, LayerName)
+                  else "post" if name == "the loss function" else str(name))
+        raise e.named(str(name), reader) from None
 
 
-def _outside_part(name: object, symptom: str, parameter: str | None = None) -> ValueError:
-    which = f" ({parameter})" if parameter else ""
-    return ValueError(f"{name} used a parameter outside its part{which}: {symptom}. A function "
-                      f"may use only the parameters registered in its part (see fz3.shard's "
-                      f"assign= to move some)")
-
-
-def read_outside(binding: Binding, tensors: Sequence[torch.Tensor], args: tuple) -> str | None:
-    """On an error path only: the name of the first parameter of another part (still on the
-    meta device in the skeleton) that ``binding``'s function reads, found by running it again
-    under a mode that looks at every op's arguments; None if none is read."""
-    by_id = {id(p): n for n, p in binding.module.m.named_parameters(remove_duplicate=False)
-             if p.is_meta}
-    found: list[str] = []
-
-    class Reads(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if not found:
-                found.extend(by_id[id(t)] for t in optree.tree_leaves((args, kwargs or {}))
-                             if isinstance(t, torch.Tensor) and id(t) in by_id)
-            return func(*args, **(kwargs or {}))
-
-    try:
-        with Reads(), torch.no_grad():
-            binding(tensors, args)
-    except Exception:  # noqa: BLE001 - it fails again, as it did: only what it read matters
-        pass
-    return found[0] if found else None
+def _meta_output(name: object, what: str) -> ValueError:
+    return ValueError(f"{name} returned {what} on the meta device; a function of the model must "
+                      f"compute on the device of its parameters and batch")
 
 
 def run_stage(binding: Binding, tensors: Sequence[torch.Tensor], args: tuple,
@@ -92,12 +67,10 @@ def run_stage(binding: Binding, tensors: Sequence[torch.Tensor], args: tuple,
         raise TypeError(f"{name} returned {type(out).__name__}; return h or (h, *extra) with h a "
                         f"tensor")
     if h.is_meta:
-        raise _outside_part(name, "its output is on the meta device",
-                            read_outside(binding, tensors, args))
+        raise _meta_output(name, "h")
     for i, e in enumerate(extras):  # blamed here, not on the first layer that reads it
         if any(isinstance(t, torch.Tensor) and t.is_meta for t in optree.tree_leaves(e)):
-            raise _outside_part(name, f"its extra output {i} is on the meta device",
-                                read_outside(binding, tensors, args))
+            raise _meta_output(name, f"its extra output {i}")
     return h, extras
 
 
@@ -121,8 +94,7 @@ def run_loss(binding: Binding, has_aux: bool, tensors: Sequence[torch.Tensor], h
         raise TypeError(f"{name} must return a scalar loss tensor, got "
                         f"{type(out).__name__}{shape}{hint}")
     if out.is_meta:
-        raise _outside_part(name, "its loss is on the meta device",
-                            read_outside(binding, tensors, args))
+        raise _meta_output(name, "its loss")
     return out.reshape(()), aux
 
 

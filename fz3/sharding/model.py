@@ -29,8 +29,9 @@ from .checks import check_not_wrapped, check_parameters, check_same_on_all_ranks
 from .binding import Binding
 from .layout import FlatLayout
 from .params import Params
-from .parts import Part, Parts, partition
+from .parts import Part, Partition, Parts, partition
 from .precision import Precision
+from .unreachable import unreachable
 
 
 PreFn = Callable[..., Any]  # (m, batch) -> h | (h, *extra)
@@ -158,7 +159,7 @@ def build(module: nn.Module, paths: Sequence[str], pre: PreFn, post: PostFn,
     gap_has_fn = [fn is not None for fn in between] or [False] * (len(paths) - 1)
     split = partition(module, paths, comm.world_size, between=gap_has_fn, assign=assign)
     check_parameters(split, meta=read is not None)
-    skeleton = _skeleton(module, device)
+    skeleton = _skeleton(module, device, split)
     functions = _functions(split.parts, skeleton, pre, post, betweens,
                            call_layer or _call_layer)
     fill = _shards if read is None else functools.partial(_shards, read=read(skeleton, device))
@@ -244,13 +245,18 @@ def _default_device(module: nn.Module, backend: str) -> torch.device:
     return p.device if p is not None and not p.is_meta else torch.device("cpu")
 
 
-def _skeleton(module: nn.Module, device: torch.device) -> nn.Module:
-    """A deep copy of ``module`` whose parameters are meta tensors; buffers move to ``device``.
+def _skeleton(module: nn.Module, device: torch.device, split: Partition) -> nn.Module:
+    """A deep copy of ``module`` whose parameters are ``Unreachable`` placeholders naming their
+    part (``fz3/sharding/unreachable.py``); buffers move to ``device``.
 
     The memo makes ``deepcopy`` map each parameter to its meta twin without copying its
     storage, and keeps ties (one Parameter under two names stays one).
     """
     memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
             for p in module.parameters()}
-    skeleton = copy.deepcopy(module, memo)
-    return skeleton._apply(lambda t: t if t.is_meta else t.to(device))
+    skeleton = copy.deepcopy(module, memo)._apply(lambda t: t if t.is_meta else t.to(device))
+    part_of = {part.prefix(j) + name: part.name
+               for part, rows in zip(split.parts, split.params)
+               for j, row in enumerate(rows) for names, _ in row for name in names}
+    unreachable(skeleton, part_of)
+    return skeleton
