@@ -4,12 +4,13 @@ hands them down to ``fz3.sharding.model.build``.
 
 ``fz3.shard(module, layers=None, pre=None, post=None, *, between=(), call_layer=None,
 assign=None, group=None, mesh=None, device=None, precision=Precision(), weights=None,
-timeout=120, layer_aux=None)``, its arguments:
+timeout=120, layer_aux=None, example=None)``, its arguments:
 
 - module: an unchanged ``nn.Module``; it is not modified (``del`` it to free its memory).
   With none of layers/pre/post given, a built-in adapter is used (Hugging Face models, by
   ``config.model_type`` and head: ``fz3.hf.adapters``).
-- layers: dotted path of an ``nn.ModuleList`` of layers, or a list of them in compute order.
+- layers: dotted path of a container of layers (``nn.ModuleList``, ``nn.Sequential``, or
+  ``nn.ModuleDict`` in iteration order; used as it is), or a list of them in compute order.
   Consecutive structurally identical layers are stacked and scanned; a list of layers of
   several kinds (``[A, A, B, B, B]``) becomes one stack per run.
 - pre: ``pre(m, batch) -> h`` or ``-> (h, *extra)``; ``m`` is the module with the parameters
@@ -45,6 +46,12 @@ timeout=120, layer_aux=None)``, its arguments:
   called ``fn(m, h, batch, aux)`` with ``aux`` a tuple, one ``(layers, *shape)`` tensor per
   stack in compute order, and its gradient flows back into each layer's backward. None: the
   built-in adapter's (True for an MoE model with ``config.output_router_logits``), else False.
+- example: a batch as the step will get it (this rank's): each function is run once on fake
+  tensors of it (shapes only, no math) and each parameter outside the stacks goes to the part
+  whose function reads it, a shared part when several do (``fz3/sharding/placement.py``);
+  ``assign=`` still wins, and a parameter nothing reads stays where it is registered. Without
+  it, parts follow registration order. Either way a function that reads a parameter of
+  another part raises ``PartReadError`` naming it, at the call (never a silent wrong value).
 - timeout: seconds a rank waits in one of the model's collectives (gloo) before it looks for
   ranks that never entered the step call, and names them (``fz3.CollectiveMismatchError``);
   see ``fz3/comm/collectives.py``.
@@ -79,7 +86,7 @@ def shard(module: nn.Module, layers: str | Sequence[str] | None = None,
           precision: Precision = Precision(),
           weights: str | os.PathLike | Pretrained | None = None,
           timeout: float = DEFAULT_TIMEOUT_S,
-          layer_aux: bool | None = None) -> tuple[ShardedModel, Params]:
+          layer_aux: bool | None = None, example: Any = None) -> tuple[ShardedModel, Params]:
     """Shard ``module`` over ``group`` or ``mesh``: returns ``(model, params)``, the static
     model and this rank's fp32 shards. The arguments: this module's docstring
     (``help(fz3.facade)``). **Collective**: every rank must call it (one small all-gather
@@ -91,7 +98,7 @@ def shard(module: nn.Module, layers: str | Sequence[str] | None = None,
     return build(module, paths, pre, post, call_layer, check_batch=check_batch, outputs=outputs,
                  between=between, assign={**assigned, **(assign or {})}, group=group,
                  mesh=mesh, device=device, precision=precision,
-                 read=read, timeout=timeout, layer_aux=layer_aux)
+                 read=read, timeout=timeout, layer_aux=layer_aux, example=example)
 
 
 def _functions_given(module: nn.Module, layers, pre, post, call_layer, layer_aux):

@@ -1,5 +1,5 @@
 """What ``fz3.shard`` refuses before it shards anything, each with the value and the fix:
-a module already wrapped by DDP/FSDP, a ``layers`` path that is not a ``ModuleList``,
+a module already wrapped by DDP/FSDP, a ``layers`` path that is not a container of blocks,
 parameters fz3 cannot shard, and ranks that built different models. (Layers that differ
 are not refused: each run of identical ones is a stack, ``fz3/sharding/parts.py``.)"""
 
@@ -30,17 +30,28 @@ def check_not_wrapped(module: nn.Module) -> None:
                         f"pass the module before fully_shard/FSDP wrapping")
 
 
-def resolve_layers(module: nn.Module, path: str) -> nn.ModuleList:
+CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def resolve_layers(module: nn.Module, path: str) -> nn.Module:
+    """The container of blocks at ``path``: an ``nn.ModuleList``, an ``nn.Sequential`` or an
+    ``nn.ModuleDict`` (its children in iteration order), used as it is."""
     try:
         stack = module.get_submodule(path)
     except AttributeError:
-        children = [n for n, m in module.named_modules() if isinstance(m, nn.ModuleList)]
+        children = [n for n, m in module.named_modules() if isinstance(m, CONTAINERS) and n]
         raise ValueError(f"layers={path!r} does not name a submodule of {type(module).__name__}; "
-                         f"ModuleLists in it: {children or 'none'}") from None
-    if not isinstance(stack, nn.ModuleList):
-        raise TypeError(f"layers={path!r} is a {type(stack).__name__}, "
-                        f"not an nn.ModuleList of blocks")
+                         f"containers of blocks in it: {children or 'none'}") from None
+    if not isinstance(stack, CONTAINERS):
+        raise TypeError(f"layers={path!r} is a {type(stack).__name__}, not a container of blocks "
+                        f"(nn.ModuleList, nn.Sequential or nn.ModuleDict)")
     return stack
+
+
+def layer_children(module: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
+    """``(name, block)`` of each child of the container at ``path``, in iteration order: the
+    name is the block's key in parameter names (``blocks.3.fc.weight``, ``layers.attn_0.w``)."""
+    return list(resolve_layers(module, path).named_children())
 
 
 def check_parameters(split, meta: bool = False) -> None:

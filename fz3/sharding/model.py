@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import datetime
 import functools
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -25,14 +26,17 @@ from ..comm.collectives import Comm
 from ..comm.groups import comm_groups
 from ..comm.liveness import Heartbeat
 from ..schedule.structure import PartShape, Role
-from .checks import check_not_wrapped, check_parameters, check_same_on_all_ranks, resolve_layers
+from .checks import check_not_wrapped, check_parameters, check_same_on_all_ranks, layer_children
 from .binding import Binding
 from .layout import FlatLayout
 from .params import Params
 from .parts import Part, Partition, Parts, partition
 from .precision import Precision
 from .unreachable import unreachable
+from . import placement
 
+
+log = logging.getLogger("fz3")
 
 PreFn = Callable[..., Any]  # (m, batch) -> h | (h, *extra)
 BetweenFn = Callable[..., Any]  # (m, h, batch) -> h | (h, *extra)
@@ -145,7 +149,8 @@ def build(module: nn.Module, paths: Sequence[str], pre: PreFn, post: PostFn,
           between: Sequence[BetweenFn | None], assign: Mapping[str, str] | None,
           group: dist.ProcessGroup | None, mesh: Any, device: torch.device | str | None,
           precision: Precision, read: Reader | None,
-          timeout: float, layer_aux: bool = False) -> tuple[ShardedModel, Params]:
+          timeout: float, layer_aux: bool = False,
+          example: Any = None) -> tuple[ShardedModel, Params]:
     """``fz3.shard`` once its adapter and checkpoint reader are resolved (``fz3.facade``, which
     documents the arguments). **Collective**: one small all-gather checks the ranks agree."""
     check_not_wrapped(module)
@@ -157,7 +162,11 @@ def build(module: nn.Module, paths: Sequence[str], pre: PreFn, post: PostFn,
     comm, device = _comm(module, group, mesh, device, timeout)
     betweens = [fn for fn in between if fn is not None]
     gap_has_fn = [fn is not None for fn in between] or [False] * (len(paths) - 1)
-    split = partition(module, paths, comm.world_size, between=gap_has_fn, assign=assign)
+    used = None if example is None else placement.reads(
+        module, paths, pre, post, between, call_layer or _call_layer, example, layer_aux, device)
+    split = partition(module, paths, comm.world_size, between=gap_has_fn, assign=assign, used=used)
+    if used is not None:
+        _say_unread(module, paths, used)
     check_parameters(split, meta=read is not None)
     skeleton = _skeleton(module, device, split)
     functions = _functions(split.parts, skeleton, pre, post, betweens,
@@ -169,11 +178,20 @@ def build(module: nn.Module, paths: Sequence[str], pre: PreFn, post: PostFn,
                    else fill(part, part.frozen, rows, comm, device, precision.frozen)
                    for part, rows in zip(split.parts, split.params))
     frozen_size = torch.empty((), dtype=precision.frozen).element_size()
-    model = ShardedModel(Parts(split.parts, frozen_size), frozen, functions, skeleton, comm,
+    model = ShardedModel(Parts(split.parts, frozen_size, split.moves), frozen, functions, skeleton, comm,
                          precision, device, mesh, module.training, check_batch, dict(outputs or {}),
                          layer_aux=bool(layer_aux))
     check_same_on_all_ranks(comm, split.parts, device)
     return model, Params(shards)
+
+
+def _say_unread(module: nn.Module, paths: Sequence[str], used: Mapping[str, set[str]]) -> None:
+    """Once, at INFO: the parameters no function read on the example (kept where registered)."""
+    unread = [n for n, _ in module.named_parameters(remove_duplicate=False) if n not in used]
+    if unread and dist.get_rank() == 0:
+        log.info("fz3.shard: no function read %d parameter(s) on the example batch, kept where "
+                 "they are registered: %s", len(unread), ", ".join(unread[:8]) +
+                 (", ..." if len(unread) > 8 else ""))
 
 
 def _comm(module: nn.Module, group, mesh, device, timeout: float) -> tuple[Comm, torch.device]:
@@ -213,9 +231,9 @@ def _functions(parts: Sequence[Part], skeleton: nn.Module, pre, post, betweens,
     out: list[Any] = []
     for i, part in enumerate(parts):
         if part.role is Role.STACK:
-            stack = resolve_layers(skeleton, part.path)
-            out.append(tuple(Binding(call_layer, stack[part.first + j], layouts(parts, i))
-                             for j in range(part.rows)))
+            stack = dict(layer_children(skeleton, part.path))
+            out.append(tuple(Binding(call_layer, stack[key], layouts(parts, i))
+                             for key in part.keys))
         elif part.role is Role.SHARED:
             out.append(None)
         else:

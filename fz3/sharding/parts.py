@@ -3,8 +3,8 @@
 A module becomes, in compute order:
 
 - ``pre``: parameters registered before the first stack (``pre(m, batch)`` uses them);
-- one *stack* per run of structurally identical consecutive layers of each ``ModuleList``
-  named by ``layers=`` (``[A, A, B, B, B]`` is two stacks), stored ``(k, shard)``;
+- one *stack* per run of structurally identical consecutive layers of each container
+  (``nn.ModuleList``, ``nn.Sequential``, ``nn.ModuleDict``) named by ``layers=`` (``[A, A, B, B, B]`` is two stacks), stored ``(k, shard)``;
 - ``between.i``: parameters registered between stack path i and path i+1 (``between[i]``);
 - ``post``: parameters registered after the last stack (``post(m, h, batch)``);
 - one *shared* part per parameter tied across those (a token embedding that is also the LM
@@ -24,7 +24,7 @@ from typing import Mapping, NamedTuple, Sequence
 from torch import nn
 
 from ..schedule.structure import PartShape, Role
-from .checks import resolve_layers
+from .checks import layer_children
 from .layout import FlatLayout
 
 # (every name, parameter), first appearance order
@@ -35,20 +35,21 @@ class Part(NamedTuple):
     """One part of a sharded model: flat layouts per row (trained and frozen parameters apart),
     and how its rows are named."""
 
-    # "pre", "blocks", "blocks[0:2]" (a run of a ModuleList), "between.0", "post", "tied:..."
+    # "pre", "blocks", "blocks[0:2]" (a run of a container), "between.0", "post", "tied:..."
     name: str
     role: Role
     # one row's trained parameters: slot names full, or relative to the layer for stacks
     layout: FlatLayout
     rows: int  # layers of a stack; 1 otherwise
-    path: str = ""  # stacks: the ModuleList's path
-    first: int = 0  # stacks: index of the first layer of this run in the ModuleList
+    path: str = ""  # stacks: the container's path
+    first: int = 0  # stacks: index of the first layer of this run in the container
     reads: tuple[int, ...] = ()  # shared parts this part's compute reads
     frozen: FlatLayout | None = None  # one row's frozen parameters (requires_grad=False), if any
+    keys: tuple[str, ...] = ()  # stacks: each row's name in the container ("3"; a ModuleDict's key)
 
     def prefix(self, row: int = 0) -> str:
         """What the row's slot names are relative to: ``"blocks.3."`` for layer 3, else ``""``."""
-        return f"{self.path}.{self.first + row}." if self.role is Role.STACK else ""
+        return f"{self.path}.{self.keys[row]}." if self.role is Role.STACK else ""
 
     @property
     def shape(self) -> PartShape:
@@ -59,13 +60,17 @@ class Parts(tuple):
     """A model's parts, in compute order (a tuple of ``Part``). ``print(model.parts)`` shows a
     table, one line per part: its name and role, rows, parameters per row, the bytes stored
     (trained ones in fp32, frozen ones in their dtype), and which shared parts it reads or,
-    for a shared part, who reads it; ``repr`` is the tuple's (for debugging)."""
+    for a shared part, who reads it; then each parameter placed by use in another part than
+    its registration gives, and why; ``repr`` is the tuple's (for debugging)."""
 
     frozen_size: int = 4  # bytes per frozen element (``Precision.frozen``)
+    moves: tuple["Move", ...] = ()  # parameters placed by use in another part than registration's
 
-    def __new__(cls, parts: Sequence[Part], frozen_size: int = 4) -> "Parts":
+    def __new__(cls, parts: Sequence[Part], frozen_size: int = 4,
+                moves: Sequence["Move"] = ()) -> "Parts":
         out = super().__new__(cls, parts)
         out.frozen_size = frozen_size
+        out.moves = tuple(moves)
         return out
 
     def __str__(self) -> str:
@@ -82,9 +87,12 @@ class Parts(tuple):
                          _bytes(p.rows * p.layout.numel * 4),
                          _bytes(p.rows * frozen * self.frozen_size) if frozen else "-", shared))
         widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
-        return "\n".join("  ".join(cell.ljust(w) if c in (0, 1, 6) else cell.rjust(w)
-                                   for c, (cell, w) in enumerate(zip(r, widths))).rstrip()
-                         for r in rows)
+        table = "\n".join("  ".join(cell.ljust(w) if c in (0, 1, 6) else cell.rjust(w)
+                                    for c, (cell, w) in enumerate(zip(r, widths))).rstrip()
+                          for r in rows)
+        moved = [f"  {m.name}: registered in {m.registered}, read by {m.read_by}"
+                 for m in self.moves]
+        return "\n".join([table, *(["placed by use (example=):", *moved] if moved else [])])
 
     def __repr__(self) -> str:
         return tuple.__repr__(self)
@@ -97,25 +105,40 @@ def _bytes(n: int) -> str:
     return f"{n} B"
 
 
+class Move(NamedTuple):
+    """A parameter placed by use (``example=``) in another part than its registration's."""
+
+    name: str
+    registered: str  # the part registration order gives ("pre", "post", "between.0")
+    read_by: str  # the part(s) whose functions read it ("post"; "pre+post": a shared part)
+
+
 class Partition(NamedTuple):
     parts: tuple[Part, ...]
     params: tuple[list[Named], ...]  # per part, per row: the parameters (trained and frozen)
+    moves: tuple[Move, ...] = ()
 
 
 def partition(module: nn.Module, paths: Sequence[str], world: int, *, between: Sequence[bool],
-              assign: Mapping[str, str] | None = None) -> Partition:
+              assign: Mapping[str, str] | None = None,
+              used: Mapping[str, set[str]] | None = None) -> Partition:
     """Split ``module``'s parameters into parts (see the module docstring). ``between``: per
-    gap between two paths, whether a between function runs there (a part exists only then)."""
-    stacks = [(path, resolve_layers(module, path)) for path in paths]
+    gap between two paths, whether a between function runs there (a part exists only then).
+    ``used`` (``fz3.shard(example=...)``, ``fz3/sharding/placement.py``): parameter name ->
+    the functions that read it; a parameter outside the stacks goes to the part of the
+    function that reads it (a shared part when several do), ``assign=`` first, registration
+    order for one that none reads."""
+    stacks = [(path, layer_children(module, path)) for path in paths]
     _check_path_order(module, paths)
     assign = assign or {}
     # a parameter of a layer named by ``assign`` leaves its layer: the layers are compared
     # and stacked without it (T5's block 0 owns the position bias every block reads)
-    kept = {path: [_named_params(b, f"{path}.{i}.", assign) for i, b in enumerate(stack)]
+    kept = {path: [_named_params(b, f"{path}.{key}.", assign) for key, b in stack]
             for path, stack in stacks}
+    keys = {path: [key for key, _ in stack] for path, stack in stacks}
     runs = [(path, first, kept[path][first:first + k])
             for path, _ in stacks for first, k in _runs(kept[path])]
-    in_stack = _stack_parameters(paths, runs, module)
+    in_stack = _stack_parameters(paths, runs, module, keys)
     segments = _segments(module, paths, assign, between)
     by_id: dict[int, tuple[list[str], nn.Parameter]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
@@ -125,8 +148,17 @@ def partition(module: nn.Module, paths: Sequence[str], world: int, *, between: S
                                 **{f"between.{i}": [] for i, on in enumerate(between) if on},
                                 "post": []}
     shared: list[tuple[str, Named, set[str]]] = []
+    moves: list[Move] = []
     for names, p in by_id.values():
         homes = {segments[n] for n in names}
+        readers = _readers(names, used, paths, assign)
+        if readers and readers != homes:
+            moves.append(Move(names[0], "+".join(sorted(h or "?" for h in homes)),
+                              "+".join(sorted(readers))))
+            homes = readers
+        if None in homes:
+            raise ValueError(_unplaced(next(n for n in names if segments[n] is None), module,
+                                       paths))
         if len(homes) == 1:
             single[homes.pop()].append((tuple(names), p))
         else:
@@ -147,7 +179,8 @@ def partition(module: nn.Module, paths: Sequence[str], world: int, *, between: S
         mine = [r for r in runs if r[0] == path]
         for _, first, rows in mine:
             name = path if len(mine) == 1 else f"{path}[{first}:{first + len(rows)}]"
-            add(Part(name, Role.STACK, None, len(rows), path, first), rows)
+            add(Part(name, Role.STACK, None, len(rows), path, first,
+                     keys=tuple(keys[path][first:first + len(rows)])), rows)
         if i < len(between) and between[i]:
             key = f"between.{i}"
             add(Part(key, Role.BETWEEN, None, 1), [single[key]])
@@ -159,7 +192,7 @@ def partition(module: nn.Module, paths: Sequence[str], world: int, *, between: S
             reads.setdefault(readers[home], []).append(len(parts))
         add(Part(name, Role.SHARED, None, 1), [named])
     parts = [p._replace(reads=tuple(reads.get(i, ()))) for i, p in enumerate(parts)]
-    return Partition(tuple(parts), tuple(params))
+    return Partition(tuple(parts), tuple(params), tuple(moves))
 
 
 def _named_params(module: nn.Module, prefix: str = "",
@@ -194,14 +227,15 @@ def _runs(layers: Sequence[Named]) -> list[tuple[int, int]]:
     return runs
 
 
-def _stack_parameters(paths: Sequence[str], runs, module: nn.Module) -> set[int]:
+def _stack_parameters(paths: Sequence[str], runs, module: nn.Module,
+                      keys: Mapping[str, Sequence[str]]) -> set[int]:
     """Ids of every parameter inside a stack; refuses parameters shared between layers or
     used both inside a stack and outside it."""
     seen: dict[int, str] = {}
     for path, first, rows in runs:
         for j, layer in enumerate(rows):
             for names, p in layer:
-                where = f"{path}.{first + j}.{names[0]}"
+                where = f"{path}.{keys[path][first + j]}.{names[0]}"
                 if id(p) in seen:
                     raise ValueError(f"{where} is the same Parameter as {seen[id(p)]}; layers of "
                                      f"a stack must not share parameters")
@@ -218,15 +252,16 @@ def _stack_parameters(paths: Sequence[str], runs, module: nn.Module) -> set[int]
 
 
 def _segments(module: nn.Module, paths: Sequence[str], assign: Mapping[str, str],
-              between: Sequence[bool]) -> dict[str, str]:
+              between: Sequence[bool]) -> dict[str, str | None]:
     """Each parameter name outside the stacks -> "pre", "between.i" or "post", by where it is
-    registered relative to the stacks (or by ``assign``, longest matching prefix first)."""
+    registered relative to the stacks (or by ``assign``, longest matching prefix first); None
+    in a gap where no between function runs."""
     n = len(paths)
     valid = {"pre", "post", *(f"between.{i}" for i, on in enumerate(between) if on)}
     bad = {k: v for k, v in assign.items() if v not in valid}
     if bad:
         raise ValueError(f"assign={bad}: parts are {sorted(valid)}")
-    out: dict[str, str] = {}
+    out: dict[str, str | None] = {}
     started = 0  # stacks whose parameters have begun
     for name, _ in module.named_parameters(remove_duplicate=False):
         inside = [i for i, path in enumerate(paths) if name.startswith(path + ".")]
@@ -241,12 +276,40 @@ def _segments(module: nn.Module, paths: Sequence[str], assign: Mapping[str, str]
             out[name] = "pre" if started == 0 else "post"
         elif between[started - 1]:
             out[name] = f"between.{started - 1}"
-        else:
-            raise ValueError(f"parameter {name} is registered between {paths[started - 1]!r} "
-                             f"and {paths[started]!r}, where no between function runs: pass "
-                             f"between=[...] with a function for that gap, or "
-                             f"assign={{{name!r}: 'pre' | 'post'}}")
+        else:  # no function runs there: refused unless placed by use (``_unplaced``)
+            out[name] = None
     return out
+
+
+def _readers(names: Sequence[str], used: Mapping[str, set[str]] | None, paths: Sequence[str],
+             assign: Mapping[str, str]) -> set[str]:
+    """The parts whose functions read a parameter outside the stacks (``used``), or an empty
+    set: not placed by use (no example, nobody reads it, or ``assign=`` names it). A layer
+    that reads it is refused here, by name."""
+    if not used or any(_assigned(n, assign) is not None for n in names):
+        return set()
+    readers = set().union(*(used.get(n, ()) for n in names))
+    layers = sorted(r for r in readers if r.startswith("layer "))
+    if layers:
+        raise ValueError(f"{layers[0]} reads parameter {names[0]!r}, which is outside the "
+                         f"layers (fz3.shard(example=...) ran it): a layer reads only its own "
+                         f"parameters; compute from it in pre and pass the result to every layer "
+                         f"as an extra (pre returns (h, *extra)), or make it part of each layer")
+    return readers
+
+
+def _unplaced(name: str, module: nn.Module, paths: Sequence[str]) -> str:
+    """Why ``name``, registered in a gap between stacks where no function runs, has no part."""
+    started = 0
+    for other, _ in module.named_parameters(remove_duplicate=False):
+        inside = [i for i, path in enumerate(paths) if other.startswith(path + ".")]
+        started = max([started, *(i + 1 for i in inside[:1])])
+        if other == name:
+            break
+    return (f"parameter {name} is registered between {paths[started - 1]!r} and "
+            f"{paths[started]!r}, where no between function runs: pass between=[...] with a "
+            f"function for that gap, assign={{{name!r}: 'pre' | 'post'}}, or example=<a batch> "
+            f"to place it by what reads it")
 
 
 def _check_path_order(module: nn.Module, paths: Sequence[str]) -> None:

@@ -68,7 +68,7 @@ def refreeze(
                 _fill(model, new.frozen, frozen[row], values)
         new_params.append(trained if new.role is Role.STACK else trained.view(-1))
         new_frozen.append(frozen if frozen is None or new.role is Role.STACK else frozen.view(-1))
-    new = dataclasses.replace(model, parts=Parts(parts, model.parts.frozen_size),
+    new = dataclasses.replace(model, parts=Parts(parts, model.parts.frozen_size, model.parts.moves),
                               frozen=tuple(new_frozen),
                               functions=rebind(model.functions, parts))
     return new, Params(tuple(new_params))

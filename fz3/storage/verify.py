@@ -173,6 +173,7 @@ def check_model(path: str, meta: dict, model: ShardedModel) -> None:
                          f"weights with that version (fz3.export) and shard the module again "
                          f"({where})")
     mine = describe(model, [])["parts"]
+    _check_placement(path, meta["parts"], mine)
     diff = first_difference([(p["name"], p["role"], p["rows"]) for p in meta["parts"]],
                             [(p["name"], p["role"], p["rows"]) for p in mine])
     if diff is not None:
@@ -186,6 +187,27 @@ def check_model(path: str, meta: dict, model: ShardedModel) -> None:
             raise ValueError(f"checkpoint {path} was saved from another model: part "
                              f"{theirs['name']} parameter #{i} is {_slot(there)} there and "
                              f"{_slot(here)} here ({where})")
+
+
+def _check_placement(path: str, theirs: list[dict], mine: list[dict]) -> None:
+    """Parameters outside the stacks that sit in another part here than in the checkpoint
+    (placed by use with ``example=``, or another ``assign=``): named, with the ``assign=``
+    that shards the model as the checkpoint was saved."""
+    def part_of(parts: list[dict]) -> dict[str, str]:
+        return {names[0]: p["name"] for p in parts if p["role"] != "stack"
+                for names, _ in p["slots"]}
+
+    there, here = part_of(theirs), part_of(mine)
+    moved = sorted(n for n in there.keys() & here.keys() if there[n] != here[n]
+                   and not there[n].startswith("tied:") and not here[n].startswith("tied:"))
+    if moved:
+        shown = ", ".join(f"{n} ({there[n]} there, {here[n]} here)" for n in moved[:8])
+        assign = {n: there[n] for n in moved}
+        raise ValueError(f"checkpoint {path} holds {len(moved)} parameter(s) in another part than "
+                         f"this model: {shown}. Shard the model as it was saved "
+                         f"(fz3.shard(..., assign={assign!r}), without example=), load, and carry "
+                         f"the weights over with fz3.export; or train on from the old placement "
+                         f"({os.path.join(path, META)})")
 
 
 def _part(p) -> str:
