@@ -119,11 +119,20 @@ def fallback_ranks(rank, world):
     torch.manual_seed(0)
     model, params = fz3.shard(LayerNet([Breaks(6) for _ in range(3)]), "layers", layer_pre, layer_post)
     want, _ = fz3.value_and_grad(model)(params, b)
-    for strict in (False, True):  # strict is about inductor: an untraceable layer still runs
-        with pytest.warns(UserWarning, match=r"layer layers\.0 cannot be traced: .*; its layers run "
-                                             r"through autograd, not compiled"):
-            loss, _ = fz3.value_and_grad(model, compile=True, strict=strict)(params, b)
-        assert torch.equal(loss, want)  # autograd both ways: the same bits
+    with pytest.warns(UserWarning, match=r"layer layers\.0 cannot be traced: .*; its layers run "
+                                         r"through autograd, not compiled"):
+        loss, _ = fz3.value_and_grad(model, compile=True)(params, b)
+    assert torch.equal(loss, want)  # autograd both ways: the same bits
+    # strict=True: compiled or an error, naming the layer and why, in a few lines
+    with pytest.raises(fz3.CompileError, match=r"compile=True, strict=True, but layer layers\.0 "
+                                               r"cannot be traced: .*pass strict=False") as error:
+        fz3.value_and_grad(model, compile=True, strict=True)(params, b)
+    assert len(str(error.value).splitlines()) <= 30
+    net = LayerNet([Act(6, torch.tanh) for _ in range(2)])
+    net.layers[1].register_forward_hook(lambda *a: None)  # a hook: refused before any step
+    hooked, _ = fz3.shard(net, "layers", layer_pre, layer_post)
+    with pytest.raises(fz3.CompileError, match=r"strict=True, but layer layers\.1 cannot be traced"):
+        fz3.value_and_grad(hooked, compile=True, strict=True)
     torch.manual_seed(0)
     indexed, iparams = fz3.shard(LayerNet([Indexed(6, i) for i in range(3)]), "layers", layer_pre, layer_post)
     want, _ = fz3.value_and_grad(indexed)(iparams, b)

@@ -41,7 +41,7 @@ from ..sharding.model import ShardedModel
 from ..sharding.parts import Part
 from ..sharding import compute
 from ..sharding.compute import LayerName
-from .inductor import Kernels
+from .inductor import CompileError, Kernels
 from .joint import Programs, TraceError, joint_trace, programs
 from .partition import op_name
 from .layer_groups import Groups, groups, hidden
@@ -52,11 +52,12 @@ log = logging.getLogger(__name__)
 
 class TracedLayers:
     """The stacks of ``model`` as traced programs (see the module docstring). ``compile``:
-    programs compiled by inductor; ``strict``: a program inductor fails on raises
-    ``fz3.CompileError`` (otherwise it runs as Python, with a warning)."""
+    programs compiled by inductor; ``strict``: a program inductor fails on, or a layer that
+    cannot be traced, raises ``fz3.CompileError`` (otherwise it runs as Python, or through
+    autograd, with a warning)."""
 
     def __init__(self, model: ShardedModel, *, compile: bool = False, strict: bool = False):
-        self.model, self.compile = model, compile
+        self.model, self.compile, self.strict = model, compile, strict
         self.kernels = Kernels(strict=strict) if compile else None  # inductor's, by program
         self.groups: dict[int, Groups] = {}  # stack part -> which layers share programs
         self.failed: dict[str, str] = {}  # part name -> why its layers run through autograd
@@ -75,6 +76,8 @@ class TracedLayers:
         for i, part in enumerate(model.parts):
             if part.role is Role.STACK:
                 self.groups[i] = groups(model.functions[i], part, self.failed)
+        for why in self.failed.values():  # before any step: what no trace can change
+            self._refuse_if_strict(why)
 
     @property
     def compiles(self) -> int:
@@ -121,6 +124,9 @@ class TracedLayers:
             return known
         part = self.model.parts[part_index]
         if part.name in self.failed or extras.consts is None:
+            if extras.consts is None:
+                self._refuse_if_strict(f"{part.name}'s layers are given an extra that is no "
+                                       f"tensor and cannot be hashed")
             layers = None
         else:
             signature = Signature(tuple(h.shape), h.stride(), h.dtype, self.model.training,
@@ -259,12 +265,24 @@ class TracedLayers:
     def _fail(self, part_index: int, part: Part, why: str) -> None:
         """Its layers run through autograd: all of them, also those of its units found traced
         before. One INFO line; with ``compile``, one warning too (they are not compiled)."""
+        self._refuse_if_strict(why)
         self.failed[part.name] = why
         self._units = {k: v for k, v in self._units.items() if k[0] != part_index}
         log.info("fz3: %s; its layers run through autograd", why)
         if self.compile:
             warnings.warn(f"fz3: {why}; its layers run through autograd, not compiled",
                           stacklevel=6)
+
+    def _refuse_if_strict(self, why: str) -> None:
+        """``compile=True, strict=True`` means compiled or an error: a layer that would run
+        through autograd raises ``CompileError`` naming it and why (local: every rank traces
+        the same layers and fails alike, at the step's first call or at construction)."""
+        if self.compile and self.strict:
+            raise CompileError(f"fz3: compile=True, strict=True, but {why[:1500]}: it would run "
+                               f"through autograd, not compiled. Make the layer traceable "
+                               f"(step.traced.failed lists what stops a trace), or pass "
+                               f"strict=False to run it through autograd with a warning")
+
 
 def _layer(binding: Binding, part: Part, specs: list) -> Callable[..., torch.Tensor]:
     """The pure function of one layer: ``(row, frozen_row, h, *tensor extras) -> h`` (or
