@@ -7,6 +7,7 @@ ranks), and value_and_grad itself (the final frame must be identical, bit for bi
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -58,6 +59,23 @@ def step_through_ranks(rank, world):
         assert done.phase == "done"
         loss, grads = fz3.value_and_grad(model, policy)(params, bs[rank])
         assert torch.equal(done.loss, loss) and all(torch.equal(a, b) for a, b in zip(done.result.parts, grads.parts))
+
+    # A tied embedding (a shared part): its gradient is in every frame that computes some,
+    # the loss's (from the head) and pre's (from the lookup), by both its names; the frames'
+    # contributions summed are the reference gradient, as the README's NaN hunt needs.
+    tied = gpt(dataclasses.replace(CFG, tie=True))
+    tmodel, tparams = shard_gpt(tied)
+    _, tref = reference_grads(tied, bs)
+    summed, seen = {}, {}
+    for f in fz3.step_through(tmodel, tparams, bs[rank]):
+        for n, g in (f.grads or {}).items():
+            summed[n] = summed[n] + g if n in summed else g.clone()
+            seen.setdefault(n, []).append(f.name)
+    assert seen["tok.weight"] == seen["head.weight"] == ["post", "pre"], seen
+    for g in summed.values():
+        tdist.all_reduce(g)
+    if rank == 0:
+        assert_close({n: summed[n] for n in tref}, tref, what="step_through grads, tied")
 
     # Stop early, on every rank at the same op: nothing hangs and the next step is right.
     for stop_at in ("forward", "backward"):

@@ -34,7 +34,9 @@ class StepFrame(NamedTuple):
     # forward: the unit's input (the batch for outer); backward: gradient w.r.t. its output
     inputs: Any
     outputs: Any  # forward: its output (the loss for `loss`); backward: gradient w.r.t. its input
-    # backward: the unit's full gradient before reduction, by name
+    # backward: the unit's full gradient before reduction, by name, with its contribution to
+    # each tied (shared) parameter it reads under every name that parameter has (a tied
+    # embedding's gradient is in the loss frame, from the head, and in pre's, from the lookup)
     grads: dict[str, torch.Tensor] | None
     loss: torch.Tensor | None = None  # the final frame: mean loss over ranks
     result: Params | None = None  # the final frame: gradient shards, identical to value_and_grad's
@@ -112,8 +114,11 @@ def describe(model: ShardedModel, schedule: Schedule, f: Frame) -> StepFrame:
         if grads is not None:
             grad = f.grad[:, j].reshape(-1) if stack else f.grad
             grads.update(part.layout.named_views(grad, prefix))
-    for r in unit.reads:  # a shared part a unit reads is shown with it
-        params.update(model.parts[schedule.units[r].part].layout.named_views(f.reads[r]))
+    for r in unit.reads:  # a shared part a unit reads is shown with it, and its gradient
+        layout = model.parts[schedule.units[r].part].layout  # contribution, by every name
+        params.update(layout.named_views(f.reads[r]))
+        if grads is not None and f.read_grads is not None:
+            grads.update(layout.named_views(f.read_grads[r]))
     return StepFrame(phase, u, unit.name, f.op, f.index, params, f.inputs, f.outputs, grads)
 
 

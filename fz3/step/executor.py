@@ -180,7 +180,7 @@ def _loss(model: ShardedModel, schedule: Schedule, op: Op, index: int,
 
     def loss_(s: StepState) -> Frame:
         stage, memory = engine(s.loss_fn), stage_pieces(s, u)
-        g, h_in = None, s.h
+        g, read_grads, h_in = None, None, s.h
         stacks = aux_units(s) if model.layer_aux else None
         layer_aux = None if stacks is None else stacked_aux(s, stacks)
         if grad:
@@ -191,14 +191,15 @@ def _loss(model: ShardedModel, schedule: Schedule, op: Op, index: int,
             s.grad_h = or_zeros(g_h, graph.x)
             if stacks is not None:
                 aux_cotangents(s, stacks, g_aux)
-            g = add_gradients(s, u, g_trained, graph.leaves)
+            g, read_grads = add_gradients(s, u, g_trained, graph.leaves)
             s.rng_after = rng.capture(model.device)
         else:
             loss, aux = stage.inference(memory, s.h, s.batch, layer_aux)
         s.loss, s.aux = loss.detach(), detached(aux)
         s.loss_mean = all_reduce(comm, s.loss.float() / ranks, group=comm.group,
                                  label="the loss's mean")
-        return frame_of(s, op, index, h_in if layer_aux is None else (h_in, layer_aux), loss, g)
+        return frame_of(s, op, index, h_in if layer_aux is None else (h_in, layer_aux), loss, g,
+                        read_grads)
 
     return loss_
 
@@ -249,8 +250,8 @@ def _backward_stage(model: ShardedModel, schedule: Schedule, op: Op, index: int,
         grad_out = s.grad_h
         if between:
             s.grad_h = or_zeros(g_x, saved.x)
-        flat = add_gradients(s, u, g_trained, saved.residuals.leaves)
-        return frame_of(s, op, index, grad_out, s.grad_h if between else None, flat)
+        flat, read_grads = add_gradients(s, u, g_trained, saved.residuals.leaves)
+        return frame_of(s, op, index, grad_out, s.grad_h if between else None, flat, read_grads)
 
     return backward_stage
 

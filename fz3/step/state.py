@@ -71,6 +71,9 @@ class Frame(NamedTuple):
     grad: torch.Tensor | None  # backward and loss: the unit's full flat gradient before reduction
     reads: dict[int, torch.Tensor] | None = None  # gathered buffers of the shared units it reads
     frozen: torch.Tensor | None = None  # the unit's gathered frozen parameters, if any
+    # backward and loss: its flat gradient contribution to each shared unit it reads (a tied
+    # embedding's, from the head), before the contributions are summed and reduced
+    read_grads: dict[int, torch.Tensor] | None = None
 
 
 class Result(NamedTuple):

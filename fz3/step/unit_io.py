@@ -126,19 +126,24 @@ def aux_cotangents(s: StepState, stacks: list[list[int]],
             s.grad_aux[u] = g[layers.start:layers.stop]
 
 
-def add_gradients(s: StepState, u: int, grads, leaves: Sequence[torch.Tensor]) -> torch.Tensor:
+def add_gradients(s: StepState, u: int, grads, leaves: Sequence[torch.Tensor]
+                  ) -> tuple[torch.Tensor, dict[int, torch.Tensor] | None]:
     """Flat gradients of a single unit and of the shared units it reads (``stage_pieces``' order)
-    -> the unit's unreduced gradient, and contributions added into the shared units'."""
-    own = None
+    -> the unit's unreduced gradient, and contributions added into the shared units'; with
+    frames on, this unit's contribution to each shared unit (a copy: the sum goes on)."""
+    own, mine = None, {} if s.frames and s.schedule.units[u].reads else None
     for v, g, leaf in zip((u, *s.schedule.units[u].reads), grads, leaves):
         flat = or_zeros(g, leaf).to(s.model.precision.reduce)
         if v == u:
             own = s.unreduced[u] = flat
-        elif v in s.unreduced:
+            continue
+        if mine is not None:
+            mine[v] = flat.clone()
+        if v in s.unreduced:
             s.unreduced[v].add_(flat)
         else:
             s.unreduced[v] = flat
-    return own
+    return own, mine
 
 
 def result_lander(model: ShardedModel, schedule: Schedule, unit: Unit
@@ -183,9 +188,11 @@ def joined(s: StepState) -> None:
 
 
 def frame_of(s: StepState, op: Op, index: int, inputs: Any, outputs: Any,
-             grad: torch.Tensor | None) -> Frame | None:
+             grad: torch.Tensor | None, read_grads: dict[int, torch.Tensor] | None = None
+             ) -> Frame | None:
     """What a compute op yields: references to the unit's buffers, inputs and outputs (None
-    when the step makes no frames)."""
+    when the step makes no frames); ``read_grads``: its gradient contributions to the shared
+    units it reads."""
     if not s.frames:
         return None
     unit = s.schedule.units[op.unit]
@@ -194,7 +201,8 @@ def frame_of(s: StepState, op: Op, index: int, inputs: Any, outputs: Any,
         grad = shapes.frame_grad(unit, grad, s.model.world_size)
     gathered = s.gathered[op.unit]
     return Frame(index, op, gathered.buffer, inputs, outputs, grad,
-                 {r: s.gathered[r].buffer for r in reads} if reads else None, gathered.frozen)
+                 {r: s.gathered[r].buffer for r in reads} if reads else None, gathered.frozen,
+                 read_grads)
 
 
 def detached(aux: Any) -> Any:
