@@ -222,6 +222,12 @@ def placement_ranks(rank, world, folder):
     with pytest.raises(PartReadError, match=r"^post read parameter 'embed\.weight', which "
                                             r"fz3\.shard placed in part 'pre'"):
         fz3.value_and_grad(model)(params, longer)
+    # one block object repeated (ALBERT's sharing) is refused by name, not run once
+    shared = Container("sequential")
+    shared.blocks = nn.ModuleList([shared.blocks[0]] * L)
+    with pytest.raises(ValueError, match=r"blocks\.1\.norm\.weight is the same Parameter as "
+                                         r"blocks\.0\.norm\.weight"):
+        fz3.shard(shared, "blocks", container_pre, container_post)
     # a function that fails on the example is named, with the fix
     with pytest.raises(ValueError, match=r"ran pre on fake tensors of the example batch.*failed"):
         fz3.shard(Container("sequential"), "blocks", container_pre, container_post,

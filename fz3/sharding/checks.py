@@ -50,8 +50,10 @@ def resolve_layers(module: nn.Module, path: str) -> nn.Module:
 
 def layer_children(module: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
     """``(name, block)`` of each child of the container at ``path``, in iteration order: the
-    name is the block's key in parameter names (``blocks.3.fc.weight``, ``layers.attn_0.w``)."""
-    return list(resolve_layers(module, path).named_children())
+    name is the block's key in parameter names (``blocks.3.fc.weight``, ``layers.attn_0.w``).
+    One module object held twice (ALBERT's shared layer) is listed twice (``named_children``
+    would list it once), so the partition refuses its shared parameters by name."""
+    return [(k, m) for k, m in resolve_layers(module, path)._modules.items() if m is not None]
 
 
 def check_parameters(split, meta: bool = False) -> None:
