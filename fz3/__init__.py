@@ -22,6 +22,7 @@ from .facade import shard
 from .sharding.model import Params, ShardedModel
 from .sharding.precision import Precision
 from .sharding.refreeze import refreeze
+from .sharding.unreachable import PartReadError
 from .step.accumulate import Accumulate, accumulate
 from .step.inductor import CompileError
 from .step.state import Frame, Result
@@ -38,7 +39,8 @@ from .storage.state_dict import full_state_dict, module_state_dict
 __all__ = [
     "Accumulate", "Category", "CheckpointDamagedError", "CheckpointError", "CheckpointReport",
     "CollectiveMismatchError", "CompileError", "Event", "ExportReport", "FlatLayout", "Frame",
-    "Keep", "MemoryPlan", "NonFiniteError", "Op", "OpKind", "Params", "PartShape", "Policy",
+    "Keep", "MemoryPlan", "NonFiniteError", "Op", "OpKind", "Params", "PartReadError", "PartShape",
+    "Policy",
     "Precision", "Pretrained", "RankLostError", "Recorder", "Result", "Role", "Schedule",
     "ScheduleError", "ShardedModel", "Slot", "StepFrame", "Unit", "ValueAndGrad", "accumulate",
     "any_rank", "apply", "chrome_trace", "decay_mask", "deferred", "destroy", "export",
