@@ -1,6 +1,6 @@
 """Plans for runs this machine cannot hold, from fz3's cost model (fz3/cost.py).
 
-    python benchmarks/plans.py            # prints the markdown tables kept in benchmarks/README.md
+    python benchmarks/plans.py            # prints the markdown tables kept in benchmarks/HISTORY.md
 
 1. The seed's 10B RobertaForMaskedLM (30 layers, hidden 5120, intermediate 20480, seq 512,
    micro-batch 8, gradient checkpointing) on 16 p3dn hosts (8x V100, 100 Gbps) and on 4 p4d

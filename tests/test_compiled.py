@@ -12,8 +12,8 @@ compile costs seconds on these 2 cores, and inductor's cache makes the next ones
 
 from __future__ import annotations
 
+import logging
 import re
-import warnings
 
 import pytest
 import torch
@@ -25,7 +25,7 @@ import fz3
 from fz3.models import shard_gpt
 from fz3.models.gpt import GPTConfig
 from fz3.step.inductor import Kernels
-from reference import (LayerNet, assert_close, batches, gpt, layer_net_plain, layer_post, layer_pre,
+from reference import (LayerNet, assert_close, batches, fz3_said, gpt, layer_net_plain, layer_post, layer_pre,
                        reference_grads, time_major_post, time_major_pre)
 
 CFG = GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=2)
@@ -43,11 +43,11 @@ def compiled_ranks(rank, world):
         before, counts = counters["stats"]["unique_graphs"], []
         for policy in (fz3.Policy(), fz3.Policy(activations="save", layers_per_unit=2),
                        fz3.Policy(activations="selective")):
-            with warnings.catch_warnings():
-                warnings.filterwarnings("error", message="fz3:")  # no fallback, no recompile warning
+            with fz3_said(logging.WARNING) as said:  # no fallback, no recompile warning
                 step = fz3.value_and_grad(model, policy, compile=True)
                 loss, grads = step(params, bs[rank])
                 loss, grads = step(params, bs[rank])  # a second call: nothing new to compile
+            assert not said, said
             torch.testing.assert_close(loss.item(), ref_loss, rtol=RTOL, atol=ATOL)
             got = fz3.full_state_dict(model, grads)
             if rank == 0:
@@ -113,15 +113,21 @@ def _numpy(x):
     return torch.from_numpy(x.detach().numpy())
 
 
+def _one(said: list[str], pattern: str) -> None:
+    """One WARNING (a logging line, not warnings.warn), and it reads ``pattern``."""
+    assert len(said) == 1 and re.match(pattern, said[0]), said
+
+
 def fallback_ranks(rank, world):
     g = torch.Generator().manual_seed(0)
     b = (torch.randint(0, 11, (2, 5), generator=g), torch.randint(0, 11, (2, 5), generator=g))
     torch.manual_seed(0)
     model, params = fz3.shard(LayerNet([Breaks(6) for _ in range(3)]), "layers", layer_pre, layer_post)
     want, _ = fz3.value_and_grad(model)(params, b)
-    with pytest.warns(UserWarning, match=r"layer layers\.0 cannot be traced: .*; its layers run "
-                                         r"through autograd, not compiled"):
+    with fz3_said(logging.WARNING) as said:
         loss, _ = fz3.value_and_grad(model, compile=True)(params, b)
+    _one(said, r"fz3: layer layers\.0 cannot be traced: .*; its layers run through autograd, "
+               r"not compiled")
     assert torch.equal(loss, want)  # autograd both ways: the same bits
     # strict=True: compiled or an error, naming the layer and why, in a few lines
     with pytest.raises(fz3.CompileError, match=r"compile=True, strict=True, but layer layers\.0 "
@@ -136,17 +142,19 @@ def fallback_ranks(rank, world):
     torch.manual_seed(0)
     indexed, iparams = fz3.shard(LayerNet([Indexed(6, i) for i in range(3)]), "layers", layer_pre, layer_post)
     want, _ = fz3.value_and_grad(indexed)(iparams, b)
-    with pytest.warns(UserWarning, match=r"compiled layer function of layers compiled again at layer layers\.1: "
-                                         r"something its code reads differs per layer"):
+    with fz3_said(logging.WARNING) as said:
         loss, _ = fz3.value_and_grad(indexed, compile=True)(iparams, b)
+    _one(said, r"fz3: the compiled layer function of layers compiled again at layer layers\.1: "
+               r"something its code reads differs per layer")
     torch.testing.assert_close(loss, want, rtol=RTOL, atol=ATOL)
     torch.manual_seed(0)
     acts, aparams = fz3.shard(LayerNet([Act(6, f) for f in (torch.tanh, torch.sigmoid, torch.tanh)]),
                               "layers", layer_pre, layer_post)
     want, _ = fz3.value_and_grad(acts)(aparams, b)
-    with pytest.warns(UserWarning, match=r"compiled again at layer layers\.1"):
+    with fz3_said(logging.WARNING) as said:
         step = fz3.value_and_grad(acts, compile=True)
         loss, _ = step(aparams, b)
+    _one(said, r".*compiled again at layer layers\.1")
     torch.testing.assert_close(loss, want, rtol=RTOL, atol=ATOL)
     # recompute (the default policy) compiles inference and recompute (forward and backward
     # joined) of tanh's and of sigmoid's (6, forward and backward apart, before
@@ -161,11 +169,11 @@ def fallback_ranks(rank, world):
     graph.output((graph.call_function(_numpy, (x,)),))
     python = lambda t: (t * 1,)  # noqa: E731 - the program as Python
     lenient = Kernels()
-    with pytest.warns(UserWarning, match=r"inductor cannot compile layer layers\.0 \(layers\)'s "
-                                         r"forward traced program: .*; it runs as Python "
-                                         r"\(strict=True raises\)"):
+    with fz3_said(logging.WARNING) as said:
         assert lenient.kernel(graph, (torch.ones(3),), python, "layer layers.0 (layers)'s "
                               "forward") is python
+    _one(said, r"fz3: inductor cannot compile layer layers\.0 \(layers\)'s forward traced program: "
+               r".*; it runs as Python \(strict=True raises\)")
     with pytest.raises(fz3.CompileError) as error:
         Kernels(strict=True).kernel(
             graph, (torch.ones(3),), python, "layer layers.0 (layers)'s forward")

@@ -12,6 +12,11 @@ a SHA-256 prefix of each gathered fp32 gradient (by original parameter name). Wo
 depends on where the chunk falls, so a new unit layout may change the last bits there without
 any bug. Without the history (a shallow clone, a tarball) the test skips, naming the commit.
 
+The reference's Hugging Face cases call transformers internals of its day (9b11cfc's RoBERTa
+``pre`` calls ``RobertaModel._create_attention_masks``, whose signature changed in 5.25). Where
+the reference fails with them, it runs again without them, the other cases are compared, and the
+test then skips naming the release and the reference's error: those cases are not checked there.
+
 A mismatch names the case and the parameters whose bits changed. Values may change only when an
 issue says so (a new unit layout, say), by parameter name, in the commit that changes them.
 """
@@ -60,7 +65,13 @@ def _record(model, loss, grads) -> dict | None:
     return {"loss": float(loss).hex(), "grads": {n: _digest(g) for n, g in sorted(sd.items())}}
 
 
-def golden_ranks(rank, world):
+FAMILIES = ("gpt2", "llama", "roberta")
+# the reference script's loop over them, which the reference run may be told to leave out
+LOOP = b'    for family in ("gpt2", "llama", "roberta"):\n'
+CHOSEN = b'    for family in [f for f in os.environ["FZ3_GOLDEN_HF"].split(",") if f]:\n'
+
+
+def golden_ranks(rank, world, families=FAMILIES):
     from test_hf import batch as hf_batch, build as hf_build
     from test_models import Net, _batch, _layer, _post, _pre
 
@@ -93,7 +104,7 @@ def golden_ranks(rank, world):
         for name in ("default", "save"):
             loss, grads = fz3.value_and_grad(model, POLICIES[name])(params, _batch(rank))
             out[f"net layers={layers} tie={tie} {name}"] = _record(model, loss, grads)
-    for family in ("gpt2", "llama", "roberta"):
+    for family in families:
         module = hf_build(family, False).train()
         model, params = fz3.shard(module)
         loss, grads = fz3.value_and_grad(model)(params, hf_batch(family, rank, module.config.vocab_size))
@@ -105,9 +116,17 @@ def _git(*args: str) -> bytes:
     return subprocess.run(["git", "-C", ROOT, *args], check=True, capture_output=True).stdout
 
 
+def _run_reference(folder, families: tuple[str, ...]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(folder), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "FZ3_GOLDEN_HF": ",".join(families)}
+    return subprocess.run([sys.executable, "tests/test_golden.py", str(folder / "golden.json")], cwd=folder,
+                          env=env, capture_output=True, text=True, timeout=600)
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict:
-    """Every case at world sizes 1 and 2 as 9b11cfc computes it on this machine."""
+def reference(tmp_path_factory) -> tuple[dict, str | None]:
+    """Every case at world sizes 1 and 2 as 9b11cfc computes it on this machine, and why its Hugging
+    Face cases are missing (None when they are there)."""
     try:
         tree, script = _git("archive", REFERENCE), _git("show", f"{SCRIPT}:tests/test_golden.py")
     except (OSError, subprocess.CalledProcessError) as e:
@@ -118,20 +137,27 @@ def reference(tmp_path_factory) -> dict:
     with tarfile.open(fileobj=io.BytesIO(tree)) as t:
         # our own history; the "data" filter where this Python has it (3.10.12+, 3.11.4+)
         t.extractall(folder, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
-    (folder / "tests" / "test_golden.py").write_bytes(script)
-    out = folder / "golden.json"
-    env = {**os.environ, "PYTHONPATH": str(folder), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run([sys.executable, "tests/test_golden.py", str(out)], cwd=folder, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    with open(out) as f:
-        return json.load(f)["worlds"]
+    assert script.count(LOOP) == 1, f"{SCRIPT}'s golden script no longer has its family loop {LOOP!r}"
+    (folder / "tests" / "test_golden.py").write_bytes(script.replace(LOOP, CHOSEN))
+    done, missing = _run_reference(folder, FAMILIES), None
+    if done.returncode != 0:
+        # the Hugging Face cases may need another transformers than the installed one: without them?
+        error = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        without = _run_reference(folder, ())
+        assert without.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        import transformers
+
+        missing = (f"the reference {REFERENCE} cannot run its Hugging Face cases ({', '.join(FAMILIES)}) "
+                   f"on transformers {transformers.__version__} ({error[:300]}); the other cases matched")
+    with open(folder / "golden.json") as f:
+        return json.load(f)["worlds"], missing
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_bitwise_equal_to_main_before_the_redesign(world, reference):
-    want = reference[str(world)]
-    got = dist.run(world, golden_ranks, timeout=300)[0]
+    worlds, missing = reference
+    want = worlds[str(world)]
+    got = dist.run(world, golden_ranks, FAMILIES if missing is None else (), timeout=300)[0]
     assert set(got) == set(want), sorted(set(got) ^ set(want))
     bad = []
     for case, w in sorted(want.items()):
@@ -142,3 +168,5 @@ def test_bitwise_equal_to_main_before_the_redesign(world, reference):
         if changed or set(g.get("grads", {})) != set(w.get("grads", {})):
             bad.append(f"{case}: gradient bits changed for {changed or sorted(set(g['grads']) ^ set(w['grads']))}")
     assert not bad, "\n".join(bad)
+    if missing is not None:
+        pytest.skip(missing)

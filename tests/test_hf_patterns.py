@@ -1,5 +1,5 @@
 """Hugging Face models fz3 has no adapter for, trained with the user's own functions: the
-README's worked example (GPTBigCode, executed as written) and T5's encoder (its block 0's
+docs' worked example (docs/hf.md) (GPTBigCode, executed as written) and T5's encoder (its block 0's
 relative-position bias assigned to ``pre``, ``assign=``). Reference: plain HF autograd over
 every rank's batch, fp32 rtol 1e-5 / atol 1e-6, world size 2."""
 
@@ -16,16 +16,15 @@ from hf_families import batch, reference
 from reference import assert_close
 
 def _readme_pattern() -> dict:
-    """The README's GPTBigCode block, executed as written."""
+    """docs/hf.md's GPTBigCode functions, executed as written (the block's tiny model after them
+    is tests/test_docs.py's to run)."""
     import pathlib
 
-    text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-    start = text.index("  # GPTBigCode (StarCoder), a model fz3 has no adapter for")
-    block = text[start:text.index("  ```", start)]
-    code = "\n".join(line[2:] for line in block.splitlines())
-    code = code[:code.index("model, params = fz3.shard(bigcode")]
-    scope = {"torch": torch, "fz3": fz3}
-    exec(compile(code, "README.md", "exec"), scope)
+    text = (pathlib.Path(__file__).parent.parent / "docs" / "hf.md").read_text()
+    start = text.index("# GPTBigCode (StarCoder), a model fz3 has no adapter for")
+    code = text[start:text.index("# a tiny one from its config", start)]
+    scope: dict = {}
+    exec(compile(code, "docs/hf.md", "exec"), scope)
     return scope
 
 

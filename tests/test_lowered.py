@@ -13,7 +13,7 @@ arena (``fz3.step.arena``, off here) adds no call when off. Keeping a row's para
 while the row lives (``fz3.step.views.RowViews``: a Python ``__call__`` per program call,
 a ``_forget`` per row gone) raised them to 40/44 and 44/48; each reuse saves a C++ call
 making a dozen views (38-42 us here): a layer's backward after its forward at one rank, a
-recompute's backward, a fixed buffer's every step (``benchmarks/README.md``, ninth stop).
+recompute's backward, a fixed buffer's every step (``benchmarks/HISTORY.md``, ninth stop).
 A row's ``forget`` (``fz3.step.views``, a weak reference's callback) runs when gloo lets go
 of its last collective's tensors, sometimes in the next step, so it is not counted with the
 rest: its count varied by more than half a call a layer between runs (44.625 seen against
@@ -28,7 +28,7 @@ a one-layer unit's gathered buffer objects between its gathers, their storage re
 ``free`` and regrown by the next gather (``fz3.step.movement.free_op``), so a program's
 parameter views of them are kept at two ranks too: 48/51 at world size 2 (a regrow and a
 release a gather: 6 calls a layer, ~1 us) where each gather had made its views again (a
-dozen views, ~25 us here, ``benchmarks/README.md``), and no ``forget`` any more (2 a layer,
+dozen views, ~25 us here, ``benchmarks/HISTORY.md``), and no ``forget`` any more (2 a layer,
 counted apart). A change that makes the per-layer
 path do more fails here: measure it with
 ``benchmarks/host_overhead.py`` (interleaved A/B pairs) and raise the bound in the same
@@ -37,6 +37,7 @@ change if it is worth it."""
 from __future__ import annotations
 
 import collections
+import os
 import sys
 
 import dist
@@ -49,6 +50,9 @@ from reference import batches, gpt
 # per layer, steady step: (world size, policy) -> the most fz3 calls allowed
 BOUNDS = {(1, "save"): 39, (1, "recompute"): 42, (2, "save"): 48, (2, "recompute"): 51}
 FORGET = "step/views.py:forget"  # counted apart (see above)
+# fz3's own folder: a frame counts when its file lies under it. A substring such as '/fz3/' also
+# matched torch's files in a clone named fz3 with its .venv inside (44 calls against 42).
+PACKAGE = os.path.dirname(os.path.abspath(fz3.__file__)) + os.sep
 
 
 def _policy(name: str) -> fz3.Policy:
@@ -60,8 +64,9 @@ def _fz3_calls(step, params, batch) -> collections.Counter:
     counts: collections.Counter = collections.Counter()
 
     def profile(frame, event, arg):
-        if event == "call" and "/fz3/" in frame.f_code.co_filename:
-            counts[f"{frame.f_code.co_filename.split('/fz3/')[-1]}:{frame.f_code.co_name}"] += 1
+        path = frame.f_code.co_filename
+        if event == "call" and path.startswith(PACKAGE):
+            counts[f"{path[len(PACKAGE):]}:{frame.f_code.co_name}"] += 1
 
     sys.setprofile(profile)
     try:

@@ -27,7 +27,7 @@ def foreign_state_ranks(rank, world):
     opt = fz3.optim.adamw(lr=1e-2, weight_decay=0.1)
     _, grads = fz3.value_and_grad(model)(params, batches(CFG, world)[rank])
     foreign = opt.init(oparams)
-    want = rf"the optimizer state's first moment \(mu\) part #0 is \[\d+\] float32 on cpu, the params' part #0 is \[\d+\].*{FIX}"
+    want = rf"the optimizer state's first moment \(mu\) part #0 is \[\d+\] float32 on cpu, the params' part #0 is \[\d+\] float32 on cpu \(named by model.parts\[0\].name.*{FIX}"
     for call in (lambda: fz3.optim.step(opt, grads, foreign, params, donate=True),  # was SIGSEGV
                  lambda: fz3.optim.step(opt, grads, foreign, params),
                  lambda: opt.update(grads, foreign, params)):
@@ -52,6 +52,8 @@ def foreign_state_ranks(rank, world):
     with pytest.raises(ValueError, match=r"the optimizer state's first moment \(mu\) was donated to "
                                          r"fz3.optim.step\(..., donate=True\)"):
         opt.update(grads, opt.init(params)._replace(mu=params), new_params)
+    with pytest.raises(ValueError, match=r"the updates was donated .*: use the updates that it returned"):
+        fz3.optim.apply_updates(new_params, params)  # said "use the the updates"
     # after refreeze the old state no longer fits: it broadcast a [1] shard to [N], or ran the
     # fused kernel on buffers of other sizes
     head = lambda n: not n.startswith("blocks.")  # noqa: E731 - the blocks' part changes shape

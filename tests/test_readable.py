@@ -68,3 +68,50 @@ def readable_ranks(rank, world, folder):
 
 def test_what_a_person_reads(tmp_path):
     assert dist.run(1, readable_ranks, str(tmp_path)) == ["ok"]
+
+
+def messages_ranks(rank, world):
+    """What changes what runs is a WARNING on the fz3 logger, printed by Python with no logging
+    configured (its last-resort handler on stderr); said once (rank 0) where every rank would
+    say it alike, with ``[rank r]`` where it follows from one rank's batch."""
+    import contextlib
+    import io
+    import logging
+
+    import torch
+
+    from reference import LayerNet, fz3_said, layer_post, layer_pre
+    from test_traced import ReadsHost
+
+    root, logger = logging.getLogger(), logging.getLogger("fz3")
+    assert not root.handlers and not logger.handlers and logger.level == logging.NOTSET
+    torch.manual_seed(0)
+    model, params = fz3.shard(LayerNet([ReadsHost() for _ in range(2)]), "layers", layer_pre, layer_post)
+    b = (torch.randint(0, 11, (2, 5)), torch.randint(0, 11, (2, 5)))
+    printed = io.StringIO()
+    with contextlib.redirect_stderr(printed):  # no configuration: Python's last resort prints it
+        fz3.value_and_grad(model)(params, b)
+    untraced = [line for line in printed.getvalue().splitlines() if "fz3:" in line]
+    if rank == 0:
+        assert len(untraced) == 1 and re.fullmatch(r"fz3: layer layers\.0 cannot be traced: .*; its "
+                                                   r"layers run through autograd", untraced[0]), untraced
+    else:
+        assert untraced == [], untraced  # every rank's layers are alike: rank 0 says it
+    # a new shape on rank 1 only (check_sync=False lets ranks' shapes differ): rank 1 says so
+    gmodel, gparams = shard_gpt(gpt(CFG))
+    step = fz3.value_and_grad(gmodel, check_sync=False)
+    long = batches(CFG, world)[rank]
+    step(gparams, long)
+    with fz3_said(logging.WARNING) as said:
+        step(gparams, tuple(t[:, :5] for t in long) if rank == 1 else long)
+    if rank == 1:
+        assert len(said) == 1 and said[0].startswith("[rank 1] fz3: blocks: layers traced again "
+                                                      "for inputs of another shape"), said
+    else:
+        assert said == [], said
+    assert not root.handlers and not logger.handlers  # fz3 added none, called no basicConfig
+    return "ok"
+
+
+def test_messages_that_change_what_runs_are_warnings_said_once_or_by_rank():
+    assert dist.run(2, messages_ranks) == ["ok"] * 2

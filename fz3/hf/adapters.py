@@ -62,7 +62,7 @@ def adapter_for(module: nn.Module) -> Adapter:
         raise TypeError(f"fz3.shard got no layers=/pre=/post= and has no built-in adapter for "
                         f"{name} (built in: {', '.join(supported())}); pass layers='<dotted "
                         f"path of the nn.ModuleList>', pre=(m, batch) -> h and "
-                        f"post=(m, h, batch) -> loss (README, 'A model without a built-in "
+                        f"post=(m, h, batch) -> loss (docs/hf.md, 'A model without a built-in "
                         f"adapter', shows the pattern)")
     check_attention(module)
     return found

@@ -148,7 +148,7 @@ def _falcon_check(m: nn.Module) -> str | None:
     if m.config.alibi:
         return ("Falcon with config.alibi=True (falcon-rw) folds its ALiBi bias into the mask, "
                 "differently per transformers release, which fz3's adapter does not follow: "
-                "pass layers=, pre= and post= (README, 'A model without a built-in adapter')")
+                "pass layers=, pre= and post= (docs/hf.md, 'A model without a built-in adapter')")
     return None
 
 

@@ -26,6 +26,7 @@ How it chooses:
 from __future__ import annotations
 
 import logging
+from logging import WARNING
 import time
 from dataclasses import replace
 from typing import Any
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 
 from ..comm.collectives import differing_ranks
+from ..comm.say import once
 from ..schedule.ops import HEAVY_OPS, Op, OpKind
 from ..schedule.planner import Policy, plan as plan_policy
 from ..schedule.schedule import Schedule, validate
@@ -206,7 +208,8 @@ def _zeros(model: ShardedModel) -> Params:
 
 def _say(chosen: Schedule, kinds: dict[int, OpKind], resident: frozenset[str], peak: int,
          memory: int, saves: dict, prefetch: int) -> None:
-    """One INFO line: what it chose, per kind, with the planned peak and time saved."""
+    """One WARNING, from rank 0 (every rank chose alike: the times compared are the slowest
+    rank's): what it chose, per kind, with the planned peak and time saved."""
     names = {"forward": "recompute", "forward_selective": "selective", "forward_save": "save"}
     by_kind: dict[str, list[str]] = {}
     saved = sum(saves["resident"].get(name, 0.0) for name in resident)
@@ -214,8 +217,8 @@ def _say(chosen: Schedule, kinds: dict[int, OpKind], resident: frozenset[str], p
         unit = chosen.units[u]
         by_kind.setdefault(names[kind.value], []).append(unit.name)
         saved += saves[unit.part][kind] * len(unit.layers)
-    log.info("fz3.plan: memory=%.1f MiB: %s; resident: %s; prefetch %d; gradient shards %s; "
-             "planned peak %.1f MiB, %.1f ms per step saved over recompute", memory / MiB,
+    once(log, WARNING, "fz3.plan: memory=%.1f MiB: %s; resident: %s; prefetch %d; gradient "
+         "shards %s; planned peak %.1f MiB, %.1f ms per step saved over recompute", memory / MiB,
              "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(by_kind.items())),
              ", ".join(sorted(resident)) or "none", prefetch,
              "joined" if chosen.join_grads else "whole", peak / MiB, saved * 1e3)

@@ -26,8 +26,9 @@ def refuse_donated_tree(tree: Any, what: str) -> None:
     """Raise if any tensor of ``tree`` was given up to ``fz3.optim.step(..., donate=True)``."""
     for t in optree.tree_leaves(tree):
         if is_donated(t):
+            noun = what.removeprefix("the ")  # callers say "the updates"; not "use the the ..."
             raise ValueError(f"{what} was donated to fz3.optim.step(..., donate=True), which "
-                             f"updated its buffers in place and returned new ones: use the {what} "
+                             f"updated its buffers in place and returned new ones: use the {noun} "
                              f"that it returned (params, opt_state = fz3.optim.step(...))")
 
 
@@ -45,7 +46,7 @@ def check_like(params: Any, tree: Any, what: str, fix: str) -> None:
             continue
         if t.shape != p.shape or t.dtype != p.dtype or t.device != p.device:
             raise ValueError(f"{what} part #{i} is {_tensor(t)}, the params' part #{i} is "
-                             f"{_tensor(p)}: {fix}")
+                             f"{_tensor(p)} ({_named(i)}): {fix}")
 
 
 def check_mask(params: Any, masks: Any) -> None:
@@ -64,7 +65,7 @@ def check_mask(params: Any, masks: Any) -> None:
             fits = False
         if not fits:
             raise ValueError(f"the weight-decay mask part #{i} is {list(k.shape)}, which does not "
-                             f"broadcast to the params' part #{i} {_tensor(p)}: {fix}")
+                             f"broadcast to the params' part #{i} {_tensor(p)} ({_named(i)}): {fix}")
 
 
 def _shape_of(treedef: Any, leaves: list) -> str:
@@ -81,3 +82,8 @@ def _container(treedef: Any) -> str:
 
 def _tensor(t: torch.Tensor) -> str:
     return f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')} on {t.device}"
+
+
+def _named(i: int) -> str:
+    # an optimizer sees trees, not the model (optax-style): its part names are the model's
+    return f"named by model.parts[{i}].name; print(model.parts) lists them"

@@ -56,4 +56,4 @@ def refuse_donated(t: Any, what: str) -> None:
     if is_donated(t):
         raise ValueError(f"{what} were donated to fz3.optim.step(..., donate=True), which "
                          f"updated their buffers in place and returned new ones: use the "
-                         f"{what} it returned")
+                         f"{what.removeprefix('the ')} it returned")

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable, Generator, Sequence
 
 import logging
+from logging import WARNING
 
 import optree
 import torch
@@ -20,6 +21,7 @@ from ..compare import fingerprint
 from ..comm.collectives import differing_ranks
 from ..comm.failures import gather_objects
 from ..comm.groups import refuse_destroyed
+from ..comm.say import once
 from ..schedule.ops import OpKind
 from ..schedule.planner import Policy, plan
 from ..schedule.schedule import Schedule, validate
@@ -218,7 +220,7 @@ def layer_runner(model: ShardedModel, *, trace: bool, compile: bool,
 
 def say_untraced_selective(schedule: Schedule, traced: TracedLayers | None) -> None:
     """Selective recompute cuts traced programs: with ``trace=False`` a ``forward_selective``
-    unit runs as ``forward`` (recompute). Said once, at INFO."""
+    unit runs as ``forward`` (recompute). Said once, a WARNING."""
     if traced is None and any(op.kind == OpKind.FORWARD_SELECTIVE for op in schedule.ops):
-        log.info("fz3: trace=False: forward_selective units run as recompute (selective "
-                 "recompute keeps what traced programs compute; pass trace=True)")
+        once(log, WARNING, "fz3: trace=False: forward_selective units run as recompute "
+             "(selective recompute keeps what traced programs compute; pass trace=True)")

@@ -1,18 +1,22 @@
 """Inductor for traced layer programs (``compile=True``): each program compiled at its first
 call, once per program and argument signature, so layers that share programs share the
 compilation (C++ on the CPU, ``cpp_wrapper``: no Python between its kernels). A program
-inductor fails on runs as Python with a warning, or raises ``CompileError`` with
+inductor fails on runs as Python with a WARNING (``fz3.comm.say``), or raises ``CompileError`` with
 ``strict``."""
 
 from __future__ import annotations
 
-import warnings
+import logging
+from logging import WARNING
 from typing import Any, Callable
 
 import torch
 
+from ..comm.say import once
 from .joint import Programs
 from .partition import unread_random
+
+log = logging.getLogger(__name__)
 
 
 class CompileError(RuntimeError):
@@ -67,8 +71,7 @@ class Kernels:
                 if self.strict:
                     raise CompileError(f"fz3: {why}. Pass compile=False, or strict=False to run "
                                        f"it as Python") from e
-                warnings.warn(f"fz3: {why}; it runs as Python (strict=True raises)",
-                              stacklevel=6)
+                once(log, WARNING, "fz3: %s; it runs as Python (strict=True raises)", why)
                 self._kernels[key] = _FAILED
         got = self._kernels[key]
         return python if got is _FAILED else got

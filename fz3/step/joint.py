@@ -165,7 +165,7 @@ def _aux_shape(call: Callable[..., tuple], plain: list[torch.Tensor]) -> tuple:
 # torch's fake-tensor logger prints an op's whole traceback at ERROR when its fake kernel
 # raises (``_grouped_mm``'s takes bf16 only, so an fp32 MoE layer's trace fails): during a
 # trace that is the failure ``joint_trace`` reports as ``TraceError`` (its first line), and the
-# layer falls back to autograd with one INFO line. Nothing else is silenced.
+# layer falls back to autograd with one WARNING. Nothing else is silenced.
 FAKE_TENSOR_LOG = "torch._subclasses.fake_tensor"
 
 

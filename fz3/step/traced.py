@@ -22,19 +22,20 @@ program. This file decides which layers share them and when they are made:
 A layer that cannot be traced (it reads a tensor's value on the host, branches on data,
 writes into an extra or a parameter row, makes a tensor from Python values, has buffers or
 hooks; one that writes into h writes into a copy, ``fz3.step.joint``) runs through autograd
-(``fz3.step.engine.AutogradLayers``), with one INFO line, and with ``compile`` one warning
-too; ``failed`` says why.
+(``fz3.step.engine.AutogradLayers``), with one WARNING (``fz3.comm.say``); ``failed`` says
+why.
 """
 
 from __future__ import annotations
 
 import logging
-import warnings
+from logging import WARNING
 from typing import Callable, Sequence
 
 import optree
 import torch
 
+from ..comm.say import once, per_rank
 from ..schedule.structure import Role
 from ..sharding.binding import Binding
 from ..sharding.model import ShardedModel
@@ -137,12 +138,12 @@ class TracedLayers:
             self._units[unit] = layers
         elif keep is not None and part.name not in self._warned_keep:
             self._warned_keep.add(part.name)
-            log.info("fz3: %s: selective units run as recompute (its layers run through "
-                     "autograd)", part.name)
+            once(log, WARNING, "fz3: %s: selective units run as recompute (its layers run "
+                 "through autograd)", part.name)
         return layers
 
     def _say_new_shape(self, part: Part, signature: Signature) -> None:
-        """Say at INFO, once per shape, that a stack's layers meet inputs of another shape than
+        """Say (a WARNING, per rank: ranks' batches may differ), once per shape, that a stack's layers meet inputs of another shape than
         before (a batch of other shapes; or dtype, or extras' shapes and values: "shape" for
         short): their programs are traced (and compiled) again for it, and kept."""
         shape = (signature.shape, signature.dtype, signature.extras)
@@ -150,8 +151,8 @@ class TracedLayers:
         if shape in seen:
             return
         if seen:
-            log.info("fz3: %s: layers traced%s again for inputs of another shape (h %s %s; "
-                     "%d before, the last %s %s): once per shape, kept for later steps",
+            per_rank(log, WARNING, "fz3: %s: layers traced%s again for inputs of another shape "
+                     "(h %s %s; %d before, the last %s %s): once per shape, kept for later steps",
                      part.name, " and compiled" if self.compile else "", list(signature.shape),
                      signature.dtype, len(seen), list(seen[-1][0]), seen[-1][1])
         seen.append(shape)
@@ -223,11 +224,10 @@ class TracedLayers:
             first = self._first.setdefault((i, signature), programs.graphs)
             if first is not programs.graphs and i not in self._warned:
                 self._warned.add(i)
-                warnings.warn(f"fz3: the compiled layer function of {part.name} compiled again "
-                              f"at {name}: something its code reads differs per layer (an "
-                              f"attribute such as a layer index?), so those layers compile "
-                              f"on their own. Make the layers identical, or pass compile=False",
-                              stacklevel=5)
+                once(log, WARNING, "fz3: the compiled layer function of %s compiled again at "
+                     "%s: something its code reads differs per layer (an attribute such as a "
+                     "layer index?), so those layers compile on their own. Make the layers "
+                     "identical, or pass compile=False", part.name, name)
         return programs
 
     def _programs_of(self, binding: Binding, part: Part, extras: Extras, inputs: list,
@@ -257,21 +257,19 @@ class TracedLayers:
         ops = {op_name(n) for n in made.graphs[0].nodes if n.op == "call_function"}
         if not ops & keep and part.name not in self._kept_none:
             self._kept_none.add(part.name)
-            warnings.warn(f"fz3: selective recompute keeps {sorted(keep)}, but no layer of "
-                          f"{part.name} runs any of them (its forward runs {sorted(ops)}): it "
-                          f"keeps only its input, like recompute. Name some of its ops in "
-                          f"fz3.keep(ops=...)", stacklevel=7)
+            once(log, WARNING, "fz3: selective recompute keeps %s, but no layer of %s runs any "
+                 "of them (its forward runs %s): it keeps only its input, like recompute. Name "
+                 "some of its ops in fz3.keep(ops=...)", sorted(keep), part.name, sorted(ops))
 
     def _fail(self, part_index: int, part: Part, why: str) -> None:
         """Its layers run through autograd: all of them, also those of its units found traced
-        before. One INFO line; with ``compile``, one warning too (they are not compiled)."""
+        before. One WARNING, from rank 0 (every rank's layers are alike); with
+        ``compile=True, strict=True`` a ``CompileError`` instead."""
         self._refuse_if_strict(why)
         self.failed[part.name] = why
         self._units = {k: v for k, v in self._units.items() if k[0] != part_index}
-        log.info("fz3: %s; its layers run through autograd", why)
-        if self.compile:
-            warnings.warn(f"fz3: {why}; its layers run through autograd, not compiled",
-                          stacklevel=6)
+        once(log, WARNING, "fz3: %s; its layers run through autograd%s", why,
+             ", not compiled" if self.compile else "")
 
     def _refuse_if_strict(self, why: str) -> None:
         """``compile=True, strict=True`` means compiled or an error: a layer that would run
