@@ -9,6 +9,7 @@ import optree
 import torch
 
 from ..comm.collectives import all_gather, wait
+from ..schedule.ops import Op
 from ..schedule.schedule import Schedule
 from ..sharding.model import ShardedModel
 from .state import Frame, Result
@@ -28,7 +29,9 @@ def drain_checking_finite(model: ShardedModel, schedule: Schedule,
     The flags stay on the device during the step (no sync per op): the check costs one read
     of each activation and one small collective per step.
     """
-    frames: list[Frame] = []
+    # (op, index) of each flag, never the frame: a frame holds its unit's unreduced gradient
+    # and gathered buffer, and keeping every one kept a whole model's worth to the step's end
+    ops: list[tuple[Op, int]] = []
     flags: list[torch.Tensor] = []
     while True:
         try:
@@ -42,8 +45,9 @@ def drain_checking_finite(model: ShardedModel, schedule: Schedule,
             tensors.append(f.grad)
         ok = (torch.stack([torch.isfinite(t).all() for t in tensors]).all() if tensors
               else torch.tensor(True))
-        frames.append(f)
+        ops.append((f.op, f.index))
         flags.append(ok)
+        del f, tensors  # the frame goes now: only its op and flag are kept
     if not flags:
         return result
     mine = (~torch.stack(flags)).to(torch.int32).to(model.device)  # 1 where non-finite
@@ -53,8 +57,8 @@ def drain_checking_finite(model: ShardedModel, schedule: Schedule,
     if bool(bad.any()):
         first = int(bad.any(dim=0).nonzero()[0])
         ranks = bad[:, first].nonzero().flatten().tolist()
-        f = frames[first]
-        kind, name = schedule.describe(f.op).split(" ", 1)
+        op, index = ops[first]
+        kind, name = schedule.describe(op).split(" ", 1)
         raise NonFiniteError(f"non-finite values first appeared in the {kind} of {name}, "
-                             f"op {f.index} of the schedule, on ranks {ranks}")
+                             f"op {index} of the schedule, on ranks {ranks}")
     return result
