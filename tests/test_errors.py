@@ -24,9 +24,9 @@ def _raises(exc, match, fn, *args, **kw):
 def error_ranks(rank, world):
     torch.manual_seed(0)
     m = GPT(CFG)
-    _raises(ValueError, r"layers='stack' does not name a submodule.*ModuleLists in it: \['blocks'\]",
+    _raises(ValueError, r"layers='stack' does not name a submodule.*containers of blocks in it: \['blocks'\]",
             fz3.shard, m, "stack", pre, post)
-    _raises(TypeError, r"layers='norm' is a LayerNorm, not an nn.ModuleList", fz3.shard, m, "norm", pre, post)
+    _raises(TypeError, r"layers='norm' is a LayerNorm, not a container of blocks", fz3.shard, m, "norm", pre, post)
     _raises(TypeError, "needs layers=, pre= and post=", fz3.shard, m, "blocks")
     _raises(TypeError, "no built-in adapter for GPT .*pass layers=", fz3.shard, m)
 
