@@ -18,7 +18,7 @@ from .schedule.planner import Keep, Policy, deferred, keep
 from .schedule.schedule import Schedule, ScheduleError, Unit, validate
 from .schedule.structure import PartShape, Role
 from .sharding.layout import FlatLayout, Slot
-from .facade import shard
+from .facade import export, shard
 from .sharding.model import Params, ShardedModel
 from .sharding.precision import Precision
 from .sharding.refreeze import refreeze
@@ -31,7 +31,7 @@ from .step.value_and_grad import ValueAndGrad, apply, value_and_grad
 from .storage.checkpoint import load, save
 from .storage.errors import CheckpointDamagedError, CheckpointError, CheckpointMismatchError
 from .storage.verify import CheckpointReport, verify_checkpoint
-from .storage.export import ExportReport, export, read_export
+from .storage.export import ExportReport, read_export
 from .storage.pretrained import Pretrained
 from .storage.state_dict import full_state_dict, module_state_dict
 
