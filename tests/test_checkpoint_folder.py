@@ -23,7 +23,7 @@ import fz3
 from fz3.comm.compat import default_store
 from fz3.models import shard_gpt
 from fz3.models.gpt import GPTConfig
-from fz3.storage import checkpoint, dcp_io, owned
+from fz3.storage import agreement, dcp_io, owned
 from reference import gpt
 
 CFG = GPTConfig(vocab=37, seq=8, dim=36, heads=4, layers=3, tie=True)
@@ -205,7 +205,7 @@ def race_checks(model, params, folder, rank, case):
     ckpt, other = os.path.join(folder, "race"), os.path.join(folder, "race_next")
     fz3.save(ckpt, model, {"params": params, "step": 4})
     fz3.save(other, model, {"params": params, "step": 2})
-    real_source, real_meta = checkpoint.source, checkpoint.read_meta
+    real_source, real_meta = agreement.source, agreement.read_meta
     real_read = dcp_io.VerifyingReader.read_data
     if case in ("between looks", "gone"):  # rank 0 looks, the writer acts, rank 1 looks
         def source(path):
@@ -219,7 +219,7 @@ def race_checks(model, params, folder, rank, case):
                 _swap(ckpt, other) if case == "between looks" else os.rename(ckpt, ckpt + ".moved")
                 _signal("race/swapped")
             return got
-        checkpoint.source, checkpoint.read_meta = source, read_meta
+        agreement.source, agreement.read_meta = source, read_meta
         said = (r"did not all find the same checkpoint \(rank 0: checkpoint save \w+ .*; rank 1: checkpoint save \w+"
                 if case == "between looks" else
                 r"did not all find the same checkpoint \(rank 0: checkpoint save .*; rank 1: FileNotFoundError")
@@ -239,7 +239,7 @@ def race_checks(model, params, folder, rank, case):
         with pytest.raises(fz3.CheckpointMismatchError, match=said):
             fz3.load(ckpt, model, {"params": params, "step": 0})
     finally:
-        checkpoint.source, checkpoint.read_meta = real_source, real_meta
+        agreement.source, agreement.read_meta = real_source, real_meta
         dcp_io.VerifyingReader.read_data = real_read
     assert time.monotonic() - t0 < FAST_S
     return "ok"

@@ -19,6 +19,8 @@ while another raised. Cost: two all-gathers of a few hundred bytes per load.
 
 from __future__ import annotations
 
+import json
+import os
 import pickle
 import zlib
 from typing import Any, NamedTuple
@@ -27,7 +29,11 @@ import torch
 import torch.distributed as dist
 
 from ..comm.failures import gather_objects, lost_error
+from ..sharding.model import ShardedModel
 from .errors import CheckpointError, CheckpointMismatchError
+from .owned import resolve
+from .verify import (META, check_model, check_template, identity, read_meta,
+                     recorded_checksums, source)
 
 
 class Found(NamedTuple):
@@ -92,6 +98,39 @@ def agree_unchanged(group: dist.ProcessGroup | None, path: str, found: Found, no
             f"{shown}. Nothing was loaded: load again", path, sorted(changed))
 
 
+class Plan(NamedTuple):
+    """What a rank found it will read (``look``)."""
+
+    found: Found
+    meta: dict
+    sums: Any  # recorded_checksums
+
+
+def look(path: str, model: ShardedModel, flat: dict[str, Any]) -> tuple[Found, Plan | None]:
+    """What this rank finds at ``path``: the checkpoint it would read into ``flat`` and its
+    identity, or the error it meets (no collective)."""
+    folder = resolve(path)
+    try:
+        where = source(folder)
+        meta, saved = read_meta(where)
+        check_model(where, meta, model)
+        check_template(where, meta, saved, flat, model)
+        sums = recorded_checksums(where, meta, warn=model.is_root)
+    except Exception as e:  # noqa: BLE001 - every rank hears of every rank's error
+        return Found(folder, "", "", e), None
+    found = Found(folder, where, identity(meta), None)
+    return found, Plan(found, meta, sums)
+
+
+def identity_now(folder: str) -> str:
+    """The identity of the checkpoint in ``folder`` now, or what stops reading it."""
+    try:
+        with open(os.path.join(folder, META)) as f:
+            return identity(json.load(f))
+    except (OSError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
 # --- a save: one folder, and one value under each key -------------------------------------------
 
 _PLAIN = (int, float, bool, str, bytes, complex, type(None))
@@ -112,7 +151,8 @@ def value_digests(flat: dict[str, Any]) -> dict[str, str | None]:
             out[key] = f"tensor {list(v.shape)} {v.dtype} crc32 {zlib.crc32(data):08x}"
         elif type(v) in _PLAIN:
             text = repr(v)
-            out[key] = text if len(text) <= 60 else f"{text[:50]}... crc32 {zlib.crc32(text.encode()):08x}"
+            crc = zlib.crc32(text.encode())
+            out[key] = text if len(text) <= 60 else f"{text[:50]}... crc32 {crc:08x}"
         else:
             out[key] = None
     return out

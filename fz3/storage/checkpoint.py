@@ -28,9 +28,8 @@ Nothing is lost, and nothing wrong loads silently:
 
 from __future__ import annotations
 
-import json
 import os
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,13 +41,13 @@ from ..comm.groups import refuse_destroyed
 from ..sharding.layout import FlatLayout
 from ..sharding.model import Params, ShardedModel
 from ..sharding.params import is_donated
-from .agreement import Found, Start, agree_found, agree_start, agree_unchanged, value_digests
+from .agreement import (Start, agree_found, agree_start, agree_unchanged, identity_now, look,
+                        value_digests)
 from .commit import agree, attempt, swap_in
 from .durable import fsync_dir, write_durably
-from .errors import CheckpointDamagedError, cause, failures_of, interrupt_failure, save_failure
-from .owned import Claim, claim, new_save_id, refusal, release, resolve
-from .verify import (META, check_model, check_template, checksums_of, describe, identity,
-                     meta_text, read_meta, recorded_checksums, source)
+from .errors import CheckpointDamagedError, failures_of, interrupt_failure, save_failure
+from .owned import new_save_id, release, resolve, take_path
+from .verify import META, checksums_of, describe, meta_text
 
 # torch.distributed.checkpoint and DTensor are imported where used: they take over a second
 # to import, which every process importing fz3 would otherwise pay.
@@ -60,12 +59,10 @@ def save(path: str | os.PathLike, model: ShardedModel, state: Any, *,
     ``path`` (normalised: ``"ckpt/"`` is ``"ckpt"``; ``~`` is not expanded; a symlink is
     followed).
 
-    ``path`` must hold nothing, an empty folder or an fz3 checkpoint, which the new one
-    replaces; anything else there (a file, other folders' contents, an unmarked ``path.old``
-    or ``path.partial``) is refused with ``FileExistsError`` naming it, as is a save of another
-    job in flight into ``path`` (``fz3/storage/owned.py``). A key that holds different plain
-    values or tensors on different ranks is refused with ``ValueError`` naming it (a checkpoint
-    keeps one value per key): save per-rank values under a key per rank.
+    ``path`` must hold nothing, an empty folder or an fz3 checkpoint (replaced); anything else
+    (a file, other contents, an unmarked ``path.old``/``path.partial``) or another job's save in
+    flight there is refused with ``FileExistsError`` naming it (``owned.py``); a key whose value
+    differs between ranks with ``ValueError`` naming it: save those under a key per rank.
 
     **Collective**: every rank calls it. A rank that does not within ``timeout`` seconds makes
     the others raise ``fz3.CollectiveMismatchError`` naming it, before anything is written. A
@@ -96,17 +93,8 @@ def _save(path: str, model: ShardedModel, flat: dict[str, Any],
     rank0 = dist.get_rank(group) == 0 if group is not None else dist.get_rank() == 0
     folder = resolve(path)
     partial, save_id = folder + ".partial", new_save_id()
-    refused = failed = None
-    held: Claim | None = None
-    if rank0:  # [Note: what a save may touch]: nothing of the user's; one save per path
-        try:
-            refused = refusal(folder)
-            if refused is None:
-                held = claim(partial, save_id)
-        except FileExistsError as e:
-            refused = str(e)
-        except OSError as e:
-            failed = cause(e)
+    # [Note: what a save may touch]: nothing of the user's; one save per path
+    held, refused, failed = take_path(folder, save_id) if rank0 else (None, None, None)
 
     def drop_partial() -> None:
         if held is not None:
@@ -148,10 +136,9 @@ def load(path: str | os.PathLike, model: ShardedModel, template: Any, *, restore
     world size, e.g. ``{"params": params, "opt": opt.init(params), "step": 0}``), checking
     every byte read against the checksums recorded at save.
 
-    Every rank reads the same checkpoint or none does: the ranks agree on what each found at
-    ``path`` before the read and again after it ([Note: one checkpoint for every rank] in
-    ``fz3/storage/agreement.py``). A symlink is followed; fz3's own backup ``path.old`` is read
-    only when a save crashed mid-swap (it is marked so).
+    Every rank reads the same checkpoint or none does ([Note: one checkpoint for every rank]
+    in ``agreement.py``). A symlink is followed; fz3's marked backup ``path.old`` is read only
+    when a save crashed mid-swap.
 
     **Collective**: every rank calls it (``timeout`` as in ``save``). Raises, on every rank:
     ``FileNotFoundError`` (no checkpoint), ``fz3.CheckpointDamagedError`` (a ``ValueError``:
@@ -168,39 +155,6 @@ def load(path: str | os.PathLike, model: ShardedModel, template: Any, *, restore
         if is_interrupt(e):
             record_interrupt(e, f"fz3.load({path!r})")
         raise
-
-
-class _Plan(NamedTuple):
-    """What a rank found it will read (``look``)."""
-
-    found: Found
-    meta: dict
-    sums: Any  # recorded_checksums
-
-
-def look(path: str, model: ShardedModel, flat: dict[str, Any]) -> tuple[Found, _Plan | None]:
-    """What this rank finds at ``path``: the checkpoint it would read into ``flat`` and its
-    identity, or the error it meets (no collective)."""
-    folder = resolve(path)
-    try:
-        where = source(folder)
-        meta, saved = read_meta(where)
-        check_model(where, meta, model)
-        check_template(where, meta, saved, flat, model)
-        sums = recorded_checksums(where, meta, warn=model.is_root)
-    except Exception as e:  # noqa: BLE001 - every rank hears of every rank's error
-        return Found(folder, "", "", e), None
-    found = Found(folder, where, identity(meta), None)
-    return found, _Plan(found, meta, sums)
-
-
-def identity_now(source: str) -> str:
-    """The identity of the checkpoint at ``source`` now, or what stops reading it."""
-    try:
-        with open(os.path.join(source, META)) as f:
-            return identity(json.load(f))
-    except (OSError, ValueError) as e:
-        return f"{type(e).__name__}: {e}"
 
 
 def _load(path: str, model: ShardedModel, template: Any, restore_rng: bool) -> Any:

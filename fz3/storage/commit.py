@@ -18,9 +18,10 @@ error and its checksums are recorded in ``fz3.json``):
 Before step 1 rank 0 checks that ``path`` holds nothing of the user's and claims
 ``path.partial`` (``owned.py``'s [Note: what a save may touch]); every rank learns the
 outcome with its resolved folder (``checkpoint.py``). A crash between the two renames leaves
-the marked ``path.old`` and no ``path``: ``load`` reads ``path.old`` then. A failure at any step raises the same ``CheckpointError`` on every rank
-(no rank waits for an outcome another already knows); rank 0 removes ``path.partial`` (its
-claim), and a new save into ``path`` starts clean.
+the marked ``path.old`` and no ``path``: ``load`` reads ``path.old`` then. A failure at any
+step raises the same ``CheckpointError`` on every rank (no rank waits for an outcome another
+already knows); rank 0 removes ``path.partial`` (its claim), and a new save into ``path``
+starts clean.
 """
 
 from __future__ import annotations

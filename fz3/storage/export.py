@@ -84,8 +84,7 @@ def export(path: str | os.PathLike, model: ShardedModel, params: Params, *,
                             for alias in s.names[1:]})
             if k == 0:
                 tensors.update(own_buffers(model))
-            if rewrite is not None:
-                tensors = rewrite.take(tensors)
+            tensors = tensors if rewrite is None else rewrite.take(tensors)
             written = sum(t.numel() * t.element_size() for t in tensors.values())
             held += written
             name = f"{stem}-{k + 1:05d}-of-{n:05d}.{ext}"

@@ -42,6 +42,7 @@ import uuid
 from typing import NamedTuple
 
 from .durable import fsync_dir, write_durably
+from .errors import cause
 
 META = "fz3.json"
 BACKUP_MARK = "fz3.backup"
@@ -162,6 +163,20 @@ def claim(partial: str, save_id: str) -> Claim:
             target = os.path.join(partial, left)
             shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
     return Claim(partial, mine, save_id)
+
+
+def take_path(folder: str, save_id: str) -> tuple[Claim | None, str | None, str | None]:
+    """Rank 0's start of a save: ``(its claim, None, None)``, or why it may not write there
+    (``refusal``, another save's claim), or the failure claiming it (an ``OSError``'s cause)."""
+    try:
+        refused = refusal(folder)
+        if refused is not None:
+            return None, refused, None
+        return claim(folder + ".partial", save_id), None, None
+    except FileExistsError as e:
+        return None, str(e), None
+    except OSError as e:
+        return None, None, cause(e)
 
 
 def release(c: Claim) -> None:
