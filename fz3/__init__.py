@@ -6,7 +6,7 @@
 
 from . import hf, optim
 from .comm.arrival import CollectiveMismatchError
-from .comm.failures import RankLostError
+from .comm.failures import RankInterruptedError, RankLostError
 from .comm.groups import destroy
 from .observe.memory import MemoryPlan, memory_plan
 from .observe.step_through import StepFrame, any_rank, step_through
@@ -18,7 +18,7 @@ from .schedule.planner import Keep, Policy, deferred, keep
 from .schedule.schedule import Schedule, ScheduleError, Unit, validate
 from .schedule.structure import PartShape, Role
 from .sharding.layout import FlatLayout, Slot
-from .facade import shard
+from .facade import export, shard
 from .sharding.model import Params, ShardedModel
 from .sharding.precision import Precision
 from .sharding.refreeze import refreeze
@@ -30,18 +30,18 @@ from .step.finite import NonFiniteError
 from .step.record import Event, Recorder
 from .step.value_and_grad import ValueAndGrad, apply, value_and_grad
 from .storage.checkpoint import load, save
-from .storage.errors import CheckpointDamagedError, CheckpointError
+from .storage.errors import CheckpointDamagedError, CheckpointError, CheckpointMismatchError
 from .storage.verify import CheckpointReport, verify_checkpoint
-from .storage.export import ExportReport, export, read_export
+from .storage.export import ExportReport, read_export
 from .storage.pretrained import Pretrained
 from .storage.state_dict import full_state_dict, module_state_dict
 
 __all__ = [
-    "Accumulate", "Category", "CheckpointDamagedError", "CheckpointError", "CheckpointReport",
-    "CollectiveMismatchError", "CompileError", "Event", "ExportReport", "FlatLayout", "Frame",
-    "Keep", "MemoryPlan", "NonFiniteError", "Op", "OpKind", "Params", "PartReadError", "PartShape",
-    "Policy",
-    "Precision", "Pretrained", "RankLostError", "Recorder", "Result", "Role", "Schedule",
+    "Accumulate", "Category", "CheckpointDamagedError", "CheckpointError",
+    "CheckpointMismatchError", "CheckpointReport", "CollectiveMismatchError", "CompileError",
+    "Event", "ExportReport", "FlatLayout", "Frame", "Keep", "MemoryPlan", "NonFiniteError", "Op",
+    "OpKind", "Params", "PartReadError", "PartShape", "Policy", "Precision", "Pretrained",
+    "RankInterruptedError", "RankLostError", "Recorder", "Result", "Role", "Schedule",
     "ScheduleError", "ShardedModel", "Slot", "StepFrame", "Unit", "ValueAndGrad", "accumulate",
     "any_rank", "apply", "chrome_trace", "decay_mask", "deferred", "destroy", "export",
     "full_state_dict", "hf", "keep", "load", "memory_plan", "module_state_dict", "optim", "plan",

@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -70,11 +70,14 @@ from torch import nn
 from .comm.arrival import DEFAULT_TIMEOUT_S
 from .hf.adapters import adapter_for
 from .hf.checkpoint_names import checkpoint_names
+from .hf.peft_merge import merge_for
 from .sharding.model import (BetweenFn, CallLayer, Params, PostFn, PreFn, Reader, ShardedModel,
                              build)
 from .sharding.checks import check_not_wrapped
 from .sharding.precision import Precision
 from .storage import pretrained
+from .storage.export import ExportReport
+from .storage.export import export as export_units
 from .storage.pretrained import Pretrained
 
 
@@ -139,3 +142,20 @@ def _checkpoint(weights, module: nn.Module) -> Reader:
         return functools.partial(pretrained.piece, source, names)
 
     return read
+
+
+def export(path: str | os.PathLike, model: ShardedModel, params: Params, *,
+           format: Literal["safetensors", "torch"] | None = None,
+           timeout: float = DEFAULT_TIMEOUT_S) -> ExportReport:
+    """Write the consolidated weights (and persistent buffers) of ``model`` under ``path`` as a
+    Hugging Face folder, one unit at a time (``fz3/storage/export.py``). A model sharded from a
+    PEFT model is written as its base model with LoRA merged in, under the base model's names
+    (``fz3/hf/peft_merge.py``; what cannot be merged is refused by name before any collective),
+    so ``from_pretrained(path)`` loads the trained model; ``fz3.hf.export_peft`` writes the
+    adapter alone.
+
+    **Collective**: one all-gather per unit; every rank calls it. A rank of the sharding group
+    that does not within ``timeout`` seconds makes the others raise
+    ``fz3.CollectiveMismatchError`` naming it, before ``path`` is created."""
+    return export_units(path, model, params, format=format, timeout=timeout,
+                        rewrite=merge_for(model.skeleton))

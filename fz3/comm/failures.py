@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from .compat import default_store
-from .liveness import WINDOW_S, Liveness, observe
+from .liveness import WINDOW_S, Liveness, interrupted_key, observe
 
 
 class RankLostError(RuntimeError):
@@ -27,6 +27,42 @@ class RankLostError(RuntimeError):
         self.unconfirmed = unconfirmed or []
 
 
+class RankInterruptedError(RuntimeError):
+    """Rank(s) ``ranks`` were interrupted (``KeyboardInterrupt`` from SIGINT, or the exception a
+    SIGTERM handler raised) inside a collective fz3 call; every other rank raises this, naming
+    them and the interrupt, instead of waiting or calling it a disk error or a lost rank. The
+    interrupted rank raises its own interrupt."""
+
+    def __init__(self, message: str, ranks: list[int]):
+        super().__init__(message)
+        self.ranks = ranks
+
+    def __reduce__(self):
+        return type(self), (str(self), self.ranks)
+
+
+def is_interrupt(e: BaseException) -> bool:
+    """An interrupt, not a failure: ``KeyboardInterrupt``, ``SystemExit`` (what
+    ``sys.exit`` in a SIGTERM handler raises), any other non-``Exception``."""
+    return not isinstance(e, Exception)
+
+
+def record_interrupt(e: BaseException, what: str) -> None:
+    """Say in the rendezvous store that this rank was interrupted by ``e`` inside ``what``, for
+    the ranks that find it gone (``lost_error``) to name."""
+    try:
+        default_store().set(interrupted_key(dist.get_rank()), f"{type(e).__name__} during {what}")
+    except Exception:  # noqa: BLE001 - the store is gone: nobody is left to tell
+        pass
+
+
+def interrupted(ranks: list[int]) -> dict[int, str]:
+    """The ranks among ``ranks`` that recorded an interrupt, with what they were doing."""
+    st = default_store()
+    return {r: st.get(interrupted_key(r)).decode() for r in ranks
+            if st.check([interrupted_key(r)])}
+
+
 def gather_objects(group: dist.ProcessGroup, obj: object) -> list[object]:
     """Every rank's ``obj`` (pickled: for setup and for saying what differs on an error path,
     never per step). **Collective** over ``group``."""
@@ -36,7 +72,7 @@ def gather_objects(group: dist.ProcessGroup, obj: object) -> list[object]:
 
 
 def lost_error(group: dist.ProcessGroup, what: object, cause: BaseException,
-               window_s: float = WINDOW_S) -> RankLostError:
+               window_s: float = WINDOW_S) -> RankLostError | RankInterruptedError:
     """After ``what`` failed with ``cause``: watch the heartbeats of ``group``'s other ranks
     for up to ``window_s`` and name the ones that stopped (see [Note: heartbeat])."""
     me = dist.get_rank()
@@ -47,6 +83,13 @@ def lost_error(group: dist.ProcessGroup, what: object, cause: BaseException,
     except Exception:  # noqa: BLE001 - the store itself is gone (it lived in a dead rank's process)
         seen = None
     first = str(cause).splitlines()[0][:300]
+    if seen is not None:
+        stopped = interrupted(peers)
+        if stopped:
+            shown = "; ".join(f"rank {r}: {said}" for r, said in stopped.items())
+            return RankInterruptedError(f"rank {me}: {what} failed: rank(s) {sorted(stopped)} "
+                                        f"were interrupted ({shown}). Cause: {first}",
+                                        sorted(stopped))
     if seen is None:
         return RankLostError(
             f"rank {me}: {what} failed and the rendezvous store is unreachable, so the rank "

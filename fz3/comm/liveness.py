@@ -48,6 +48,12 @@ def heartbeat_key(rank: int) -> str:
     return f"fz3/heartbeat/{restart_key()}/{rank}"
 
 
+def interrupted_key(rank: int) -> str:
+    """Set by a rank interrupted (``KeyboardInterrupt``, ``SystemExit``) inside a collective
+    fz3 call: what it was doing, for the others to name instead of a lost rank."""
+    return f"fz3/interrupted/{restart_key()}/{rank}"
+
+
 def calls_key(rank: int, model: int) -> str:
     """How many step calls (``value_and_grad``'s, ``apply``, ...) the rank has entered on its
     ``model``-th sharded model (numbered in ``fz3.shard`` order, the same on every rank)."""

@@ -11,12 +11,14 @@ only at the end), so DCP knows every element's global offset and a checkpoint wr
 world size 4 loads at 2 or 3, and back.
 
 Nothing is lost, and nothing wrong loads silently:
-- ``save`` writes ``path.partial`` and moves it into place only once it is complete on every
-  rank; the outcome of each step is agreed by all ranks first, so a failure anywhere (disk
+- ``save`` touches only its own files at ``path`` and claims it against another job's save
+  (``owned.py``), writes ``path.partial`` and moves it into place only once it is complete on
+  every rank; the outcome of each step is agreed by all ranks first, so a failure anywhere (disk
   full, permission, a bad path) raises the same ``fz3.CheckpointError`` on every rank with the
   cause, and a rank that dies is named (``fz3.RankLostError``): see ``commit.py``'s [Note:
   committing a save]. A tree donated to ``fz3.optim.step(..., donate=True)`` is refused before
   anything is written.
+- Every rank loads the same checkpoint, or every rank raises (``agreement.py``).
 - Every storage item's CRC-32 is recorded (``checksums.py``); ``load`` checks every byte it
   reads and ``fz3.verify_checkpoint(path)`` the whole checkpoint offline.
 - ``path/fz3.json`` describes the model; loading a checkpoint of another model raises a
@@ -27,7 +29,6 @@ Nothing is lost, and nothing wrong loads silently:
 from __future__ import annotations
 
 import os
-import shutil
 from typing import Any
 
 import torch
@@ -35,15 +36,18 @@ import torch.distributed as dist
 
 from .. import rng
 from ..comm.arrival import DEFAULT_TIMEOUT_S, arrive
-from ..comm.failures import lost_error
+from ..comm.failures import is_interrupt, lost_error, record_interrupt
 from ..comm.groups import refuse_destroyed
 from ..sharding.layout import FlatLayout
 from ..sharding.model import Params, ShardedModel
 from ..sharding.params import is_donated
-from .commit import agree, attempt, fsync_dir, swap_in, write_durably
-from .errors import CheckpointDamagedError, failures_of, save_failure
-from .verify import (META, check_model, check_template, checksums_of, describe, meta_text,
-                     read_meta, recorded_checksums)
+from .agreement import (Start, agree_found, agree_start, agree_unchanged, identity_now, look,
+                        value_digests)
+from .commit import agree, attempt, swap_in
+from .durable import fsync_dir, write_durably
+from .errors import CheckpointDamagedError, failures_of, interrupt_failure, save_failure
+from .owned import new_save_id, release, resolve, take_path
+from .verify import META, checksums_of, describe, meta_text
 
 # torch.distributed.checkpoint and DTensor are imported where used: they take over a second
 # to import, which every process importing fz3 would otherwise pay.
@@ -52,34 +56,57 @@ from .verify import (META, check_model, check_template, checksums_of, describe, 
 def save(path: str | os.PathLike, model: ShardedModel, state: Any, *,
          timeout: float = DEFAULT_TIMEOUT_S) -> None:
     """Write ``state`` (a pytree: dicts, lists, NamedTuples, ``Params``, tensors, values) to
-    ``path`` (normalised: ``"ckpt/"`` is ``"ckpt"``; ``~`` is not expanded).
+    ``path`` (normalised: ``"ckpt/"`` is ``"ckpt"``; ``~`` is not expanded; a symlink is
+    followed).
+
+    ``path`` must hold nothing, an empty folder or an fz3 checkpoint (replaced); anything else
+    (a file, other contents, an unmarked ``path.old``/``path.partial``) or another job's save in
+    flight there is refused with ``FileExistsError`` naming it (``owned.py``); a key whose value
+    differs between ranks with ``ValueError`` naming it: save those under a key per rank.
 
     **Collective**: every rank calls it. A rank that does not within ``timeout`` seconds makes
     the others raise ``fz3.CollectiveMismatchError`` naming it, before anything is written. A
     failure on any rank raises ``fz3.CheckpointError`` (or ``fz3.RankLostError`` for a dead
-    rank) on every rank, and leaves the previous checkpoint at ``path`` as it was."""
+    rank, ``fz3.RankInterruptedError`` for an interrupted one) on every rank, and leaves the
+    previous checkpoint at ``path`` as it was."""
+    path = os.path.normpath(os.fspath(path))
+    refuse_destroyed(model.comm, "fz3.save")
+    flat = _flatten(model, state, "")  # refuses a donated tree, before anything is touched
+    group = _everyone(model)
+    arrive(group, "fz3.save", timeout)
+    try:
+        _save(path, model, flat, group)
+    except BaseException as e:
+        if is_interrupt(e):
+            record_interrupt(e, f"fz3.save({path!r})")
+        raise
+
+
+def _save(path: str, model: ShardedModel, flat: dict[str, Any],
+          group: dist.ProcessGroup | None) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     from .dcp_io import ChecksumWriter
 
-    path = os.path.normpath(os.fspath(path))
-    refuse_destroyed(model.comm, "fz3.save")
-    flat = _flatten(model, state, "")  # refuses a donated tree, before anything is touched
-    group = _everyone(model)
     # DCP's coordinator: rank 0 of the group
     rank0 = dist.get_rank(group) == 0 if group is not None else dist.get_rank() == 0
-    partial, old = path + ".partial", path + ".old"
-    if rank0:  # a stale partial (an interrupted save); arrive is the barrier
-        shutil.rmtree(partial, ignore_errors=True)
-    arrive(group, "fz3.save", timeout)
-    flat[f"rng.rank{dist.get_rank()}"] = rng.pack(rng.capture(model.device))
-    writer = ChecksumWriter(partial)
+    folder = resolve(path)
+    partial, save_id = folder + ".partial", new_save_id()
+    # [Note: what a save may touch]: nothing of the user's; one save per path
+    held, refused, failed = take_path(folder, save_id) if rank0 else (None, None, None)
 
     def drop_partial() -> None:
-        if rank0:
-            shutil.rmtree(partial, ignore_errors=True)
+        if held is not None:
+            release(held)
 
+    try:
+        agree_start(group, path, Start(folder, refused, failed, value_digests(flat)), flat)
+    except BaseException:
+        drop_partial()
+        raise
+    flat[f"rng.rank{dist.get_rank()}"] = rng.pack(rng.capture(model.device))
+    writer = ChecksumWriter(partial)
     try:  # DCP agrees on its own outcome: a failure on any rank is raised on all of them
         dcp.save(flat, storage_writer=writer, process_group=group)
     except (Exception, CheckpointException) as e:
@@ -93,13 +120,14 @@ def save(path: str | os.PathLike, model: ShardedModel, state: Any, *,
         if writer.checksums is None:
             raise RuntimeError("DCP's coordinator recorded no checksums on this rank (fz3 took "
                                "another rank for the coordinator): a bug, please report it")
-        meta = {**describe(model, keys), "checksums": checksums_of(partial, writer.checksums)}
+        meta = {**describe(model, keys), "save": save_id,
+                "checksums": checksums_of(partial, writer.checksums)}
         write_durably(os.path.join(partial, META), meta_text(meta))
         fsync_dir(partial)
 
     agree(group, path, f"writing {META}", attempt(write_meta) if rank0 else None, drop_partial)
     agree(group, path, "moving the checkpoint into place",
-          attempt(lambda: swap_in(path, partial, old)) if rank0 else None, drop_partial)
+          attempt(lambda: swap_in(folder, partial, save_id)) if rank0 else None, drop_partial)
 
 
 def load(path: str | os.PathLike, model: ShardedModel, template: Any, *, restore_rng: bool = True,
@@ -108,35 +136,57 @@ def load(path: str | os.PathLike, model: ShardedModel, template: Any, *, restore
     world size, e.g. ``{"params": params, "opt": opt.init(params), "step": 0}``), checking
     every byte read against the checksums recorded at save.
 
+    Every rank reads the same checkpoint or none does ([Note: one checkpoint for every rank]
+    in ``agreement.py``). A symlink is followed; fz3's marked backup ``path.old`` is read only
+    when a save crashed mid-swap.
+
     **Collective**: every rank calls it (``timeout`` as in ``save``). Raises, on every rank:
     ``FileNotFoundError`` (no checkpoint), ``fz3.CheckpointDamagedError`` (a ``ValueError``:
     missing, truncated or changed bytes, naming the file, the item and the rank that read it),
-    ``ValueError`` (another model, a template that does not fit)."""
+    ``ValueError`` (another model, a template that does not fit),
+    ``fz3.CheckpointMismatchError`` (ranks found different checkpoints, or it changed while
+    loading)."""
+    path = os.path.normpath(os.fspath(path))
+    refuse_destroyed(model.comm, "fz3.load")
+    arrive(_everyone(model), "fz3.load", timeout)
+    try:
+        return _load(path, model, template, restore_rng)
+    except BaseException as e:
+        if is_interrupt(e):
+            record_interrupt(e, f"fz3.load({path!r})")
+        raise
+
+
+def _load(path: str, model: ShardedModel, template: Any, restore_rng: bool) -> Any:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     from .dcp_io import VerifyingReader
 
-    path = os.path.normpath(os.fspath(path))
-    refuse_destroyed(model.comm, "fz3.load")
-    arrive(_everyone(model), "fz3.load", timeout)
-    path = path if os.path.isdir(path) or not os.path.isdir(path + ".old") else path + ".old"
-    meta, saved = read_meta(path)
-    check_model(path, meta, model)
+    group = _everyone(model)
     flat = _flatten(model, template, "", for_load=True)
-    check_template(path, meta, saved, flat, model)
-    sums = recorded_checksums(path, meta, warn=model.is_root)
+    found, plan = look(path, model, flat)
+    agree_found(group, path, found)
+    assert plan is not None  # agree_found raised this rank's error otherwise
+    where, meta = found.source, plan.meta
     rng_key = f"rng.rank{dist.get_rank()}"
     # ranks beyond the saved job keep their RNG state
     with_rng = restore_rng and dist.get_rank() < meta["ranks"]
     if with_rng:
         flat[rng_key] = rng.pack(rng.capture(model.device))
-    reader = (dcp.FileSystemReader(path) if sums is None
-              else VerifyingReader(path, sums, dist.get_rank()))
+    reader = (dcp.FileSystemReader(where) if plan.sums is None
+              else VerifyingReader(where, plan.sums, dist.get_rank()))
     try:
-        dcp.load(flat, storage_reader=reader, process_group=_everyone(model))
+        dcp.load(flat, storage_reader=reader, process_group=group)
     except (Exception, CheckpointException) as e:  # DCP raises every rank's failure on all of them
-        raise _load_failure(model, path, e) from e
+        failed = failures_of(e)
+        if failed is None:  # a collective broke: a rank is gone
+            raise lost_error(group or dist.group.WORLD, f"fz3.load({path!r})", e) from e
+        agree_unchanged(group, path, found, identity_now(where))  # a writer's swap, not damage
+        if any(is_interrupt(x) for x in failed.values()):
+            raise interrupt_failure(f"fz3.load({path!r})", failed) from e
+        raise _load_failure(model, where, e) from e
+    agree_unchanged(group, path, found, identity_now(where))
     if with_rng:
         rng.restore(rng.unpack(flat.pop(rng_key), model.device), model.device)
     return _unflatten(model, template, flat, "")

@@ -10,14 +10,18 @@ error and its checksums are recorded in ``fz3.json``):
    agrees on the outcome (a failure on any rank is raised on all of them).
 2. Rank 0 writes ``fz3.json`` (fsynced) and fsyncs the ``partial`` folder, then every rank
    learns rank 0's outcome (``agree``: one small all-gather).
-3. Rank 0 renames ``path`` to ``path.old``, ``partial`` to ``path`` and fsyncs the parent
-   folder: from here a power loss leaves the new checkpoint. Then it removes ``path.old``.
-   If the second rename fails it puts ``path.old`` back. Every rank learns the outcome.
+3. Rank 0 marks the checkpoint at ``path`` as this save's backup (``owned.py``), renames it
+   to ``path.old``, ``partial`` to ``path`` and fsyncs the parent folder: from here a power
+   loss leaves the new checkpoint. Then it removes ``path.old``. If the second rename fails
+   it puts ``path.old`` back. Every rank learns the outcome.
 
-A crash between the two renames leaves ``path.old`` and no ``path``: ``load`` reads
-``path.old`` then. A failure at any step raises the same ``CheckpointError`` on every rank
-(no rank waits for an outcome another already knows); rank 0 removes ``path.partial``, and a
-new save into ``path`` starts clean.
+Before step 1 rank 0 checks that ``path`` holds nothing of the user's and claims
+``path.partial`` (``owned.py``'s [Note: what a save may touch]); every rank learns the
+outcome with its resolved folder (``checkpoint.py``). A crash between the two renames leaves
+the marked ``path.old`` and no ``path``: ``load`` reads ``path.old`` then. A failure at any
+step raises the same ``CheckpointError`` on every rank (no rank waits for an outcome another
+already knows); rank 0 removes ``path.partial`` (its claim), and a new save into ``path``
+starts clean.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from typing import Callable
 import torch.distributed as dist
 
 from ..comm.failures import gather_objects, lost_error
+from .durable import fsync_dir
 from .errors import agreed_failure, cause
+from .owned import BACKUP_MARK, backup_of, mark_backup, refusal
 
 
 def attempt(fn: Callable[[], None]) -> str | None:
@@ -56,36 +62,27 @@ def agree(group: dist.ProcessGroup | None, path: str, phase: str, outcome: str |
         raise failure
 
 
-def write_durably(file: str, text: str) -> None:
-    """``file`` holds ``text`` on disk (written, flushed and fsynced) before this returns."""
-    with open(file, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def fsync_dir(folder: str) -> None:
-    """The folder's entries (files created, renamed into it) are on disk."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def swap_in(path: str, partial: str, old: str) -> None:
-    """Rename ``partial`` to ``path``, the checkpoint there to ``old`` for the moment of the
-    swap, durably; see [Note: committing a save]."""
-    parent = os.path.dirname(os.path.abspath(path))
-    had = os.path.exists(path)
+def swap_in(folder: str, partial: str, save_id: str) -> None:
+    """Rename ``partial`` to ``folder``, the checkpoint there to ``folder.old`` (marked as this
+    save's backup) for the moment of the swap, durably; see [Note: committing a save]. Removes
+    only a backup fz3 marked ([Note: what a save may touch])."""
+    old = folder + ".old"
+    parent = os.path.dirname(folder)
+    had = os.path.isdir(folder)
     if had:
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(path, old)
+        if os.path.lexists(old):  # a backup left by a save that crashed after its swap
+            if backup_of(old, folder) is None:
+                raise FileExistsError(refusal(folder))
+            shutil.rmtree(old)
+        mark_backup(folder, save_id)
+        os.rename(folder, old)
     try:
-        os.rename(partial, path)
+        os.rename(partial, folder)
     except OSError:
         if had:
-            os.rename(old, path)
+            os.rename(old, folder)
+            os.remove(os.path.join(folder, BACKUP_MARK))
         raise
     fsync_dir(parent)
-    shutil.rmtree(old, ignore_errors=True)  # also one left by a crash between the renames
+    if backup_of(old, folder) is not None:  # also one left by a crash between the renames
+        shutil.rmtree(old)

@@ -33,7 +33,7 @@ class _SummingStream:
     """A file opened for writing whose bytes between two ``tell()`` calls are summed:
     ``spans[(start, end)]`` is the CRC-32 of bytes ``[start, end)``."""
 
-    def __init__(self, raw: Any, errors: list[OSError]) -> None:
+    def __init__(self, raw: Any, errors: list[BaseException]) -> None:
         self.raw, self.errors = raw, errors
         self.spans: dict[tuple[int, int], int] = {}
         self._start, self._crc = raw.tell(), 0
@@ -41,9 +41,9 @@ class _SummingStream:
     def write(self, data: Any) -> int:
         try:
             n = self.raw.write(data)
-        except OSError as e:  # torch.save's archive writer turns it into a RuntimeError without
-            self.errors.append(e)  # its errno ("unexpected pos"): keep it for the error message
-            raise
+        except (OSError, KeyboardInterrupt, SystemExit) as e:  # torch.save's archive writer
+            self.errors.append(e)  # turns it into a RuntimeError ("unexpected pos"), which would
+            raise  # read as a disk error: keep it, for the error message (an errno, an interrupt)
         view = memoryview(data).cast("B")
         self._crc = zlib.crc32(view if n is None or n == len(view) else view[:n], self._crc)
         return len(view) if n is None else n
@@ -70,7 +70,7 @@ class _SummingFileSystem(FileSystem):
     def __init__(self) -> None:
         super().__init__()
         self.spans: dict[str, dict[tuple[int, int], int]] = {}
-        self.errors: list[OSError] = []  # what the file system refused, in order
+        self.errors: list[BaseException] = []  # what the file system refused, in order
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
@@ -107,7 +107,7 @@ class ChecksumWriter(FileSystemWriter):
         try:
             results = super().write_data(plan, planner).wait()
         except Exception as e:
-            if self.fs.errors:  # the file system's own refusal (ENOSPC, EIO) is the cause
+            if self.fs.errors:  # the file system's own refusal (ENOSPC, EIO), or an interrupt
                 raise self.fs.errors[0] from e
             raise
         summed = [dataclasses.replace(r, storage_data=Summed(r.storage_data,

@@ -10,7 +10,11 @@ no cause. fz3 raises instead, on every rank alike:
 - ``CheckpointDamagedError(CheckpointError, ValueError)``: a checkpoint that cannot be loaded
   as it is on disk (missing, truncated or unreadable files, a checksum that does not match);
   a ``ValueError`` too, so code written for the earlier errors keeps working.
-- ``fz3.RankLostError`` when a rank died in the middle (``fz3/comm/failures.py``).
+- ``CheckpointMismatchError(CheckpointError)``: the ranks did not all find the same checkpoint
+  at the path (node-local copies that differ, a save replacing it between the ranks' looks or
+  during the read, different working directories), naming each rank and what it saw.
+- ``fz3.RankLostError`` when a rank died in the middle, ``fz3.RankInterruptedError`` when one
+  was interrupted (``fz3/comm/failures.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..comm.failures import RankLostError, lost_error
+from ..comm.failures import RankInterruptedError, RankLostError, is_interrupt, lost_error
 
 
 class CheckpointError(RuntimeError):
@@ -43,6 +47,12 @@ class CheckpointDamagedError(CheckpointError, ValueError):
     Load the previous checkpoint, or save again."""
 
 
+class CheckpointMismatchError(CheckpointError):
+    """The ranks of a ``fz3.load`` did not all find the same checkpoint at ``path`` (or it
+    changed while they read it): raised on every rank, naming each rank and what it saw.
+    Nothing was loaded; load again once one checkpoint is at the path for every rank."""
+
+
 def cause(e: BaseException) -> str:
     """One line for a failure: an ``OSError``'s errno text and file, else its type and message."""
     if isinstance(e, OSError) and e.errno is not None:
@@ -62,19 +72,34 @@ def failures_of(e: BaseException) -> dict[int, BaseException] | None:
 
 
 def save_failure(group: dist.ProcessGroup | None, path: str, phase: str,
-                 e: BaseException) -> Exception:
+                 e: BaseException) -> BaseException:
     """What every rank raises when ``phase`` of ``fz3.save(path)`` failed with ``e``.
 
     DCP's own failures name each failing rank's exception (the same dict on every rank, so
     the same error everywhere); anything else is a collective that broke, where the ranks'
     heartbeats say who is gone (``RankLostError``)."""
     failed = failures_of(e)
+    if failed is not None and any(is_interrupt(x) for x in failed.values()):
+        return interrupt_failure(f"fz3.save({path!r}) ({phase})", failed)
     if failed is None and not _is_transport(e):
         return e if isinstance(e, Exception) else RuntimeError(str(e))  # a local error: itself
     if failed is None or all(_is_transport(x) for x in failed.values()):
         return lost_error(group or dist.group.WORLD, f"fz3.save({path!r}) ({phase})", e)
     mine = {r: x for r, x in failed.items() if not _is_transport(x)}
     return CheckpointError(_message(path, phase, mine), path, sorted(mine))
+
+
+def interrupt_failure(what: str, failed: dict[int, BaseException]) -> BaseException:
+    """What every rank raises when DCP's step failed because ranks were interrupted: the
+    interrupted rank its own interrupt, the others ``RankInterruptedError`` naming them."""
+    stopped = {r: x for r, x in failed.items() if is_interrupt(x)}
+    mine = stopped.get(dist.get_rank())
+    if mine is not None:
+        return mine
+    shown = "; ".join(f"rank {r}: {type(x).__name__}" for r, x in stopped.items())
+    return RankInterruptedError(f"{what} stopped: rank(s) {sorted(stopped)} were interrupted "
+                                f"({shown}); nothing else failed. A save leaves the previous "
+                                f"checkpoint as it was", sorted(stopped))
 
 
 def agreed_failure(path: str, phase: str, outcomes: list[str | None]) -> CheckpointError | None:

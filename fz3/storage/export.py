@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, Protocol
 
 import torch
 
@@ -35,10 +35,26 @@ class ExportReport(NamedTuple):
     model_bytes: int  # the whole model, for comparison
 
 
+class Rewrite(Protocol):
+    """How an export's tensors become another model's (a PEFT model's, as its base model with
+    LoRA merged: ``fz3.hf.peft_merge``): built before any collective, so it refuses on every
+    rank."""
+
+    def name(self, name: str) -> str | None:
+        """The written name of a tensor's name (None: not written under its own name)."""
+
+    def take(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One unit's tensors in; what to write now out (it may hold some for a later unit)."""
+
+    def finish(self) -> None:
+        """Every tensor taken was handed back (raises otherwise)."""
+
+
 def export(path: str | os.PathLike, model: ShardedModel, params: Params, *,
            format: Literal["safetensors", "torch"] | None = None,
-           timeout: float = DEFAULT_TIMEOUT_S) -> ExportReport:
-    """Write the consolidated weights (and persistent buffers) under ``path``.
+           timeout: float = DEFAULT_TIMEOUT_S, rewrite: Rewrite | None = None) -> ExportReport:
+    """Write the consolidated weights (and persistent buffers) under ``path``; ``rewrite``
+    (``fz3.export`` passes one for a PEFT model) renames and merges them.
 
     **Collective**: one all-gather per unit; every rank calls it. A rank of the sharding group
     that does not within ``timeout`` seconds makes the others raise
@@ -68,16 +84,22 @@ def export(path: str | os.PathLike, model: ShardedModel, params: Params, *,
                             for alias in s.names[1:]})
             if k == 0:
                 tensors.update(own_buffers(model))
+            tensors = tensors if rewrite is None else rewrite.take(tensors)
             written = sum(t.numel() * t.element_size() for t in tensors.values())
             held += written
             name = f"{stem}-{k + 1:05d}-of-{n:05d}.{ext}"
-            _write(os.path.join(path, name), tensors, fmt)
+            if tensors:
+                _write(os.path.join(path, name), tensors, fmt)
+                files.append(name)
             weight_map.update({t: name for t in tensors})
-            files.append(name)
             total += written
             del tensors
         peak = max(peak, held)
         del gathered  # before the next unit's copies: one unit of them at a time
+    if rank0 and rewrite is not None:
+        rewrite.finish()
+        aliases = {rewrite.name(a): rewrite.name(t) for a, t in aliases.items()
+                   if rewrite.name(a) is not None}
     if rank0:
         index = {"metadata": {"total_size": total, "format": fmt}, "weight_map": weight_map,
                  "fz3_aliases": aliases}

@@ -26,11 +26,26 @@ from ..sharding.model import ShardedModel
 from .checksums import (ALGORITHM, checksum_table, crc_of_bytes, crc_of_range, damage_message,
                         mismatches)
 from .errors import CheckpointDamagedError
+from .owned import META, backup_of, resolve
 
-META = "fz3.json"
 DCP_META = ".metadata"
 
 log = logging.getLogger(__name__)
+
+
+def source(folder: str) -> str:
+    """The folder a load of ``folder`` reads: ``folder``, or fz3's marked backup of it when a
+    save crashed between its renames (``owned.py``); ``FileNotFoundError`` if neither."""
+    if os.path.isdir(folder):
+        return folder
+    old = folder + ".old"
+    if backup_of(old, folder) is not None and not os.path.lexists(folder):
+        return old
+    beside = (f"; {old} exists but is not fz3's backup of it (no mark): to load it, name it"
+              if os.path.lexists(old) else "")
+    what = "a file, not a checkpoint folder" if os.path.lexists(folder) else "nothing"
+    raise FileNotFoundError(f"no checkpoint at {folder}: {what} is there{beside}. Check the "
+                            f"path, or save one first")
 
 
 def describe(model: ShardedModel, keys: list[str]) -> dict:
@@ -47,6 +62,13 @@ def meta_text(meta: dict) -> str:
     """``fz3.json``'s text: ``meta`` with a CRC-32 of itself, which ``read_meta`` checks."""
     meta = {k: v for k, v in meta.items() if k != "crc32"}
     return json.dumps({**meta, "crc32": _self_crc(meta)}, indent=1)
+
+
+def identity(meta: dict) -> str:
+    """Which checkpoint ``fz3.json`` describes: its save's id (none before ids were recorded)
+    and the CRC-32 of its content (which holds every storage item's CRC-32)."""
+    rest = {k: v for k, v in meta.items() if k != "crc32"}
+    return f"save {meta.get('save', '?')} crc32 {_self_crc(rest):08x}"
 
 
 def _self_crc(meta: dict) -> int:
@@ -66,9 +88,6 @@ def read_meta(path: str) -> tuple[dict, Any]:
     import torch.distributed.checkpoint as dcp
 
     file = os.path.join(path, META)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"no checkpoint at {path} (nor {path}.old): check the path, or "
-                                f"save one first")
     for needed in (file, os.path.join(path, ".metadata")):
         if not os.path.isfile(needed):
             raise CheckpointDamagedError(f"checkpoint {path} is incomplete: {needed} is missing "
@@ -148,9 +167,7 @@ def verify_checkpoint(path: str) -> CheckpointReport:
     offline: no model, no process group (not collective). Raises ``CheckpointDamagedError``
     naming every damaged item (file, byte range, key) and ``FileNotFoundError`` if there is no
     checkpoint; a checkpoint saved before checksums gives ``verified=False`` and one log line."""
-    path = os.path.normpath(os.fspath(path))
-    if not os.path.isdir(path) and os.path.isdir(path + ".old"):  # as load: a crash mid-swap
-        path += ".old"
+    path = source(resolve(path))  # as load: fz3's marked backup after a crash mid-swap
     meta, saved = read_meta(path)
     spans = {(info.relative_path, info.offset, info.length): index.fqn
              for index, info in saved.storage_data.items()}
