@@ -56,6 +56,19 @@ def layer_children(module: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
     return [(k, m) for k, m in resolve_layers(module, path)._modules.items() if m is not None]
 
 
+def check_path_order(module: nn.Module, paths: Sequence[str]) -> None:
+    """The stacks of ``layers=`` listed in registration order (fz3 takes it as compute order)."""
+    order = []
+    for name, _ in module.named_parameters(remove_duplicate=False):
+        for i, path in enumerate(paths):
+            if name.startswith(path + ".") and i not in order:
+                order.append(i)
+    if order != sorted(order):
+        raise ValueError(f"layers={list(paths)}: the stacks must be listed in the order the "
+                         f"module registers them ({[paths[i] for i in order]}), which fz3 takes "
+                         f"as compute order")
+
+
 def check_parameters(split, meta: bool = False) -> None:
     """Floating point and materialized (``meta``: meta ones are allowed, for ``weights=`` to
     fill): what fz3 can shard (``split``: a ``Partition``)."""

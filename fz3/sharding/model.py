@@ -178,9 +178,9 @@ def build(module: nn.Module, paths: Sequence[str], pre: PreFn, post: PostFn,
                    else fill(part, part.frozen, rows, comm, device, precision.frozen)
                    for part, rows in zip(split.parts, split.params))
     frozen_size = torch.empty((), dtype=precision.frozen).element_size()
-    model = ShardedModel(Parts(split.parts, frozen_size, split.moves), frozen, functions, skeleton, comm,
-                         precision, device, mesh, module.training, check_batch, dict(outputs or {}),
-                         layer_aux=bool(layer_aux))
+    model = ShardedModel(Parts(split.parts, frozen_size, split.moves), frozen, functions, skeleton,
+                         comm, precision, device, mesh, module.training, check_batch,
+                         dict(outputs or {}), layer_aux=bool(layer_aux))
     check_same_on_all_ranks(comm, split.parts, device)
     return model, Params(shards)
 

@@ -4,7 +4,8 @@ A module becomes, in compute order:
 
 - ``pre``: parameters registered before the first stack (``pre(m, batch)`` uses them);
 - one *stack* per run of structurally identical consecutive layers of each container
-  (``nn.ModuleList``, ``nn.Sequential``, ``nn.ModuleDict``) named by ``layers=`` (``[A, A, B, B, B]`` is two stacks), stored ``(k, shard)``;
+  (``nn.ModuleList``, ``nn.Sequential``, ``nn.ModuleDict``) named by ``layers=``
+  (``[A, A, B, B, B]`` is two stacks), stored ``(k, shard)``;
 - ``between.i``: parameters registered between stack path i and path i+1 (``between[i]``);
 - ``post``: parameters registered after the last stack (``post(m, h, batch)``);
 - one *shared* part per parameter tied across those (a token embedding that is also the LM
@@ -24,7 +25,8 @@ from typing import Mapping, NamedTuple, Sequence
 from torch import nn
 
 from ..schedule.structure import PartShape, Role
-from .checks import layer_children
+from .checks import check_path_order, layer_children
+from .placement import Move, assigned, homes_by_use
 from .layout import FlatLayout
 
 # (every name, parameter), first appearance order
@@ -105,14 +107,6 @@ def _bytes(n: int) -> str:
     return f"{n} B"
 
 
-class Move(NamedTuple):
-    """A parameter placed by use (``example=``) in another part than its registration's."""
-
-    name: str
-    registered: str  # the part registration order gives ("pre", "post", "between.0")
-    read_by: str  # the part(s) whose functions read it ("post"; "pre+post": a shared part)
-
-
 class Partition(NamedTuple):
     parts: tuple[Part, ...]
     params: tuple[list[Named], ...]  # per part, per row: the parameters (trained and frozen)
@@ -129,7 +123,7 @@ def partition(module: nn.Module, paths: Sequence[str], world: int, *, between: S
     function that reads it (a shared part when several do), ``assign=`` first, registration
     order for one that none reads."""
     stacks = [(path, layer_children(module, path)) for path in paths]
-    _check_path_order(module, paths)
+    check_path_order(module, paths)
     assign = assign or {}
     # a parameter of a layer named by ``assign`` leaves its layer: the layers are compared
     # and stacked without it (T5's block 0 owns the position bias every block reads)
@@ -139,30 +133,7 @@ def partition(module: nn.Module, paths: Sequence[str], world: int, *, between: S
     runs = [(path, first, kept[path][first:first + k])
             for path, _ in stacks for first, k in _runs(kept[path])]
     in_stack = _stack_parameters(paths, runs, module, keys)
-    segments = _segments(module, paths, assign, between)
-    by_id: dict[int, tuple[list[str], nn.Parameter]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        if id(p) not in in_stack:
-            by_id.setdefault(id(p), ([], p))[0].append(name)
-    single: dict[str, Named] = {"pre": [],
-                                **{f"between.{i}": [] for i, on in enumerate(between) if on},
-                                "post": []}
-    shared: list[tuple[str, Named, set[str]]] = []
-    moves: list[Move] = []
-    for names, p in by_id.values():
-        homes = {segments[n] for n in names}
-        readers = _readers(names, used, paths, assign)
-        if readers and readers != homes:
-            moves.append(Move(names[0], "+".join(sorted(h or "?" for h in homes)),
-                              "+".join(sorted(readers))))
-            homes = readers
-        if None in homes:
-            raise ValueError(_unplaced(next(n for n in names if segments[n] is None), module,
-                                       paths))
-        if len(homes) == 1:
-            single[homes.pop()].append((tuple(names), p))
-        else:
-            shared.append((f"tied:{names[0]}", [(tuple(names), p)], homes))
+    single, shared, moves = _outside_stacks(module, paths, in_stack, between, assign, used)
     parts: list[Part] = []
     params: list[list[Named]] = []
 
@@ -195,22 +166,49 @@ def partition(module: nn.Module, paths: Sequence[str], world: int, *, between: S
     return Partition(tuple(parts), tuple(params), tuple(moves))
 
 
+def _outside_stacks(module: nn.Module, paths: Sequence[str], in_stack: set[int],
+                    between: Sequence[bool], assign: Mapping[str, str],
+                    used: Mapping[str, set[str]] | None):
+    """``(single, shared, moves)``: the parameters outside the stacks by home part ("pre",
+    "between.i", "post"), those with several homes (tied, or read by several functions), and
+    those placed by use elsewhere than registration puts them."""
+    segments = _segments(module, paths, assign, between)
+    by_id: dict[int, tuple[list[str], nn.Parameter]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) not in in_stack:
+            by_id.setdefault(id(p), ([], p))[0].append(name)
+    single: dict[str, Named] = {"pre": [],
+                                **{f"between.{i}": [] for i, on in enumerate(between) if on},
+                                "post": []}
+    shared: list[tuple[str, Named, set[str]]] = []
+    moves: list[Move] = []
+    for names, p in by_id.values():
+        homes = {segments[n] for n in names}
+        readers = homes_by_use(names, used, assign)
+        if readers and readers != homes:
+            moves.append(Move(names[0], "+".join(sorted(h or "?" for h in homes)),
+                              "+".join(sorted(readers))))
+            homes = readers
+        if None in homes:
+            raise ValueError(_unplaced(next(n for n in names if segments[n] is None), module,
+                                       paths))
+        if len(homes) == 1:
+            single[homes.pop()].append((tuple(names), p))
+        else:
+            shared.append((f"tied:{names[0]}", [(tuple(names), p)], homes))
+    return single, shared, moves
+
+
 def _named_params(module: nn.Module, prefix: str = "",
                   assign: Mapping[str, str] | None = None) -> Named:
     """``(all names, param)`` in first-appearance order; tied parameters appear once. With
     ``assign``, those whose full name (``prefix + name``) it names are left out."""
     by_id: dict[int, tuple[list[str], nn.Parameter]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
-        if assign and _assigned(prefix + name, assign) is not None:
+        if assign and assigned(prefix + name, assign) is not None:
             continue
         by_id.setdefault(id(p), ([], p))[0].append(name)
     return [(tuple(names), p) for names, p in by_id.values()]
-
-
-def _assigned(name: str, assign: Mapping[str, str]) -> str | None:
-    """The longest ``assign`` key that is ``name`` or a prefix of it, or None."""
-    return max((k for k in assign if name == k or name.startswith(k + ".")), key=len,
-               default=None)
 
 
 def _runs(layers: Sequence[Named]) -> list[tuple[int, int]]:
@@ -265,7 +263,7 @@ def _segments(module: nn.Module, paths: Sequence[str], assign: Mapping[str, str]
     started = 0  # stacks whose parameters have begun
     for name, _ in module.named_parameters(remove_duplicate=False):
         inside = [i for i, path in enumerate(paths) if name.startswith(path + ".")]
-        match = _assigned(name, assign)
+        match = assigned(name, assign)
         if inside:
             started = max(started, inside[0] + 1)
             if match is None:
@@ -281,23 +279,6 @@ def _segments(module: nn.Module, paths: Sequence[str], assign: Mapping[str, str]
     return out
 
 
-def _readers(names: Sequence[str], used: Mapping[str, set[str]] | None, paths: Sequence[str],
-             assign: Mapping[str, str]) -> set[str]:
-    """The parts whose functions read a parameter outside the stacks (``used``), or an empty
-    set: not placed by use (no example, nobody reads it, or ``assign=`` names it). A layer
-    that reads it is refused here, by name."""
-    if not used or any(_assigned(n, assign) is not None for n in names):
-        return set()
-    readers = set().union(*(used.get(n, ()) for n in names))
-    layers = sorted(r for r in readers if r.startswith("layer "))
-    if layers:
-        raise ValueError(f"{layers[0]} reads parameter {names[0]!r}, which is outside the "
-                         f"layers (fz3.shard(example=...) ran it): a layer reads only its own "
-                         f"parameters; compute from it in pre and pass the result to every layer "
-                         f"as an extra (pre returns (h, *extra)), or make it part of each layer")
-    return readers
-
-
 def _unplaced(name: str, module: nn.Module, paths: Sequence[str]) -> str:
     """Why ``name``, registered in a gap between stacks where no function runs, has no part."""
     started = 0
@@ -310,15 +291,3 @@ def _unplaced(name: str, module: nn.Module, paths: Sequence[str]) -> str:
             f"{paths[started]!r}, where no between function runs: pass between=[...] with a "
             f"function for that gap, assign={{{name!r}: 'pre' | 'post'}}, or example=<a batch> "
             f"to place it by what reads it")
-
-
-def _check_path_order(module: nn.Module, paths: Sequence[str]) -> None:
-    order = []
-    for name, _ in module.named_parameters(remove_duplicate=False):
-        for i, path in enumerate(paths):
-            if name.startswith(path + ".") and i not in order:
-                order.append(i)
-    if order != sorted(order):
-        raise ValueError(f"layers={list(paths)}: the stacks must be listed in the order the "
-                         f"module registers them ({[paths[i] for i in order]}), which fz3 takes "
-                         f"as compute order")

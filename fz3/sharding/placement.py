@@ -19,7 +19,7 @@ catches a read that the example's shapes did not take (a branch on data).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import optree
 import torch
@@ -33,6 +33,37 @@ from .checks import layer_children
 
 # a reader: "pre", "between.i", "post", or "layer <path>.<name>"
 Reads = dict[str, set[str]]  # parameter name -> the functions that read it
+
+
+class Move(NamedTuple):
+    """A parameter placed by use (``example=``) in another part than its registration's."""
+
+    name: str
+    registered: str  # the part registration order gives ("pre", "post", "between.0")
+    read_by: str  # the part(s) whose functions read it ("post"; "pre+post": a shared part)
+
+
+def assigned(name: str, assign: Mapping[str, str]) -> str | None:
+    """The longest ``assign`` key that is ``name`` or a prefix of it, or None."""
+    return max((k for k in assign if name == k or name.startswith(k + ".")), key=len,
+               default=None)
+
+
+def homes_by_use(names: Sequence[str], used: Mapping[str, set[str]] | None,
+                 assign: Mapping[str, str]) -> set[str]:
+    """The parts whose functions read a parameter outside the stacks (``used``), or an empty
+    set: not placed by use (no example, nobody reads it, or ``assign=`` names it). A layer
+    that reads it is refused here, by name."""
+    if not used or any(assigned(n, assign) is not None for n in names):
+        return set()
+    readers = set().union(*(used.get(n, ()) for n in names))
+    layers = sorted(r for r in readers if r.startswith("layer "))
+    if layers:
+        raise ValueError(f"{layers[0]} reads parameter {names[0]!r}, which is outside the "
+                         f"layers (fz3.shard(example=...) ran it): a layer reads only its own "
+                         f"parameters; compute from it in pre and pass the result to every layer "
+                         f"as an extra (pre returns (h, *extra)), or make it part of each layer")
+    return readers
 
 
 class PlacementError(ValueError):

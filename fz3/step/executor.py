@@ -173,8 +173,7 @@ def _loss(model: ShardedModel, schedule: Schedule, op: Op, index: int,
           fixed: OpFixed | None) -> Step:
     """post, or the given loss function, through ``Stage``: with gradients its backward runs
     at once, seeded 1/ranks (the reduces are sums over ranks, the loss a mean). The layers'
-    aux outputs (``layer_aux``) are its fourth argument, one tensor per stack; their
-    gradients go to the layers' backwards."""
+    aux outputs (``layer_aux``, one tensor per stack) are its fourth argument."""
     u, grad, ranks = op.unit, schedule.grad, _ranks(model)
     engine, comm = stage_engine(model, schedule.units[u]), model.comm
 

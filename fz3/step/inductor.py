@@ -23,6 +23,17 @@ class CompileError(RuntimeError):
     """``compile=True, strict=True`` and a traced program inductor cannot compile."""
 
 
+def refuse_uncompiled(strict: bool, why: str) -> None:
+    """``compile=True, strict=True`` (``strict``) means compiled or an error: a layer that
+    would run through autograd (``why``) raises ``CompileError`` naming it. Local: every rank
+    traces the same layers and fails alike, at construction or at the step's first call."""
+    if strict:
+        raise CompileError(f"fz3: compile=True, strict=True, but {why[:1500]}: it would run "
+                           f"through autograd, not compiled. Make the layer traceable "
+                           f"(step.traced.failed lists what stops a trace), or pass "
+                           f"strict=False to run it through autograd with a warning")
+
+
 class Kernels:
     """Inductor's compilations of traced programs, shared by every layer whose programs they
     are. ``strict``: a program inductor fails on raises ``CompileError``."""

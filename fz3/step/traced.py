@@ -42,7 +42,7 @@ from ..sharding.model import ShardedModel
 from ..sharding.parts import Part
 from ..sharding import compute
 from ..sharding.compute import LayerName
-from .inductor import CompileError, Kernels
+from .inductor import Kernels, refuse_uncompiled
 from .joint import Programs, TraceError, joint_trace, programs
 from .partition import op_name
 from .layer_groups import Groups, groups, hidden
@@ -78,7 +78,7 @@ class TracedLayers:
             if part.role is Role.STACK:
                 self.groups[i] = groups(model.functions[i], part, self.failed)
         for why in self.failed.values():  # before any step: what no trace can change
-            self._refuse_if_strict(why)
+            refuse_uncompiled(self.compile and self.strict, why)
 
     @property
     def compiles(self) -> int:
@@ -126,8 +126,8 @@ class TracedLayers:
         part = self.model.parts[part_index]
         if part.name in self.failed or extras.consts is None:
             if extras.consts is None:
-                self._refuse_if_strict(f"{part.name}'s layers are given an extra that is no "
-                                       f"tensor and cannot be hashed")
+                refuse_uncompiled(self.compile and self.strict, f"{part.name}'s layers are "
+                                  f"given an extra that is no tensor and cannot be hashed")
             layers = None
         else:
             signature = Signature(tuple(h.shape), h.stride(), h.dtype, self.model.training,
@@ -143,9 +143,10 @@ class TracedLayers:
         return layers
 
     def _say_new_shape(self, part: Part, signature: Signature) -> None:
-        """Say (a WARNING, per rank: ranks' batches may differ), once per shape, that a stack's layers meet inputs of another shape than
-        before (a batch of other shapes; or dtype, or extras' shapes and values: "shape" for
-        short): their programs are traced (and compiled) again for it, and kept."""
+        """Say (a WARNING, per rank: ranks' batches may differ), once per shape, that a stack's
+        layers meet inputs of another shape than before (a batch of other shapes; or dtype, or
+        extras' shapes and values: "shape" for short): their programs are traced (and
+        compiled) again for it, and kept."""
         shape = (signature.shape, signature.dtype, signature.extras)
         seen = self._shapes.setdefault(part.name, [])
         if shape in seen:
@@ -265,21 +266,11 @@ class TracedLayers:
         """Its layers run through autograd: all of them, also those of its units found traced
         before. One WARNING, from rank 0 (every rank's layers are alike); with
         ``compile=True, strict=True`` a ``CompileError`` instead."""
-        self._refuse_if_strict(why)
+        refuse_uncompiled(self.compile and self.strict, why)
         self.failed[part.name] = why
         self._units = {k: v for k, v in self._units.items() if k[0] != part_index}
         once(log, WARNING, "fz3: %s; its layers run through autograd%s", why,
              ", not compiled" if self.compile else "")
-
-    def _refuse_if_strict(self, why: str) -> None:
-        """``compile=True, strict=True`` means compiled or an error: a layer that would run
-        through autograd raises ``CompileError`` naming it and why (local: every rank traces
-        the same layers and fails alike, at the step's first call or at construction)."""
-        if self.compile and self.strict:
-            raise CompileError(f"fz3: compile=True, strict=True, but {why[:1500]}: it would run "
-                               f"through autograd, not compiled. Make the layer traceable "
-                               f"(step.traced.failed lists what stops a trace), or pass "
-                               f"strict=False to run it through autograd with a warning")
 
 
 def _layer(binding: Binding, part: Part, specs: list) -> Callable[..., torch.Tensor]:
