@@ -65,7 +65,8 @@ def check_mask(params: Any, masks: Any) -> None:
             fits = False
         if not fits:
             raise ValueError(f"the weight-decay mask part #{i} is {list(k.shape)}, which does not "
-                             f"broadcast to the params' part #{i} {_tensor(p)} ({_named(i)}): {fix}")
+                             f"broadcast to the params' part #{i} {_tensor(p)} ({_named(i)}): "
+                             f"{fix}")
 
 
 def _shape_of(treedef: Any, leaves: list) -> str:

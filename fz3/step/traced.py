@@ -137,9 +137,10 @@ class TracedLayers:
         return layers
 
     def _say_new_shape(self, part: Part, signature: Signature) -> None:
-        """Say (a WARNING, per rank: ranks' batches may differ), once per shape, that a stack's layers meet inputs of another shape than
-        before (a batch of other shapes; or dtype, or extras' shapes and values: "shape" for
-        short): their programs are traced (and compiled) again for it, and kept."""
+        """Say (a WARNING, per rank: ranks' batches may differ), once per shape, that a stack's
+        layers meet inputs of another shape than before (a batch of other shapes; or dtype, or
+        extras' shapes and values: "shape" for short): their programs are traced (and
+        compiled) again for it, and kept."""
         shape = (signature.shape, signature.dtype, signature.extras)
         seen = self._shapes.setdefault(part.name, [])
         if shape in seen:

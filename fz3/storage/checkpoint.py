@@ -37,6 +37,7 @@ from .. import rng
 from ..comm.arrival import DEFAULT_TIMEOUT_S, arrive
 from ..comm.failures import lost_error
 from ..comm.groups import refuse_destroyed
+from ..comm.progress import Progress
 from ..sharding.layout import FlatLayout
 from ..sharding.model import Params, ShardedModel
 from ..sharding.params import is_donated
@@ -81,7 +82,9 @@ def save(path: str | os.PathLike, model: ShardedModel, state: Any, *,
             shutil.rmtree(partial, ignore_errors=True)
 
     try:  # DCP agrees on its own outcome: a failure on any rank is raised on all of them
-        dcp.save(flat, storage_writer=writer, process_group=group)
+        with Progress(f"fz3.save({path!r})") as progress:  # one line on rank 0 when long
+            dcp.save(flat, storage_writer=writer, process_group=group)
+            progress.done = _nbytes(flat)
     except (Exception, CheckpointException) as e:
         failure = save_failure(group, path, "writing the data", e)
         drop_partial()
@@ -134,7 +137,9 @@ def load(path: str | os.PathLike, model: ShardedModel, template: Any, *, restore
     reader = (dcp.FileSystemReader(path) if sums is None
               else VerifyingReader(path, sums, dist.get_rank()))
     try:
-        dcp.load(flat, storage_reader=reader, process_group=_everyone(model))
+        with Progress(f"fz3.load({path!r})") as progress:  # one line on rank 0 when long
+            dcp.load(flat, storage_reader=reader, process_group=_everyone(model))
+            progress.done = _nbytes(flat)
     except (Exception, CheckpointException) as e:  # DCP raises every rank's failure on all of them
         raise _load_failure(model, path, e) from e
     if with_rng:
@@ -245,3 +250,7 @@ def _everyone(model: ShardedModel) -> dist.ProcessGroup | None:
     """The group that writes a checkpoint: the shard group, or every rank with hybrid sharding."""
     return model.comm.group if model.comm.replicas == 1 else None
 
+
+def _nbytes(flat: dict[str, Any]) -> int:
+    """This rank's tensor bytes in a flattened state (for the progress line)."""
+    return sum(t.numel() * t.element_size() for t in flat.values() if isinstance(t, torch.Tensor))

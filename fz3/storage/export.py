@@ -24,6 +24,7 @@ import torch
 
 from ..comm.arrival import DEFAULT_TIMEOUT_S, arrive
 from ..comm.groups import refuse_destroyed
+from ..comm.progress import Progress
 from ..sharding.model import Params, ShardedModel
 from ..sharding.params import check_tree
 from .gather import Gathered, own_buffers, unit_shards
@@ -59,6 +60,7 @@ def export(path: str | os.PathLike, model: ShardedModel, params: Params, *,
     # No enumerate: it keeps its last result tuple (this unit's copies) until the next unit's
     # gather has run. Comprehensions below: no loop variable outlives the unit either.
     k = -1
+    progress = Progress(f"fz3.export({path!r})", model.numel * 4)  # rank 0, when long
     for unit, gathered in gathered_units:
         k += 1
         held = gathered_units.buffer_bytes
@@ -77,7 +79,9 @@ def export(path: str | os.PathLike, model: ShardedModel, params: Params, *,
             total += written
             del tensors
         peak = max(peak, held)
+        progress.advance(sum(t.numel() * t.element_size() for _, t in gathered))
         del gathered  # before the next unit's copies: one unit of them at a time
+    progress.close()
     if rank0:
         index = {"metadata": {"total_size": total, "format": fmt}, "weight_map": weight_map,
                  "fz3_aliases": aliases}
