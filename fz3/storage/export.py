@@ -60,7 +60,7 @@ def export(path: str | os.PathLike, model: ShardedModel, params: Params, *,
     # No enumerate: it keeps its last result tuple (this unit's copies) until the next unit's
     # gather has run. Comprehensions below: no loop variable outlives the unit either.
     k = -1
-    progress = Progress(f"fz3.export({path!r})", model.numel * 4)  # rank 0, when long
+    progress = Progress(f"fz3.export({path!r})", model.numel * 4)  # rank 0 writes, when long
     for unit, gathered in gathered_units:
         k += 1
         held = gathered_units.buffer_bytes
@@ -77,9 +77,9 @@ def export(path: str | os.PathLike, model: ShardedModel, params: Params, *,
             weight_map.update({t: name for t in tensors})
             files.append(name)
             total += written
+            progress.advance(written)
             del tensors
         peak = max(peak, held)
-        progress.advance(sum(t.numel() * t.element_size() for _, t in gathered))
         del gathered  # before the next unit's copies: one unit of them at a time
     progress.close()
     if rank0:
