@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 
 import fz3
-from meter import Meter
 
 
 def corpus() -> torch.Tensor:
@@ -129,7 +128,7 @@ def main() -> None:
     state = opt.init(params)
     step_fn = fz3.value_and_grad(model)
     data = corpus()
-    meter = Meter()  # the first step (it traces the layers) is timed apart from the rate
+    meter = fz3.Meter()  # the first step (it traces the layers) is timed apart from the rate
     for step in range(1, args.steps + 1):
         loss, grads = step_fn(params, batch_for(data, step, rank, args.batch, args.seq))
         params, state = fz3.optim.step(opt, grads, state, params, donate=True)

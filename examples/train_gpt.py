@@ -24,7 +24,6 @@ import torch.distributed as dist
 import fz3
 from fz3.models.gpt import GPT, GPTConfig
 from fz3.models import shard_gpt
-from meter import Meter
 
 
 def corpus() -> torch.Tensor:
@@ -96,7 +95,7 @@ def main() -> None:
         if rank == 0:
             print(f"resumed from {args.ckpt} at step {saved['step']}", flush=True)
 
-    meter = Meter()  # the first step (it traces the layers) is timed apart from the rate
+    meter = fz3.Meter()  # the first step (it traces the layers) is timed apart from the rate
     for step in range(start, args.steps + 1):
         batch = batch_for(data, step, rank, args.batch, args.seq)
         loss, grads = step_fn(params, batch)

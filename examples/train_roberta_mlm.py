@@ -22,7 +22,7 @@ import fz3
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_gpt import corpus  # noqa: E402
-from meter import Meter  # noqa: E402
+
 
 MASK, VOCAB = 256, 260  # bytes, then the <mask> id; 4 ids spare for specials
 
@@ -74,7 +74,7 @@ def main() -> None:
     if rank == 0:
         n = model.numel
         print(f"fz3 RobertaForMaskedLM: {n / 1e6:.2f}M parameters on {world} ranks", flush=True)
-    meter = Meter()  # the first step (it traces the layers) is timed apart from the rate
+    meter = fz3.Meter()  # the first step (it traces the layers) is timed apart from the rate
     for step in range(1, args.steps + 1):
         loss, grads = step_fn(params, mlm_batch(data, step, rank, args.batch, args.seq, masked=args.seq // 8))
         params, state = fz3.optim.step(opt, grads, state, params, donate=True)

@@ -9,6 +9,8 @@ from .comm.arrival import CollectiveMismatchError
 from .comm.failures import RankInterruptedError, RankLostError
 from .comm.groups import destroy
 from .observe.memory import MemoryPlan, memory_plan
+from .observe.measure import Measured, measure_memory
+from .observe.meter import Meter
 from .observe.step_through import StepFrame, any_rank, step_through
 from .observe.trace import chrome_trace, trace, trace_summary
 from .optim.masks import decay_mask
@@ -39,12 +41,13 @@ from .storage.state_dict import full_state_dict, module_state_dict
 __all__ = [
     "Accumulate", "Category", "CheckpointDamagedError", "CheckpointError",
     "CheckpointMismatchError", "CheckpointReport", "CollectiveMismatchError", "CompileError",
-    "Event", "ExportReport", "FlatLayout", "Frame", "Keep", "MemoryPlan", "NonFiniteError", "Op",
-    "OpKind", "Params", "PartReadError", "PartShape", "Policy", "Precision", "Pretrained",
-    "RankInterruptedError", "RankLostError", "Recorder", "Result", "Role", "Schedule",
-    "ScheduleError", "ShardedModel", "Slot", "StepFrame", "Unit", "ValueAndGrad", "accumulate",
-    "any_rank", "apply", "chrome_trace", "decay_mask", "deferred", "destroy", "export",
-    "full_state_dict", "hf", "keep", "load", "memory_plan", "module_state_dict", "optim", "plan",
-    "read_export", "refreeze", "save", "shard", "step_through", "trace", "trace_summary",
-    "validate", "value_and_grad", "verify_checkpoint",
+    "Event", "ExportReport", "FlatLayout", "Frame", "Keep", "Measured", "MemoryPlan", "Meter",
+    "NonFiniteError", "Op", "OpKind", "Params", "PartReadError", "PartShape", "Policy",
+    "Precision", "Pretrained", "RankInterruptedError", "RankLostError", "Recorder", "Result",
+    "Role", "Schedule", "ScheduleError", "ShardedModel", "Slot", "StepFrame", "Unit",
+    "ValueAndGrad", "accumulate", "any_rank", "apply", "chrome_trace", "decay_mask", "deferred",
+    "destroy", "export", "full_state_dict", "hf", "keep", "load", "measure_memory",
+    "memory_plan", "module_state_dict", "optim", "plan", "read_export", "refreeze", "save",
+    "shard", "step_through", "trace", "trace_summary", "validate", "value_and_grad",
+    "verify_checkpoint",
 ]

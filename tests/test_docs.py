@@ -20,6 +20,7 @@ import logging
 import os
 import pathlib
 import re
+import textwrap
 
 import pytest
 
@@ -38,8 +39,8 @@ def blocks(path: pathlib.Path) -> list[tuple[int, str, str]]:
         if inside is None and m and m.group(1):
             inside, start, code = (m.group(1), m.group(2).strip()), n, []
         elif inside is not None and line.strip() == "```":
-            if inside[0] == "python":
-                found.append((start, inside[1], "\n".join(code)))
+            if inside[0] == "python":  # a block inside a list item is indented with it
+                found.append((start, inside[1], textwrap.dedent("\n".join(code))))
             inside = None
         elif inside is not None:
             code.append(line)

@@ -32,6 +32,5 @@ def once(logger: logging.Logger, level: int, msg: str, *args: object) -> None:
 
 
 def per_rank(logger: logging.Logger, level: int, msg: str, *args: object) -> None:
-    """``logger.log(level, "[rank r] " + msg, *args)`` on this rank (ranks may say different
-    things)."""
+    """``logger.log(level, "[rank r] " + msg, *args)`` on this rank (ranks may differ)."""
     logger.log(level, "[rank %d] " + msg, _rank(), *args)

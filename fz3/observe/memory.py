@@ -15,7 +15,7 @@ user's code holds.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -26,6 +26,10 @@ from ..schedule.structure import Role
 from ..sharding.model import ShardedModel
 from ..step.traced import TracedLayers
 from .activations import PartActivations, activation_sizes
+from .plot import memory_picture
+
+if TYPE_CHECKING:
+    from .measure import Measured
 
 MiB = 2**20
 
@@ -45,6 +49,31 @@ class MemoryPlan(NamedTuple):
     peak: int
     # (gathered, unsharded grads, saved inputs, graphs) after each op
     per_op: tuple[tuple[int, int, int, int], ...]
+    # each op as the schedule prints it ("gather blocks.0"), and the most the step holds
+    # beyond the persistent bytes during it (what ``fz3.measure_memory`` measures per op)
+    labels: tuple[str, ...] = ()
+    during_op: tuple[int, ...] = ()
+
+    @property
+    def persistent(self) -> int:
+        """What lives between steps: the params' and optimizer state's shards."""
+        return self.params + self.optimizer
+
+    @property
+    def step_peak(self) -> int:
+        """The most a step holds beyond what lives between steps (its gradient shards
+        included): ``fz3.measure_memory(...).step_peak`` measures the same."""
+        return self.peak - self.persistent
+
+    def plot(self, path: str, measured: "Measured | None" = None) -> None:
+        """A picture of memory over the step's ops (``path``, a PNG): planned, and measured
+        when given (``fz3.measure_memory``), each unit's gather, free and reduce marked.
+        Needs matplotlib (``pip install 'fz3[plot]'``), else ``ImportError`` naming it."""
+        memory_picture(path, self.labels, self.during_op, self.persistent,
+                       measured.per_op if measured is not None else None,
+                       f"planned peak {self.peak / MiB:.2f} MiB per rank"
+                       + (f", measured {(self.persistent + measured.step_peak) / MiB:.2f}"
+                          if measured is not None else ""))
 
     def __str__(self) -> str:
         rows = [("sharded params", self.params), ("sharded grads", self.grads),
@@ -203,4 +232,6 @@ def plan_of(model: ShardedModel, schedule: Schedule, act: tuple[PartActivations,
         graphs=max(col("graphs"), during_graphs),
         peak=persistent + peak_transient,
         per_op=tuple((b.gathered, b.unreduced, b.inputs, b.graphs) for b in per_op),
+        labels=tuple(schedule.describe(op) for op in schedule.ops),
+        during_op=tuple(b.peak for b in per_op),
     )

@@ -1,5 +1,5 @@
 """Traces: a recorded step as Chrome-trace JSON (Perfetto, chrome://tracing), a per-unit text
-summary and an optional PNG timeline.
+summary and an optional PNG timeline (``fz3.observe.plot``).
 
     with fz3.trace("step-{rank}.json") as rec:
         fz3.value_and_grad(model, recorder=rec)(params, batch)
@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ..schedule.ops import COMPLETES, Category, OpKind
 from ..step.record import Event, Recorder
+from .plot import pyplot, timeline_picture
 
 log = logging.getLogger(__name__)
 LANES = {"compute": 0, "waits": 1, "issue": 2, "in flight": 3, "device": 4}
@@ -34,7 +35,10 @@ LANE_OF = {Category.COMPUTE: "compute", Category.WAIT: "waits", Category.ISSUE: 
 def trace(path: str, *, png: str | None = None) -> Iterator[Recorder]:
     """Record the steps run inside; on exit write the Chrome trace to ``path`` (``{rank}`` in
     it is replaced by the rank; without it only rank 0 writes), the summary to ``path + .txt``
-    and, with matplotlib installed and ``png`` given, a timeline picture."""
+    and, with ``png``, a timeline picture (``fz3.observe.plot``; it needs matplotlib, checked
+    here, before any step: ``ImportError`` naming ``fz3[plot]``)."""
+    if png:
+        pyplot()
     rec = Recorder()
     yield rec
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -47,7 +51,7 @@ def trace(path: str, *, png: str | None = None) -> Iterator[Recorder]:
     with open(out + ".txt", "w") as f:
         f.write(trace_summary(rec) + "\n")
     if png:
-        timeline_png(chrome, png.format(rank=rank))
+        timeline_picture(chrome, png.format(rank=rank), rank, LANES)
     log.info("wrote trace %s", out)
 
 
@@ -124,34 +128,3 @@ def trace_summary(rec: Recorder) -> str:
     tot = [sum(r[i] for r in rows.values()) / steps for i in range(3)]
     lines.append(f"{'total':<{width}} {tot[0]:>11.3f} {tot[1]:>11.3f} {tot[2]:>10.2f}")
     return "\n".join(lines)
-
-
-def timeline_png(chrome: dict, path: str) -> bool:
-    """A picture of the lanes of ``chrome`` (a ``chrome_trace``), the steps that traced or
-    compiled layers left out; False when matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    # the steps that traced or compiled layers left out (unless all did), the rest from 0
-    timed = [ev for ev in chrome["traceEvents"] if ev["ph"] == "X"]
-    trace_ = [ev for ev in timed if not ev.get("args", {}).get("traced")] or timed
-    t0 = min((ev["ts"] for ev in trace_), default=0.0)
-    fig, ax = plt.subplots(figsize=(12, 3))
-    colors = {"compute": "tab:blue", "waits": "tab:red", "issue": "tab:gray",
-              "in flight": "tab:green", "device": "tab:purple"}
-    names = {tid: name for name, tid in LANES.items()}
-    for ev in trace_:
-        name = names[ev["tid"]]
-        ax.barh(ev["tid"], ev["dur"] / 1e3, left=(ev["ts"] - t0) / 1e3, color=colors[name],
-                height=0.8)
-    ax.set_yticks(list(LANES.values()), list(LANES))
-    ax.invert_yaxis()
-    ax.set_xlabel("ms")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True

@@ -114,23 +114,7 @@ def reads(module: nn.Module, paths: Sequence[str], pre: Callable, post: Callable
     gaps = list(between) + [None] * (len(paths) - 1 - len(between))
     auxes = []
     for i, path in enumerate(paths):
-        stack_aux = []
-        for key, _ in layer_children(module, path):
-            def layer_fn(m, h, *extras, _path=path, _key=key):
-                return call_layer(dict(layer_children(m, _path))[_key], h, *extras)
-            try:
-                got = run(f"layer {path}.{key}", layer_fn, h, *extras)
-            except PlacementError as e:
-                if layer_aux:  # the loss needs its aux's shape
-                    raise
-                # a kernel whose fake version refuses what the real one takes (``_grouped_mm``
-                # in fp32 on the CPU): h goes on as it came (layers keep h's shape), and what
-                # the layer reads is checked at each call instead
-                log.info("%s; h goes on unchanged, and its reads are checked at each call", e)
-                continue
-            h = got[0] if layer_aux else got
-            if layer_aux:
-                stack_aux.append(got[1])
+        h, stack_aux = _layers(run, module, path, call_layer, h, extras, layer_aux)
         if layer_aux:
             with mode:
                 auxes.append(torch.stack(stack_aux))
@@ -139,6 +123,29 @@ def reads(module: nn.Module, paths: Sequence[str], pre: Callable, post: Callable
             h, extras = got[0], got[1:] or extras
     run("post", post, h, batch, *((tuple(auxes),) if layer_aux else ()))
     return found
+
+
+def _layers(run: Callable, module: nn.Module, path: str, call_layer: Callable, h: Any,
+            extras: tuple, layer_aux: bool) -> tuple[Any, list]:
+    """Every layer of the container at ``path`` through ``run``: ``(h, their aux outputs)``."""
+    stack_aux = []
+    for key, _ in layer_children(module, path):
+        def layer_fn(m, h, *extras, _key=key):
+            return call_layer(dict(layer_children(m, path))[_key], h, *extras)
+        try:
+            got = run(f"layer {path}.{key}", layer_fn, h, *extras)
+        except PlacementError as e:
+            if layer_aux:  # the loss needs its aux's shape
+                raise
+            # a kernel whose fake version refuses what the real one takes (``_grouped_mm``
+            # in fp32 on the CPU): h goes on as it came (layers keep h's shape), and what
+            # the layer reads is checked at each call instead
+            log.info("%s; h goes on unchanged, and its reads are checked at each call", e)
+            continue
+        h = got[0] if layer_aux else got
+        if layer_aux:
+            stack_aux.append(got[1])
+    return h, stack_aux
 
 
 def _tuple(out: Any) -> tuple:

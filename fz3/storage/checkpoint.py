@@ -38,6 +38,7 @@ from .. import rng
 from ..comm.arrival import DEFAULT_TIMEOUT_S, arrive
 from ..comm.failures import is_interrupt, lost_error, record_interrupt
 from ..comm.groups import refuse_destroyed
+from ..comm.progress import Progress
 from ..sharding.layout import FlatLayout
 from ..sharding.model import Params, ShardedModel
 from ..sharding.params import is_donated
@@ -45,7 +46,7 @@ from .agreement import (Start, agree_found, agree_start, agree_unchanged, identi
                         value_digests)
 from .commit import agree, attempt, swap_in
 from .durable import fsync_dir, write_durably
-from .errors import CheckpointDamagedError, failures_of, interrupt_failure, save_failure
+from .errors import failures_of, interrupt_failure, load_failure, save_failure
 from .owned import new_save_id, release, resolve, take_path
 from .verify import META, checksums_of, describe, meta_text
 
@@ -108,7 +109,9 @@ def _save(path: str, model: ShardedModel, flat: dict[str, Any],
     flat[f"rng.rank{dist.get_rank()}"] = rng.pack(rng.capture(model.device))
     writer = ChecksumWriter(partial)
     try:  # DCP agrees on its own outcome: a failure on any rank is raised on all of them
-        dcp.save(flat, storage_writer=writer, process_group=group)
+        with Progress(f"fz3.save({path!r})") as progress:  # one line on rank 0 when long
+            dcp.save(flat, storage_writer=writer, process_group=group)
+            progress.done = _nbytes(flat)
     except (Exception, CheckpointException) as e:
         failure = save_failure(group, path, "writing the data", e)
         drop_partial()
@@ -177,7 +180,9 @@ def _load(path: str, model: ShardedModel, template: Any, restore_rng: bool) -> A
     reader = (dcp.FileSystemReader(where) if plan.sums is None
               else VerifyingReader(where, plan.sums, dist.get_rank()))
     try:
-        dcp.load(flat, storage_reader=reader, process_group=group)
+        with Progress(f"fz3.load({path!r})") as progress:  # one line on rank 0 when long
+            dcp.load(flat, storage_reader=reader, process_group=group)
+            progress.done = _nbytes(flat)
     except (Exception, CheckpointException) as e:  # DCP raises every rank's failure on all of them
         failed = failures_of(e)
         if failed is None:  # a collective broke: a rank is gone
@@ -185,25 +190,11 @@ def _load(path: str, model: ShardedModel, template: Any, restore_rng: bool) -> A
         agree_unchanged(group, path, found, identity_now(where))  # a writer's swap, not damage
         if any(is_interrupt(x) for x in failed.values()):
             raise interrupt_failure(f"fz3.load({path!r})", failed) from e
-        raise _load_failure(model, where, e) from e
+        raise load_failure(where, failed) from e
     agree_unchanged(group, path, found, identity_now(where))
     if with_rng:
         rng.restore(rng.unpack(flat.pop(rng_key), model.device), model.device)
     return _unflatten(model, template, flat, "")
-
-
-def _load_failure(model: ShardedModel, path: str, e: BaseException) -> Exception:
-    failed = failures_of(e)
-    if failed is None:  # a collective broke: a rank is gone
-        return lost_error(_everyone(model) or dist.group.WORLD, f"fz3.load({path!r})", e)
-    damaged = [str(x) for x in failed.values() if isinstance(x, CheckpointDamagedError)]
-    if damaged:
-        return CheckpointDamagedError(" | ".join(damaged), path, sorted(failed))
-    shown = "; ".join(f"rank {r}: {type(x).__name__}: {str(x)[:1000]}" for r, x in failed.items())
-    return CheckpointDamagedError(
-        f"checkpoint {path} is damaged inside a file, or the storage failed: its files have their "
-        f"full length and fit the model and the template, yet reading them failed: {shown}",
-        path, sorted(failed))
 
 
 def _flatten(model: ShardedModel, x: Any, key: str, for_load: bool = False) -> dict[str, Any]:
@@ -295,3 +286,7 @@ def _everyone(model: ShardedModel) -> dist.ProcessGroup | None:
     """The group that writes a checkpoint: the shard group, or every rank with hybrid sharding."""
     return model.comm.group if model.comm.replicas == 1 else None
 
+
+def _nbytes(flat: dict[str, Any]) -> int:
+    """This rank's tensor bytes in a flattened state (for the progress line)."""
+    return sum(t.numel() * t.element_size() for t in flat.values() if isinstance(t, torch.Tensor))

@@ -130,3 +130,16 @@ def _is_transport(e: Any) -> bool:
     peer', NCCL's abort), not why: the heartbeats tell."""
     return isinstance(e, (RankLostError, dist.DistBackendError)) or (
         isinstance(e, RuntimeError) and any(s in str(e) for s in _PEER_GONE))
+
+
+def load_failure(path: str, failed: dict[int, BaseException]) -> "CheckpointDamagedError":
+    """DCP's read failed on the ranks of ``failed`` (no rank lost, no interrupt, no writer's
+    swap: those are told apart before): damage named by a verifying reader, or the storage."""
+    damaged = [str(x) for x in failed.values() if isinstance(x, CheckpointDamagedError)]
+    if damaged:
+        return CheckpointDamagedError(" | ".join(damaged), path, sorted(failed))
+    shown = "; ".join(f"rank {r}: {type(x).__name__}: {str(x)[:1000]}" for r, x in failed.items())
+    return CheckpointDamagedError(
+        f"checkpoint {path} is damaged inside a file, or the storage failed: its files have their "
+        f"full length and fit the model and the template, yet reading them failed: {shown}",
+        path, sorted(failed))

@@ -24,6 +24,7 @@ import torch
 
 from ..comm.arrival import DEFAULT_TIMEOUT_S, arrive
 from ..comm.groups import refuse_destroyed
+from ..comm.progress import Progress
 from ..sharding.model import Params, ShardedModel
 from ..sharding.params import check_tree
 from .gather import Gathered, own_buffers, unit_shards
@@ -75,6 +76,7 @@ def export(path: str | os.PathLike, model: ShardedModel, params: Params, *,
     # No enumerate: it keeps its last result tuple (this unit's copies) until the next unit's
     # gather has run. Comprehensions below: no loop variable outlives the unit either.
     k = -1
+    progress = Progress(f"fz3.export({path!r})", model.numel * 4)  # rank 0 writes, when long
     for unit, gathered in gathered_units:
         k += 1
         held = gathered_units.buffer_bytes
@@ -93,23 +95,30 @@ def export(path: str | os.PathLike, model: ShardedModel, params: Params, *,
                 files.append(name)
             weight_map.update({t: name for t in tensors})
             total += written
+            progress.advance(written)
             del tensors
         peak = max(peak, held)
         del gathered  # before the next unit's copies: one unit of them at a time
-    if rank0 and rewrite is not None:
+    progress.close()
+    if rank0:
+        _write_index(model, path, f"{stem}.{ext}.index.json", rewrite, aliases,
+                     {"metadata": {"total_size": total, "format": fmt}, "weight_map": weight_map})
+    return ExportReport(files, peak, model.numel * 4)
+
+
+def _write_index(model: ShardedModel, path: str, name: str, rewrite: Rewrite | None,
+                 aliases: dict[str, str], index: dict) -> None:
+    """Rank 0: the index (tied names as ``fz3_aliases``, renamed by ``rewrite``) and the
+    model's config, where it has one."""
+    if rewrite is not None:
         rewrite.finish()
         aliases = {rewrite.name(a): rewrite.name(t) for a, t in aliases.items()
                    if rewrite.name(a) is not None}
-    if rank0:
-        index = {"metadata": {"total_size": total, "format": fmt}, "weight_map": weight_map,
-                 "fz3_aliases": aliases}
-        with open(os.path.join(path, f"{stem}.{ext}.index.json"), "w") as f:
-            json.dump(index, f, indent=1)
-        config = getattr(model.skeleton, "config", None)
-        if config is not None and hasattr(config, "save_pretrained"):
-            config.save_pretrained(path)
-    model_bytes = model.numel * 4
-    return ExportReport(files, peak, model_bytes)
+    with open(os.path.join(path, name), "w") as f:
+        json.dump({**index, "fz3_aliases": aliases}, f, indent=1)
+    config = getattr(model.skeleton, "config", None)
+    if config is not None and hasattr(config, "save_pretrained"):
+        config.save_pretrained(path)
 
 
 def read_export(path: str) -> dict[str, torch.Tensor]:

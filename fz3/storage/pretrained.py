@@ -31,6 +31,8 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from ..comm.progress import Progress
+
 
 # a module's name -> its name in the checkpoint, or the names of the tensors it is the
 # concatenation of, flattened in that order (an MoE layer's stacked experts: one tensor per
@@ -50,6 +52,8 @@ class Pretrained:
         self.files = _weight_map(self.folder)  # checkpoint name -> file
         self._open: dict[str, object] = {}  # file -> safe_open handle
         self.bytes_read = 0
+        # a line (or a tqdm bar) on rank 0 while a long read goes on
+        self.progress = Progress(f"fz3.shard(weights={self.folder!r})")
 
     def find(self, names: Iterable[str], rename: Rename) -> str | tuple[str, ...] | None:
         """The checkpoint's name (or names, concatenated) for the first of a parameter's
@@ -91,6 +95,7 @@ class Pretrained:
         first, last = start // row, -(-end // row)
         rows = self._slice(key)[first:last].reshape(-1)
         self.bytes_read += rows.numel() * rows.element_size()
+        self.progress.advance(rows.numel() * rows.element_size())
         return rows[start - first * row : end - first * row]
 
     def _slice(self, key: str):
