@@ -30,10 +30,14 @@ import dist
 import fz3
 from fz3.models import shard_gpt
 from fz3.models.gpt import GPTConfig
+from fz3.optim.newton_schulz import flops
+from fz3.optim.owners import plan
 from fz3.sharding.matrices import expand, matrix_runs
+from fz3.sharding.parts import partition
 from reference import LayerNet, batches, fz3_said, gpt, layer_post, layer_pre
 
-CFG = GPTConfig(vocab=37, seq=8, dim=20, heads=4, layers=3)
+CFG = GPTConfig(vocab=37, seq=8, dim=20, heads=4, layers=3, mlp_ratio=3)  # matrices cross
+# the shard boundaries at world sizes 2 and 3
 HP = dict(lr=0.02, weight_decay=0.1, momentum=0.95)
 ADAM = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
 TOL = {1: 1e-6, 2: 1e-4, 3: 1e-4}
@@ -198,7 +202,7 @@ def experts_ranks(rank, world):
         muon = fz3.optim.muon(model, **HP, others=fz3.optim.adamw(**ADAM))
     assert said == (["fz3.optim.muon: layers.*.w [2, 6, 6] orthogonalized per expert (one "
                      "matrix per leading index)"] if rank == 0 else []), said
-    owners = fz3.optim.owners.plan(model.parts, world, 5).owners
+    owners = plan(model.parts, world, 5).owners
     assert len(owners) == 2 and (world < 3 or 2 not in owners), owners
 
     def batch_of(s):
@@ -232,3 +236,32 @@ def test_muon_matches_torch_at_world_sizes_1_2_3(tmp_path):
 
 def test_muon_experts_and_refusals():
     print("worst relative error", dist.run(3, experts_ranks)[0])
+
+
+def test_owner_plan_balances_and_moves_every_slice_once():
+    """The plan alone (no ranks): at world sizes 1-8, no rank's Newton-Schulz FLOPs exceed
+    1.1x the mean plus one matrix; every element of every matrix is in exactly one slice; what
+    each rank sends to another is what that one expects; each owner assembles its matrices
+    from all it receives. The test model's matrices cross shard boundaries at sizes 2 and 3."""
+    wide = GPTConfig(vocab=37, seq=8, dim=48, heads=4, layers=5)
+    tested = gpt(CFG)  # test_muon_matches_torch_at_world_sizes_1_2_3's model
+    for module, path in ((tested, "blocks"), (gpt(wide), "blocks"),
+                         (LayerNet([Experts() for _ in range(3)]), "layers")):
+        for world in range(1, 9):
+            p = plan(partition(module, [path], world, between=[]).parts, world, 5)
+            biggest = max(flops(m.shape, 5) for m in p.matrices)
+            assert max(p.flops) <= 1.1 * sum(p.flops) / world + biggest, (world, p.flops)
+            slices: dict[int, list] = {}
+            for r, ex in enumerate(p.exchanges):
+                assert [e.recv_sizes[r] for e in p.exchanges] == list(ex.send_sizes)
+                assert sorted(ex.assemble) == list(range(len(ex.runs)))
+                assert sum(ex.runs) == sum(n * a * b for (a, b), n in ex.groups)
+                for piece in ex.send:
+                    slices.setdefault(piece.matrix, []).append(piece)
+            for m, matrix in enumerate(p.matrices):
+                spans = sorted((q.offset, q.offset + q.stop - q.first) for q in slices[m])
+                ends = [0] + [hi for _, hi in spans]
+                assert [lo for lo, _ in spans] == ends[:-1] and ends[-1] == matrix.shape[0] * \
+                    matrix.shape[1], (world, matrix.name, spans)
+            if module is tested and world in (2, 3):
+                assert any(len(v) > 1 for v in slices.values()), "no matrix crosses a boundary"
