@@ -48,14 +48,18 @@ class Reference:
     and torch.optim.AdamW over the rest of an unsharded copy; ``step(params, grads, norm)``
     loads fz3's full tensors, clips with fz3's norm if given, and steps once."""
 
-    def __init__(self, module, stack, clip=None):
-        self.clip = clip
+    def __init__(self, module, stack, clip=None, masked=False, lr=None):
+        self.clip, self.lr, self.steps = clip, lr, 0  # lr: Muon's schedule, if any
         named = {n: p for n, p in copy.deepcopy(module).named_parameters() if p.requires_grad}
         self.matrices = {n: [p] if p.dim() == 2 else [e.clone() for e in p.detach()]
                          for n, p in named.items() if n.startswith(stack + ".") and p.dim() > 1}
         self.rest = {n: p for n, p in named.items() if n not in self.matrices}
         self.muon = torch.optim.Muon([e for ps in self.matrices.values() for e in ps], **HP)
-        self.adam = torch.optim.AdamW(list(self.rest.values()), **ADAM)
+        decays = [p for p in self.rest.values() if p.dim() > 1 or not masked]
+        self.adam = torch.optim.AdamW([  # masked: fz3.decay_mask's rule, matrices decay
+            {"params": decays},
+            {"params": [p for p in self.rest.values() if all(p is not q for q in decays)],
+             "weight_decay": 0.0}], **ADAM)
 
     def step(self, params: dict, grads: dict, norm=None) -> dict:
         # torch.nn.utils.clip_grad_norm_'s coefficient, from fz3's norm (fp32, as torch's)
@@ -66,6 +70,9 @@ class Reference:
                 for p, value, g in zip(ps, full, grad.reshape(full.shape)):
                     p.copy_(value)
                     p.grad = g.clone()
+        self.steps += 1
+        if self.lr is not None:
+            self.muon.param_groups[0]["lr"] = self.lr(self.steps)
         self.muon.step()
         self.adam.step()
         out = {n: torch.stack([p.detach() for p in ps]).reshape(params[n].shape)
@@ -130,10 +137,11 @@ def gpt_ranks(rank, world, folder):
     module = gpt(CFG)
     module.pos.weight.requires_grad_(False)  # really frozen: no gradient, no state
     model, params = shard_gpt(module)
-    muon = fz3.optim.muon(model, **HP, others=fz3.optim.adamw(**ADAM))
+    mask = fz3.optim.rest_of(model, fz3.decay_mask(model))  # no decay for norms and biases
+    muon = fz3.optim.muon(model, **HP, others=fz3.optim.adamw(**ADAM, mask=mask))
     batch_of = lambda s: batches(CFG, world, step=s)[rank]  # noqa: E731
-    worst, params, state = _steps(rank, model, params, muon, Reference(module, "blocks"),
-                                  batch_of)
+    worst, params, state = _steps(rank, model, params, muon,
+                                  Reference(module, "blocks", masked=True), batch_of)
     momentum = [t for t in state.momentum.parts if t is not None]
     matrices = sum(p.rows * s.numel for p in model.parts for s in p.layout.slots
                    if p.role.value == "stack" and len(s.shape) == 2)
@@ -146,8 +154,8 @@ def gpt_ranks(rank, world, folder):
         if rank == 0:
             pickle.dump(full, open(os.path.join(folder, "muon.full"), "wb"))
     clip = fz3.optim.chain(fz3.optim.clip_by_global_norm(0.5, model), muon)
-    worst_clip, _, _ = _steps(rank, model, params, clip, Reference(module, "blocks", 0.5),
-                              batch_of)
+    worst_clip, _, _ = _steps(rank, model, params, clip,
+                              Reference(module, "blocks", 0.5, masked=True), batch_of)
     return worst, worst_clip, layout
 
 
@@ -156,7 +164,8 @@ def load_ranks(rank, world, folder):
     module = gpt(CFG)
     module.pos.weight.requires_grad_(False)
     model, params = shard_gpt(module)
-    muon = fz3.optim.muon(model, **HP, others=fz3.optim.adamw(**ADAM))
+    muon = fz3.optim.muon(model, **HP, others=fz3.optim.adamw(
+        **ADAM, mask=fz3.optim.rest_of(model, fz3.decay_mask(model))))
     loaded = fz3.load(os.path.join(folder, "muon"), model,
                       {"params": params, "opt": muon.init(params)})
     got = _state_full(model, loaded["opt"])
@@ -194,12 +203,14 @@ class Conv(torch.nn.Module):
 
 def experts_ranks(rank, world):
     """Experts orthogonalized one matrix each, said once; at world size 3 rank 2 owns no
-    matrix and still takes part; and what muon refuses, on every rank."""
+    matrix and still takes part; a schedule for lr; fz3.optim.freeze after muon; and what
+    muon refuses, on every rank."""
     torch.manual_seed(0)
     net = LayerNet([Experts()])
     model, params = fz3.shard(net, "layers", layer_pre, layer_post)
+    schedule = {**HP, "lr": lambda t: 0.02 / t}
     with fz3_said() as said:
-        muon = fz3.optim.muon(model, **HP, others=fz3.optim.adamw(**ADAM))
+        muon = fz3.optim.muon(model, **schedule, others=fz3.optim.adamw(**ADAM))
     assert said == (["fz3.optim.muon: layers.*.w [2, 6, 6] orthogonalized per expert (one "
                      "matrix per leading index)"] if rank == 0 else []), said
     owners = plan(model.parts, world, 5).owners
@@ -209,7 +220,16 @@ def experts_ranks(rank, world):
         g = torch.Generator().manual_seed(100 * s + rank)
         return torch.randint(0, 11, (2, 5), generator=g), torch.randint(0, 11, (2, 5), generator=g)
 
-    worst, _, _ = _steps(rank, model, params, muon, Reference(net, "layers"), batch_of)
+    worst, params, _ = _steps(rank, model, params, muon,
+                              Reference(net, "layers", lr=schedule["lr"]), batch_of)
+    frozen = fz3.optim.chain(muon, fz3.optim.freeze(model, {"layers.0.w", "head.bias"}))
+    _, grads = fz3.value_and_grad(model, trace=False)(params, batch_of(0))
+    before = fz3.module_state_dict(model, params)
+    after = fz3.module_state_dict(model, fz3.optim.step(frozen, grads, frozen.init(params),
+                                                        params, donate=True)[0])
+    if rank == 0:
+        assert [n for n in before if torch.equal(before[n], after[n])] == ["layers.0.w",
+                                                                          "head.bias"]
     for layer, what in ((Conv(), r"layers.0.k is \[1, 1, 2, 3\]: Muon orthogonalizes 2-D"),
                         (torch.nn.LayerNorm(6), r"the layer stack layers has no 2-D parameter")):
         bad, _ = fz3.shard(LayerNet([layer, copy.deepcopy(layer)]), "layers", layer_pre,
@@ -218,11 +238,29 @@ def experts_ranks(rank, world):
             fz3.optim.muon(bad)
     other, other_params = fz3.shard(LayerNet([Experts(), Experts()]), "layers", layer_pre,
                                     layer_post)
-    _, grads = fz3.value_and_grad(model, trace=False)(params, batch_of(0))
     with pytest.raises(ValueError, match=r"momentum of part layers is \[2, .*, this model's is "
                                          r"\[1, "):
         muon.update(grads, fz3.optim.muon(other).init(other_params), params)
+    _absent(rank)
     return worst
+
+
+def _absent(rank):
+    """A rank that never calls ``update`` is named by the others (not a hang until the process
+    group's timeout); last: the model that waited is unusable after."""
+    from fz3.comm.compat import default_store
+
+    model, params = fz3.shard(LayerNet([Experts()]), "layers", layer_pre, layer_post, timeout=1)
+    muon = fz3.optim.muon(model)
+    grads = optree.tree_map(torch.ones_like, params)
+    if rank == 1:
+        default_store().wait(["test/muon/absent"])
+        return
+    with pytest.raises(fz3.CollectiveMismatchError, match=r"ranks \[1\] did not enter this step "
+                                                          r"call within 1 s"):
+        muon.update(grads, muon.init(params), params)
+    if rank == 0:
+        default_store().set("test/muon/absent", "1")
 
 
 def test_muon_matches_torch_at_world_sizes_1_2_3(tmp_path):

@@ -64,8 +64,9 @@ def muon(model: ShardedModel, lr: float | Callable[[int], float] = 1e-3, weight_
          others: GradientTransformation | None = None) -> GradientTransformation:
     """Muon for each 2-D parameter of a layer stack (3-D: each matrix of its leading index),
     ``others`` (default ``fz3.optim.adamw()``) for the rest, given as a ``Rest``. ``lr`` may be
-    a schedule ``step -> lr`` (step counts from 1). ``update`` is collective (two all-to-alls
-    over the model's sharding group); its owners and slices are planned here, once."""
+    a schedule ``step -> lr`` (step counts from 1). Its owners and slices are planned here,
+    once. Collective: ``update`` and ``update_inplace`` (two all-to-alls over the model's
+    sharding group: every rank calls them)."""
     _check_hyper(lr, weight_decay, momentum, ns_coefficients, ns_steps, adjust_lr_fn)
     comm = model_comm(model, "muon")
     _check_matrices(model)
@@ -85,8 +86,10 @@ def muon(model: ShardedModel, lr: float | Callable[[int], float] = 1e-3, weight_
                          others.init(rest_of(model, params, columns)))
 
     def step(grads: Params, state: MuonState, params: Params | None, inplace: bool):
-        """``(count, rate, momentum, matrix updates by part)``; collective (the exchange)."""
+        """``(count, momentum, matrix updates by part)``. Collective (the exchange)."""
         _check(model, grads, state, params, weight_decay)
+        if comm.heartbeat is not None:  # one more call entered, after the checks: a rank that
+            comm.heartbeat.entered()  # raised or never came is named by those left waiting
         count = state.count + 1
         rate = lr(int(count)) if callable(lr) else lr
         mom, u = _momentum(grads, state.momentum, runs, momentum, nesterov, inplace)
