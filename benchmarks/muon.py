@@ -6,18 +6,21 @@ matrices' shard bytes, and FSDP2 with ``torch.optim.Muon`` on DTensor shards.
     python benchmarks/muon.py --quick       # 1 repeat: a smoke run
 
 Counted (no processes): for world sizes 1-8 (and 2-64 for a 6.5B GPT of Llama-7B's width,
-built on the meta device), from ``fz3.optim.owners.plan`` on the model's layouts: the largest rank's Newton-Schulz FLOPs against the mean (issue 53's bound: 1.1x the
-mean plus one matrix) and the bytes it sends in the two all-to-alls (bf16 slices, its own
-slices not counted) against 4x the matrix elements in its shard (the matrices' fp32 shard
-bytes).
+built on the meta device), from ``fz3.optim.owners.plan`` on the model's layouts: the largest
+rank's Newton-Schulz FLOPs against the mean (issue 53's bound: 1.1x the mean plus one
+matrix) and the bytes it sends in the two all-to-alls (bf16 slices, its own slices not
+counted) against 4x the matrix elements in its shard (the matrices' fp32 shard bytes).
 
-Timed (CPU, gloo, one thread per process; 2 cores here): the optimizer step alone, on the
-gradients of one ``value_and_grad`` step, repeated. ``torch``: one process,
+Timed (CPU, gloo, one thread per process; 2 cores here, shared): the busiest rank's
+Newton-Schulz at world sizes 1, 2, 4, 8, timed alone in one process; then the optimizer step
+alone, on the gradients of one ``value_and_grad`` step, repeated. ``torch``: one process,
 ``torch.optim.Muon`` over the stack's matrices and ``torch.optim.AdamW`` (fused) over the rest;
-``fz3 w=N``: ``fz3.optim.step(fz3.optim.muon(...), ..., donate=True)`` at world size N, and the
-same rank's Newton-Schulz alone (its owned batches); ``fsdp2 w=2``: ``fully_shard`` per block
-and at the root, ``torch.optim.Muon`` + ``AdamW`` given the DTensor parameters. Each job a
-fresh set of processes, jobs interleaved; medians over repeats of each job's median step.
+``fz3 w=N``: ``fz3.optim.step(fz3.optim.muon(...), ..., donate=True)`` at world size N (and
+rank 0's Newton-Schulz in the same job); ``fsdp2 w=2``: ``fully_shard`` per block and at the
+root, ``torch.optim.Muon`` given the DTensor matrices: its collectives in one step, its
+distance to one process of ``torch.optim.Muon`` on the same full tensors, its step time.
+Each job a fresh set of processes, jobs interleaved; medians over repeats of each job's
+median step.
 """
 
 from __future__ import annotations
@@ -71,6 +74,26 @@ def counts(cfg: GPTConfig, worlds=range(1, 9), device: str = "cpu") -> list[dict
                         / mean, bound=(1.1 * mean + biggest) / mean, bytes_sent_max=max(sent),
                         shard_bytes=max(shard), sent_over_shard=max(s / b for s, b in
                                                                     zip(sent, shard))))
+    return out
+
+
+def ns_alone(cfg: GPTConfig, worlds, steps: int) -> dict[int, float]:
+    """Per world size: the seconds of Newton-Schulz of its busiest rank's owned batches, timed
+    here in one process, one after another (a rank's compute without the others contending
+    for the cores)."""
+    from fz3.optim.newton_schulz import orthogonalize
+    from fz3.optim.owners import plan
+    from fz3.sharding.parts import partition
+
+    torch.manual_seed(0)
+    module = GPT(cfg)
+    out = {}
+    for world in worlds:
+        p = plan(partition(module, ["blocks"], world, between=[]).parts, world, 5)
+        busiest = max(range(world), key=lambda r: p.flops[r])
+        owned = [torch.randn(n, *shape).bfloat16() for shape, n in p.exchanges[busiest].groups]
+        out[world] = _median_step(lambda: [orthogonalize(x, (3.4445, -4.775, 2.0315), 5, 1e-7)
+                                           for x in owned], steps)
     return out
 
 
@@ -203,6 +226,10 @@ def main() -> None:
               f"{row['flops_max_over_mean']:.3f} (bound {row['bound']:.3f}); bytes sent "
               f"{row['bytes_sent_max'] / 2**20:.2f} MiB = {row['sent_over_shard']:.2f}x the "
               f"matrices' fp32 shard ({row['shard_bytes'] / 2**20:.2f} MiB)")
+    torch.set_num_threads(1)
+    alone = ns_alone(CFG, (1, 2, 4, 8), steps)
+    print("Newton-Schulz of the busiest rank, alone: "
+          + ", ".join(f"w={w} {t * 1e3:.1f} ms" for w, t in alone.items()))
     jobs = [("torch", 1), ("fz3", 1), ("fz3", 2), ("fsdp2", 2)]
     results: dict[str, list[dict]] = {f"{k} w={w}": [] for k, w in jobs}
     for _ in range(repeats):  # interleaved
@@ -217,7 +244,8 @@ def main() -> None:
         print(f"{name}: {summary[name]}")
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"counts": table, "counts_big": big, "timed": summary, "repeats": repeats, "steps": steps},
+            json.dump({"counts": table, "counts_big": big, "ns_alone_s": alone, "timed": summary,
+                       "repeats": repeats, "steps": steps},
                       f, indent=1)
 
 

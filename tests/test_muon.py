@@ -32,6 +32,7 @@ from fz3.models import shard_gpt
 from fz3.models.gpt import GPTConfig
 from fz3.optim.newton_schulz import flops
 from fz3.optim.owners import plan
+from fz3.schedule.structure import Role
 from fz3.sharding.matrices import expand, matrix_runs
 from fz3.sharding.parts import partition
 from reference import LayerNet, batches, fz3_said, gpt, layer_post, layer_pre
@@ -87,7 +88,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 def _matrices_equal(model, a, b) -> bool:
     """Bitwise equality of two params trees on every stack part's matrix columns."""
     return all(torch.equal(a.parts[i][:, lo:hi], b.parts[i][:, lo:hi])
-               for i, part in enumerate(model.parts) if part.role.value == "stack"
+               for i, part in enumerate(model.parts) if part.role is Role.STACK
                for lo, hi in matrix_runs(part, model.rank))
 
 
@@ -114,7 +115,8 @@ def _steps(rank, model, params, opt, ref, batch_of, steps=3):
             want = ref.step(full_p, full_g, norm)
             errors = {n: _rel(got[n], want[n]) for n in want}
             worst = max(worst, *errors.values())
-            assert worst <= TOL[model.world_size], (s, {n: e for n, e in errors.items() if e > 1e-7})
+            assert worst <= TOL[model.world_size], (s, {n: e for n, e in errors.items()
+                                                        if e > 1e-7})
         params, state = (donated, donated_state) if s % 2 else (new, new_state)
     return worst, params, state
 
@@ -144,7 +146,7 @@ def gpt_ranks(rank, world, folder):
                                   Reference(module, "blocks", masked=True), batch_of)
     momentum = [t for t in state.momentum.parts if t is not None]
     matrices = sum(p.rows * s.numel for p in model.parts for s in p.layout.slots
-                   if p.role.value == "stack" and len(s.shape) == 2)
+                   if p.role is Role.STACK and len(s.shape) == 2)
     share = sum(t.numel() for t in momentum) / (matrices / world)
     assert share <= 1.2, share
     layout = str(optree.tree_structure(state))

@@ -40,7 +40,6 @@ from .owners import Exchange, plan
 log = logging.getLogger(__name__)
 
 
-
 def lr_ratio(adjust_lr_fn: str | None, shape: tuple[int, ...]) -> float:
     """torch.optim.Muon's ``adjust_lr_fn`` on a matrix of ``shape`` (A, B): None and
     ``"original"``: sqrt(max(1, A / B)) (Keller Jordan's); ``"match_rms_adamw"``:
