@@ -67,7 +67,7 @@ def counts(cfg: GPTConfig, worlds=range(1, 9), device: str = "cpu") -> list[dict
         biggest = max(flops(m.shape, 5) for m in p.matrices)
         sent = [2 * sum(s for d, s in enumerate(ex.send_sizes) if d != r)
                 + 2 * sum(s for h, s in enumerate(ex.recv_sizes) if h != r)
-                for r, ex in enumerate(p.exchanges)]
+                for r, ex in enumerate(p.exchange(q) for q in range(world))]
         shard = [4 * sum(part.rows * (b - a) for part in parts if part.role.value == "stack"
                          for a, b in matrix_runs(part, r)) for r in range(world)]
         out.append(dict(world=world, matrices=len(p.matrices), flops_max_over_mean=max(p.flops)
@@ -91,7 +91,7 @@ def ns_alone(cfg: GPTConfig, worlds, steps: int) -> dict[int, float]:
     for world in worlds:
         p = plan(partition(module, ["blocks"], world, between=[]).parts, world, 5)
         busiest = max(range(world), key=lambda r: p.flops[r])
-        owned = [torch.randn(n, *shape).bfloat16() for shape, n in p.exchanges[busiest].groups]
+        owned = [torch.randn(n, *shape).bfloat16() for shape, n in p.exchange(busiest).groups]
         out[world] = _median_step(lambda: [orthogonalize(x, (3.4445, -4.775, 2.0315), 5, 1e-7)
                                            for x in owned], steps)
     return out
@@ -139,7 +139,7 @@ def fz3_job(rank: int, world: int, steps: int) -> dict:
     def step():
         box[0], box[1] = fz3.optim.step(opt, grads, box[1], box[0], donate=True)
 
-    ex = plan(model.parts, world, 5).exchanges[rank]
+    ex = plan(model.parts, world, 5).exchange(rank)
     owned = [torch.randn(n, *shape).bfloat16() for shape, n in ex.groups]
     ns = lambda: [orthogonalize(x, (3.4445, -4.775, 2.0315), 5, 1e-7) for x in owned]  # noqa
     return dict(step_s=_median_step(step, steps), ns_s=_median_step(ns, steps))

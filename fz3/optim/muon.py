@@ -69,7 +69,7 @@ def muon(model: ShardedModel, lr: float | Callable[[int], float] = 1e-3, weight_
     _check_hyper(lr, weight_decay, momentum, ns_coefficients, ns_steps, adjust_lr_fn)
     comm = model_comm(model, "muon")
     _check_matrices(model)
-    ex = plan(model.parts, comm.world_size, ns_steps).exchanges[comm.rank]
+    ex = plan(model.parts, comm.world_size, ns_steps).exchange(comm.rank)
     stacks = [i for i, p in enumerate(model.parts) if p.role is Role.STACK]
     runs = {i: matrix_runs(model.parts[i], comm.rank) for i in stacks}
     ratios = {i: _ratio_runs(model.parts[i], comm.rank, adjust_lr_fn) for i in stacks}

@@ -63,7 +63,11 @@ class Plan(NamedTuple):
     matrices: tuple[Matrix, ...]
     owners: tuple[int, ...]  # per matrix
     flops: tuple[int, ...]  # per rank: Newton-Schulz FLOPs of a step
-    exchanges: tuple[Exchange, ...]  # per rank
+    pieces: tuple[dict[int, Piece], ...]  # per matrix: {holder rank: its slice}
+
+    def exchange(self, rank: int) -> Exchange:
+        """Rank ``rank``'s side of both all-to-alls (each rank computes only its own)."""
+        return _exchange(rank, self.matrices, self.owners, self.pieces, len(self.flops))
 
 
 def stack_matrices(parts: Sequence[Part]) -> tuple[Matrix, ...]:
@@ -86,7 +90,8 @@ def stack_matrices(parts: Sequence[Part]) -> tuple[Matrix, ...]:
 
 
 def plan(parts: Sequence[Part], world: int, steps: int) -> Plan:
-    """The owners and every rank's exchange for ``parts`` sharded over ``world`` ranks."""
+    """The matrices, their owners and slices for ``parts`` sharded over ``world`` ranks
+    (``steps``: Newton-Schulz iterations, for the costs)."""
     matrices = stack_matrices(parts)
     pieces = [_pieces(parts[m.part], m, k, world) for k, m in enumerate(matrices)]
     cost = [flops(m.shape, steps) for m in matrices]
@@ -94,8 +99,7 @@ def plan(parts: Sequence[Part], world: int, steps: int) -> Plan:
     load = [0] * world
     for m, r in enumerate(owners):
         load[r] += cost[m]
-    exchanges = tuple(_exchange(r, matrices, owners, pieces, world) for r in range(world))
-    return Plan(matrices, tuple(owners), tuple(load), exchanges)
+    return Plan(matrices, tuple(owners), tuple(load), tuple(pieces))
 
 
 def _pieces(part: Part, m: Matrix, index: int, world: int) -> dict[int, Piece]:
@@ -124,8 +128,8 @@ def _owners(cost: list[int], pieces: list[dict[int, Piece]], world: int) -> list
     return owners
 
 
-def _exchange(rank: int, matrices: tuple[Matrix, ...], owners: list[int],
-              pieces: list[dict[int, Piece]], world: int) -> Exchange:
+def _exchange(rank: int, matrices: tuple[Matrix, ...], owners: Sequence[int],
+              pieces: Sequence[dict[int, Piece]], world: int) -> Exchange:
     """Rank ``rank``'s side of both exchanges (see ``Exchange``)."""
     mine = [pieces[m][rank] for m in range(len(matrices)) if rank in pieces[m]]
     send = sorted(mine, key=lambda p: (owners[p.matrix], p.matrix))
