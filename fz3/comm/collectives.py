@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 from .arrival import absent_error
-from .compat import ALL_GATHER, ALL_REDUCE, GATHER, REDUCE_SCATTER, SUM, SUM_SCATTER
+from .compat import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, GATHER, REDUCE_SCATTER, SUM,
+                     SUM_SCATTER, TO_ALL)
 from .failures import lost_error
 from .liveness import Heartbeat
 
@@ -140,6 +141,21 @@ def all_reduce(comm: Comm, t: torch.Tensor, *, group: dist.ProcessGroup | None =
         return Pending(None, t, None, group, label)
     work = _issue(group, label, getattr(group, ALL_REDUCE), [t], SUM)
     return Pending(work, t, None, group, label, comm)
+
+
+def all_to_all(comm: Comm, out: torch.Tensor, send: torch.Tensor, out_sizes: list[int],
+               send_sizes: list[int], label: object = "all-to-all") -> Pending:
+    """Issue ``out <- every rank's run for this rank``, in rank order: ``send`` (1-D) is cut
+    into runs of ``send_sizes`` (one per rank, in rank order, zeros allowed), the i-th going to
+    rank i; ``out`` (1-D) receives rank j's run for this rank as its j-th run of
+    ``out_sizes[j]`` elements. Collective over the gradient group (every rank calls it, an
+    owner of nothing with zero sizes); a group of one rank copies."""
+    comm._delay()
+    if comm.local:
+        return Pending(None, out.copy_(send), send, comm.reduce_group, label)
+    work = _issue(comm.reduce_group, label, getattr(comm.reduce_group, ALL_TO_ALL), out, send,
+                  out_sizes, send_sizes, TO_ALL)
+    return Pending(work, out, send, comm.reduce_group, label, comm)
 
 
 def wait(p: Pending) -> torch.Tensor:

@@ -18,7 +18,7 @@ asynchronous).
 from __future__ import annotations
 
 import torch.distributed as dist
-from torch._C._distributed_c10d import (AllgatherOptions, AllreduceOptions,
+from torch._C._distributed_c10d import (AllgatherOptions, AllreduceOptions, AllToAllOptions,
                                          ReduceScatterOptions)
 
 _PG = dist.ProcessGroup
@@ -32,6 +32,10 @@ REDUCE_SCATTER = "reduce_scatter_single" if hasattr(_PG, "reduce_scatter_single"
     "_reduce_scatter_base"
 # ``ALL_REDUCE``: ([t], SUM): t <- the sum of t over ranks, in place
 ALL_REDUCE = "allreduce"
+# ``ALL_TO_ALL``: (out, in, out sizes, in sizes, TO_ALL): ``in``'s i-th run of ``in sizes[i]``
+# elements goes to rank i; ``out`` holds rank j's run for this rank at its j-th run (gloo has it
+# on the CPU, with uneven sizes; torch < 2.13 names it ``alltoall_base``)
+ALL_TO_ALL = "all_to_all_single" if hasattr(_PG, "all_to_all_single") else "alltoall_base"
 
 
 def _options(kind: type, **fields):
@@ -47,6 +51,7 @@ def _options(kind: type, **fields):
 GATHER = _options(AllgatherOptions)
 SUM_SCATTER = _options(ReduceScatterOptions, reduceOp=dist.ReduceOp.SUM)
 SUM = _options(AllreduceOptions, reduceOp=dist.ReduceOp.SUM)
+TO_ALL = _options(AllToAllOptions)
 
 
 def default_store() -> dist.Store:

@@ -1,7 +1,9 @@
 """Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP), reshardable.
 
 ``fz3.save(path, model, state)`` writes any pytree of training state: ``Params``-shaped
-nodes (params, AdamW moments, gradients) as DTensors, replicated tensors (a step count),
+nodes (params, AdamW moments, gradients; a part that is None, as in Muon's momentum outside
+stacks, is skipped) and ``Rest`` nodes (written as the ``Params`` they are part of, read back
+compacted: ``fz3/sharding/matrices.py``) as DTensors, replicated tensors (a step count),
 plain Python values (a loss-scale state) and, automatically, every rank's RNG state. Each
 rank writes only its own shards; nothing is gathered.
 
@@ -40,6 +42,7 @@ from ..comm.failures import is_interrupt, lost_error, record_interrupt
 from ..comm.groups import refuse_destroyed
 from ..comm.progress import Progress
 from ..sharding.layout import FlatLayout
+from ..sharding.matrices import Rest, expand, rest_of
 from ..sharding.model import Params, ShardedModel
 from ..sharding.params import is_donated
 from .agreement import (Start, agree_found, agree_start, agree_unchanged, identity_now, look,
@@ -200,10 +203,12 @@ def _load(path: str, model: ShardedModel, template: Any, restore_rng: bool) -> A
 def _flatten(model: ShardedModel, x: Any, key: str, for_load: bool = False) -> dict[str, Any]:
     if not for_load:
         _refuse_donated(model, x, key)
+    if isinstance(x, Rest):  # loaded into the full shards' shape, compacted by _unflatten
+        x = expand(model, x)
     if isinstance(x, Params):
         return {f"{key}{part.name}": _dtensor(model, part.layout, t.reshape(part.rows, -1),
                                               for_load)
-                for part, t in zip(model.parts, x.parts)}
+                for part, t in zip(model.parts, x.parts) if t is not None}
     if isinstance(x, tuple) and hasattr(x, "_fields"):
         return _merge(model, zip(x._fields, x), key, for_load)
     if isinstance(x, dict):
@@ -217,7 +222,7 @@ def _flatten(model: ShardedModel, x: Any, key: str, for_load: bool = False) -> d
 def _refuse_donated(model: ShardedModel, x: Any, key: str) -> None:
     """Params-shaped trees only (params, moments): a shard is never empty there, while a
     plain empty tensor elsewhere in the state is a legitimate value."""
-    if not isinstance(x, Params):
+    if not isinstance(x, (Params, Rest)):
         return
     for name, t in ((f"{key}{p.name}", t) for p, t in zip(model.parts, x.parts)):
         if is_donated(t):
@@ -235,8 +240,11 @@ def _merge(model: ShardedModel, items, key: str, for_load: bool) -> dict[str, An
 
 
 def _unflatten(model: ShardedModel, x: Any, flat: dict[str, Any], key: str) -> Any:
+    if isinstance(x, Rest):
+        return rest_of(model, _unflatten(model, expand(model, x), flat, key))
     if isinstance(x, Params):
-        return Params(tuple(_local(part.layout, flat[f"{key}{part.name}"]).reshape(t.shape)
+        return Params(tuple(None if t is None
+                            else _local(part.layout, flat[f"{key}{part.name}"]).reshape(t.shape)
                             for part, t in zip(model.parts, x.parts)))
     if isinstance(x, tuple) and hasattr(x, "_fields"):
         return type(x)(*(_unflatten(model, item, flat, f"{key}{f}.")
