@@ -113,7 +113,8 @@ def test_moe_families_with_the_router_loss_equal_plain_hf():
     ``output_router_logits=True``: the loss adds the load-balancing loss, from each layer's
     router statistics carried to the loss (``layer_aux``), equal to plain HF's at fp32 rtol
     1e-5 / atol 1e-6 with every gradient; ``fz3.hf.losses`` reports it. The default policy
-    (these layers fall back to autograd in fp32); ``.ci/hf-zoo`` runs save and trace=False."""
+    (traced in fp32, ``fz3.step.decompositions``); ``.ci/hf-zoo`` runs save and
+    trace=False."""
     assert dist.run(2, router_loss_ranks, timeout=300) == ["ok"] * 2
 
 

@@ -24,9 +24,9 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from . import decompositions
 from .codegen import (TraceError, codegen, constant_factories, copy_graph, fast_ops,
                       one_call_flatten, one_call_views)
 from .into import BackwardInto
@@ -140,7 +140,9 @@ def joint_trace(layer: Layer, inputs: Sequence[torch.Tensor], frozen: bool,
             cotangents = [torch.empty_like(plain[first], memory_format=torch.contiguous_format)]
             if shape is not None:
                 cotangents.append(torch.empty(shape[0], dtype=shape[1], device=plain[first].device))
-            joint_gm = make_fx(joint, tracing_mode="fake")(*plain, *cotangents)
+            # (ops whose fake kernel refuses what the real one takes: ``decompositions``)
+            joint_gm = make_fx(joint, tracing_mode="fake",
+                               decomposition_table=decompositions.TABLE)(*plain, *cotangents)
     except TraceError:
         raise
     except Exception as e:  # noqa: BLE001 - tracing fails in many ways; each means: fall back
@@ -153,19 +155,24 @@ def joint_trace(layer: Layer, inputs: Sequence[torch.Tensor], frozen: bool,
 
 
 def _aux_shape(call: Callable[..., tuple], plain: list[torch.Tensor]) -> tuple:
-    """The aux output's ``(shape, dtype)``, from one run of the layer on fake tensors (its
-    cotangent is an input of the joint trace)."""
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
-        aux = call(*(mode.from_tensor(t) for t in plain))[1]
+    """The aux output's ``(shape, dtype)``, from a trace of the layer's forward on fake
+    tensors (its cotangent is an input of the joint trace), through the joint trace's
+    ``decompositions``."""
+    with torch.no_grad():
+        graph = make_fx(lambda *xs: call(*xs)[1], tracing_mode="fake",
+                        decomposition_table=decompositions.TABLE)(*plain).graph
+    out = next(n for n in graph.nodes if n.op == "output").args[0]
+    aux = (out[0] if isinstance(out, (list, tuple)) else out).meta["val"]
     if not aux.is_floating_point():
         raise TraceError(f"its aux output is {aux.dtype}, not a floating tensor")
     return tuple(aux.shape), aux.dtype
 
 
 # torch's fake-tensor logger prints an op's whole traceback at ERROR when its fake kernel
-# raises (``_grouped_mm``'s takes bf16 only, so an fp32 MoE layer's trace fails): during a
-# trace that is the failure ``joint_trace`` reports as ``TraceError`` (its first line), and the
-# layer falls back to autograd with one INFO line. Nothing else is silenced.
+# raises (``_grouped_mm``'s refuses rows not aligned to 16 bytes; its refusal of fp32 is met
+# by ``decompositions``): during a trace that is the failure ``joint_trace`` reports as
+# ``TraceError`` (its first line), and the layer falls back to autograd with one INFO line.
+# Nothing else is silenced.
 FAKE_TENSOR_LOG = "torch._subclasses.fake_tensor"
 
 

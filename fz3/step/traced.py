@@ -19,8 +19,13 @@ program. This file decides which layers share them and when they are made:
   step functions on it do not trace again.
 - ``compile``: programs compiled by inductor (``fz3.step.inductor``), shared as they are.
 
+A layer's buffers (a router's ``e_score_correction_bias``, a rotary table) are inputs of its
+programs, after the extras: each call gets that layer's own, so layers with buffers of other
+values share programs, and a buffer's value is never frozen into one. A layer that writes
+into a buffer (in place, or by assigning it) is not traced.
+
 A layer that cannot be traced (it reads a tensor's value on the host, branches on data,
-writes into an extra or a parameter row, makes a tensor from Python values, has buffers or
+writes into an extra, a buffer or a parameter row, makes a tensor from Python values, has
 hooks; one that writes into h writes into a copy, ``fz3.step.joint``) runs through autograd
 (``fz3.step.engine.AutogradLayers``), with one INFO line, and with ``compile`` one warning
 too; ``failed`` says why.
@@ -28,12 +33,14 @@ too; ``failed`` says why.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import optree
 import torch
+from torch import nn
 
 from ..schedule.structure import Role
 from ..sharding.binding import Binding
@@ -159,9 +166,12 @@ class TracedLayers:
                 return None
             programs.append(got)
         dense = torch.empty_like(h, device="meta").stride() == h.stride()  # a copy can take it
+        buffers = tuple(tuple(getattr(m, name) for m, name in
+                              buffer_owners(self.model.functions[part_index][layer]))
+                        for layer in range(first, stop))
         return Layers(tuple(programs), any(p.aliases_params for p in programs), signature.keep,
                       self.model.layer_aux, torch.empty(h.shape, device="meta").stride(),
-                      h.stride() if dense else None)
+                      h.stride() if dense else None, buffers)
 
     def _group(self, i: int, part: Part, layer: int, h: torch.Tensor, extras: Extras,
                signature: tuple) -> Programs | None:
@@ -197,7 +207,9 @@ class TracedLayers:
                           device=self.model.device)
         frozen_row = (torch.empty(part.frozen.padded, dtype=self.model.precision.frozen,
                                   device=self.model.device) if frozen else None)
-        inputs = [row, *([frozen_row] if frozen else []), h, *extras.tensors]
+        owners = buffer_owners(binding)
+        inputs = [row, *([frozen_row] if frozen else []), h, *extras.tensors,
+                  *(getattr(m, name) for m, name in owners)]
         # traced once per model: every step function on it (and its copies) reuses them
         key = (binding, part.layout, part.frozen, signature, hide)
         if key not in self.model.traces:
@@ -231,8 +243,8 @@ class TracedLayers:
         split and turned into code."""
         try:  # in the model's mode (a memory plan traces outside a step): dropout or not
             with compute.mode(self.model):
-                joint = joint_trace(_layer(binding, part, extras.flat), inputs, frozen,
-                                    extras.diff, self.model.layer_aux)
+                joint = joint_trace(_layer(binding, part, extras.flat, buffer_owners(binding)),
+                                    inputs, frozen, extras.diff, self.model.layer_aux)
         except TraceError as e:
             return e
         alike = ("joint", joint.code, part.layout, part.frozen, signature)
@@ -266,19 +278,49 @@ class TracedLayers:
             warnings.warn(f"fz3: {why}; its layers run through autograd, not compiled",
                           stacklevel=6)
 
-def _layer(binding: Binding, part: Part, specs: list) -> Callable[..., torch.Tensor]:
-    """The pure function of one layer: ``(row, frozen_row, h, *tensor extras) -> h`` (or
-    ``(h, aux)``), the extras' structure and non-tensor values constants of it."""
+def buffer_owners(binding: Binding) -> tuple[tuple[nn.Module, str], ...]:
+    """``(module, name)`` of each buffer of a layer's modules: its programs' last inputs."""
+    return tuple((module, name) for _, module in binding.module.m.named_modules()
+                 for name, b in module._buffers.items() if b is not None)
+
+
+@contextlib.contextmanager
+def _buffers_as(owners: Sequence[tuple[nn.Module, str]],
+                tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+    """The layer's buffers replaced by the trace's inputs while inside (the skeleton is fz3's
+    own, as for its parameters, ``fz3.sharding.binding``); a buffer the layer assigned
+    anew is a write: ``TraceError``."""
+    saved = [module._buffers[name] for module, name in owners]
+    for (module, name), t in zip(owners, tensors):
+        module._buffers[name] = t
+    try:
+        yield
+        for (module, name), t in zip(owners, tensors):
+            if module._buffers[name] is not t:
+                raise TraceError(f"it assigns its buffer {name} (a buffer is an input of its "
+                                 f"programs, never written)")
+    finally:
+        for (module, name), b in zip(owners, saved):
+            module._buffers[name] = b
+
+
+def _layer(binding: Binding, part: Part, specs: list,
+           owners: Sequence[tuple[nn.Module, str]] = ()) -> Callable[..., torch.Tensor]:
+    """The pure function of one layer: ``(row, frozen_row, h, *tensor extras, *buffers) ->
+    h`` (or ``(h, aux)``), the extras' structure and non-tensor values constants of it;
+    ``owners``: where each buffer is held (``buffer_owners``)."""
     layout, frozen_layout = part.layout, part.frozen
+    n = len(owners)
 
     def layer(row: torch.Tensor, frozen_row: torch.Tensor | None, h: torch.Tensor,
               *tensors: torch.Tensor) -> torch.Tensor:
-        it = iter(tensors)
+        it = iter(tensors[:len(tensors) - n])
         extras = [optree.tree_unflatten(spec, [next(it) if isinstance(leaf, torch.Tensor)
                                                else leaf for leaf in leaves])
                   for leaves, spec in specs]
         views = layout.views(row) + ([] if frozen_row is None else frozen_layout.views(frozen_row))
-        out = binding(views, (h, *extras))
+        with _buffers_as(owners, tensors[len(tensors) - n:]):
+            out = binding(views, (h, *extras))
         new = out[0] if isinstance(out, tuple) and out else out
         if isinstance(new, torch.Tensor) and (new.shape != h.shape or new.dtype != h.dtype):
             raise TraceError(f"it maps h of shape {list(h.shape)} {h.dtype} to "
