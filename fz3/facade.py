@@ -10,7 +10,7 @@ timeout=120, layer_aux=None)``, its arguments:
   With none of layers/pre/post given, a built-in adapter is used (Hugging Face models, by
   ``config.model_type`` and head, else a ``...ForCausalLM`` matched by structure and verified:
   ``fz3.hf.adapters``); a model with none is refused naming the layer containers it holds
-  (``fz3.candidates``).
+  (``fz3.sharding.candidates``).
 - layers: dotted path of an ``nn.ModuleList`` of layers, or a list of them in compute order.
   Consecutive structurally identical layers are stacked and scanned; a list of layers of
   several kinds (``[A, A, B, B, B]``) becomes one stack per run.
@@ -63,7 +63,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .candidates import check_callable
+from .sharding.candidates import check_callable
 from .comm.arrival import DEFAULT_TIMEOUT_S
 from .hf.adapters import adapter_for
 from .hf.checkpoint_names import checkpoint_names

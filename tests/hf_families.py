@@ -55,7 +55,7 @@ FAMILIES = {
 MASKED = ("bert", "modernbert")  # AutoModelForMaskedLM; the others AutoModelForCausalLM
 # model_type -> what its stacks' fallback to autograd says, where they may fall back: Falcon's
 # attention makes a tensor from Python values. (The MoE families' experts in fp32 trace,
-# through fz3.step.decompositions; 5.0's GPT-J attention's rotary buffer is an input of its
+# through fz3.step.fake_kernels; 5.0's GPT-J attention's rotary buffer is an input of its
 # programs.)
 FALLS_BACK = {"falcon": "makes a tensor from Python values"}
 

@@ -101,7 +101,8 @@ def test_an_unlisted_decoder_is_matched_by_structure_not_by_type():
                                         r"families \(bert \(\.\.\.ForMaskedLM\), .*llama "
                                         r"\(\.\.\.ForCausalLM\), .*\), and the decoder template "
                                         r"matched by structure cannot follow it: "
-                                        r"TinyLlamaHeadless is not a \.\.\.ForCausalLM.*layer containers in it: 'layers' "
+                                        r"TinyLlamaHeadless is not a \.\.\.ForCausalLM.*"
+                                        r"layer containers in it: 'layers' "
                                         r"\(ModuleList of 2 x LlamaDecoderLayer, all alike\); "
                                         r"pass layers='layers'.*call_layer=.*assign=.*"
                                         r"'A model without a built-in adapter'"):
@@ -113,7 +114,7 @@ def test_moe_families_with_the_router_loss_equal_plain_hf():
     ``output_router_logits=True``: the loss adds the load-balancing loss, from each layer's
     router statistics carried to the loss (``layer_aux``), equal to plain HF's at fp32 rtol
     1e-5 / atol 1e-6 with every gradient; ``fz3.hf.losses`` reports it. The default policy
-    (traced in fp32, ``fz3.step.decompositions``); ``.ci/hf-zoo`` runs save and
+    (traced in fp32, ``fz3.step.fake_kernels``); ``.ci/hf-zoo`` runs save and
     trace=False."""
     assert dist.run(2, router_loss_ranks, timeout=300) == ["ok"] * 2
 

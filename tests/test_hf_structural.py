@@ -10,9 +10,10 @@ Reference: plain autograd on the unsharded HF model over every rank's batch conc
 size 2, one group of ranks for them all; each family under one mode (``MODE_OF``, else the
 default policy, traced), SmolLM3 and Granite-MoE under every mode (``MODES``: recompute
 traced, save, two layers a unit, trace=False). The MoE layers trace in fp32 (``_grouped_mm``
-through ``fz3.step.decompositions``; DeepSeek-V3's router buffer an input of its programs),
-and equal ``trace=False`` bit for bit (they call the same kernels). What the template cannot follow is refused by name before any collective, and
-a difference from the model's own forward is refused naming it (local tests)."""
+through ``fz3.step.fake_kernels``; DeepSeek-V3's router buffer an input of its programs),
+and equal ``trace=False`` bit for bit (they call the same kernels). What the template cannot
+follow is refused by name before any collective, and a difference from the model's own
+forward is refused naming it (local tests)."""
 
 from __future__ import annotations
 

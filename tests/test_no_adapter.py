@@ -1,6 +1,7 @@
 """A model fz3 cannot run by itself, Hugging Face or not, is refused with one message
-(``fz3/candidates.py``): the layer containers it holds (path, count, whether the children are
-alike, whether they can be called ``layer(h, *extras)``), ``layers=``/``pre=``/``post=``,
+(``fz3/sharding/candidates.py``): the layer containers it holds (path, count, whether the
+children are alike, whether they can be called ``layer(h, *extras)``), ``layers=``/``pre=``/
+``post=``,
 ``call_layer=``, ``assign=`` and the README section; a container whose children have no
 ``forward`` of their own is refused at ``fz3.shard`` naming ``call_layer=``. Local: these
 refusals come before any collective, so no process group is needed."""
@@ -46,10 +47,10 @@ class XTransformersLike(nn.Module):
 def test_a_model_with_no_adapter_is_refused_naming_its_containers():
     with pytest.raises(TypeError, match=r"no built-in adapter for ViTLike; layer containers in "
                                         r"it: 'blocks' \(Sequential of 3 x Block, all alike\); "
-                                        r"'heads' \(ModuleList of 2 x Linear, not all alike: one stack per run of alike "
-                                        r"ones\); pass layers='blocks' .*pre=.*post=.*"
-                                        r"call_layer=.*assign=.*'A model without a built-in "
-                                        r"adapter'"):
+                                        r"'heads' \(ModuleList of 2 x Linear, not all alike: "
+                                        r"one stack per run of alike ones\); pass "
+                                        r"layers='blocks' .*pre=.*post=.*call_layer=.*assign=.*"
+                                        r"'A model without a built-in adapter'"):
         fz3.shard(ViTLike())
     with pytest.raises(TypeError, match=r"'layers' \(ModuleList of 2 x ModuleList, all alike, no "
                                         r"forward of their own: needs call_layer=\)"):

@@ -555,7 +555,7 @@ def test_a_layer_writing_into_its_input_gives_plain_pytorchs_results():
 def test_a_failing_fake_kernel_prints_no_traceback(caplog):
     """A layer whose fake kernel refuses its inputs (``_grouped_mm`` in bf16 with rows of 6
     bytes, which its fake kernel's 16-byte alignment rule refuses; in fp32 it is traced,
-    ``fz3.step.decompositions``): the trace fails with a one-line reason, and torch's
+    ``fz3.step.fake_kernels``): the trace fails with a one-line reason, and torch's
     fake-tensor logger prints no traceback (issue 30: ~30 lines of ERROR per rank for a
     harmless fallback)."""
 

@@ -5,7 +5,8 @@
 ``encoders.py`` (BERT, RoBERTa, ModernBERT). Another ``...ForCausalLM`` is matched by
 structure (``structural.py``: what it holds and what its forwards read, not its type), the
 match verified on a tiny copy of it (``verify.py``) and logged once per family as untested;
-what matches nothing is refused with the layer containers fz3 sees (``fz3.candidates``).
+what matches nothing is refused with the layer containers fz3 sees
+(``fz3.sharding.candidates``).
 
 Supported: transformers >=5.0,<6 (``compat.RANGE``; CI tests both ends of it, see
 ``.ci/hf-range``). ``fz3.shard(model)`` with no ``layers``/``pre``/``post`` looks the model up
@@ -32,7 +33,7 @@ from functools import partial
 
 from torch import nn
 
-from ..candidates import no_adapter_message
+from ..sharding.candidates import no_adapter_message
 from . import causal, compat, decoders, encoders, peft_models, structural, verify
 from .protocol import Adapter, TypedFamily, losses as family_losses, make, post
 

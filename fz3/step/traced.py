@@ -19,10 +19,8 @@ program. This file decides which layers share them and when they are made:
   step functions on it do not trace again.
 - ``compile``: programs compiled by inductor (``fz3.step.inductor``), shared as they are.
 
-A layer's buffers (a router's ``e_score_correction_bias``, a rotary table) are inputs of its
-programs, after the extras: each call gets that layer's own, so layers with buffers of other
-values share programs, and a buffer's value is never frozen into one. A layer that writes
-into a buffer (in place, or by assigning it) is not traced.
+A layer's buffers (a router's bias) are its programs' last inputs, each call that layer's
+own (``fz3.step.layer_buffers``): their values are never frozen into a program.
 
 A layer that cannot be traced (it reads a tensor's value on the host, branches on data,
 writes into an extra, a buffer or a parameter row, makes a tensor from Python values, has
@@ -33,10 +31,9 @@ too; ``failed`` says why.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import warnings
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import optree
 import torch
@@ -48,6 +45,7 @@ from ..sharding.model import ShardedModel
 from ..sharding.parts import Part
 from ..sharding import compute
 from ..sharding.compute import LayerName
+from . import layer_buffers
 from .inductor import Kernels
 from .joint import Programs, TraceError, joint_trace, programs
 from .partition import op_name
@@ -166,8 +164,7 @@ class TracedLayers:
                 return None
             programs.append(got)
         dense = torch.empty_like(h, device="meta").stride() == h.stride()  # a copy can take it
-        buffers = tuple(tuple(getattr(m, name) for m, name in
-                              buffer_owners(self.model.functions[part_index][layer]))
+        buffers = tuple(layer_buffers.values(self.model.functions[part_index][layer])
                         for layer in range(first, stop))
         return Layers(tuple(programs), any(p.aliases_params for p in programs), signature.keep,
                       self.model.layer_aux, torch.empty(h.shape, device="meta").stride(),
@@ -207,9 +204,8 @@ class TracedLayers:
                           device=self.model.device)
         frozen_row = (torch.empty(part.frozen.padded, dtype=self.model.precision.frozen,
                                   device=self.model.device) if frozen else None)
-        owners = buffer_owners(binding)
         inputs = [row, *([frozen_row] if frozen else []), h, *extras.tensors,
-                  *(getattr(m, name) for m, name in owners)]
+                  *layer_buffers.values(binding)]
         # traced once per model: every step function on it (and its copies) reuses them
         key = (binding, part.layout, part.frozen, signature, hide)
         if key not in self.model.traces:
@@ -243,8 +239,8 @@ class TracedLayers:
         split and turned into code."""
         try:  # in the model's mode (a memory plan traces outside a step): dropout or not
             with compute.mode(self.model):
-                joint = joint_trace(_layer(binding, part, extras.flat, buffer_owners(binding)),
-                                    inputs, frozen, extras.diff, self.model.layer_aux)
+                layer = _layer(binding, part, extras.flat, layer_buffers.owners(binding))
+                joint = joint_trace(layer, inputs, frozen, extras.diff, self.model.layer_aux)
         except TraceError as e:
             return e
         alike = ("joint", joint.code, part.layout, part.frozen, signature)
@@ -278,37 +274,11 @@ class TracedLayers:
             warnings.warn(f"fz3: {why}; its layers run through autograd, not compiled",
                           stacklevel=6)
 
-def buffer_owners(binding: Binding) -> tuple[tuple[nn.Module, str], ...]:
-    """``(module, name)`` of each buffer of a layer's modules: its programs' last inputs."""
-    return tuple((module, name) for _, module in binding.module.m.named_modules()
-                 for name, b in module._buffers.items() if b is not None)
-
-
-@contextlib.contextmanager
-def _buffers_as(owners: Sequence[tuple[nn.Module, str]],
-                tensors: Sequence[torch.Tensor]) -> Iterator[None]:
-    """The layer's buffers replaced by the trace's inputs while inside (the skeleton is fz3's
-    own, as for its parameters, ``fz3.sharding.binding``); a buffer the layer assigned
-    anew is a write: ``TraceError``."""
-    saved = [module._buffers[name] for module, name in owners]
-    for (module, name), t in zip(owners, tensors):
-        module._buffers[name] = t
-    try:
-        yield
-        for (module, name), t in zip(owners, tensors):
-            if module._buffers[name] is not t:
-                raise TraceError(f"it assigns its buffer {name} (a buffer is an input of its "
-                                 f"programs, never written)")
-    finally:
-        for (module, name), b in zip(owners, saved):
-            module._buffers[name] = b
-
-
 def _layer(binding: Binding, part: Part, specs: list,
            owners: Sequence[tuple[nn.Module, str]] = ()) -> Callable[..., torch.Tensor]:
     """The pure function of one layer: ``(row, frozen_row, h, *tensor extras, *buffers) ->
     h`` (or ``(h, aux)``), the extras' structure and non-tensor values constants of it;
-    ``owners``: where each buffer is held (``buffer_owners``)."""
+    ``owners``: where each buffer is held (``layer_buffers.owners``)."""
     layout, frozen_layout = part.layout, part.frozen
     n = len(owners)
 
@@ -319,7 +289,7 @@ def _layer(binding: Binding, part: Part, specs: list,
                                                else leaf for leaf in leaves])
                   for leaves, spec in specs]
         views = layout.views(row) + ([] if frozen_row is None else frozen_layout.views(frozen_row))
-        with _buffers_as(owners, tensors[len(tensors) - n:]):
+        with layer_buffers.substituted(owners, tensors[len(tensors) - n:]):
             out = binding(views, (h, *extras))
         new = out[0] if isinstance(out, tuple) and out else out
         if isinstance(new, torch.Tensor) and (new.shape != h.shape or new.dtype != h.dtype):

@@ -11,7 +11,7 @@ from typing import NamedTuple, Sequence
 
 from torch import nn
 
-from .sharding.checks import resolve_layers
+from .checks import resolve_layers
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 README = "README, 'A model without a built-in adapter'"

@@ -1,23 +1,46 @@
-"""Ops whose fake kernel refuses what their real kernel takes, traced anyway: the
-decomposition table ``fz3.step.joint`` hands ``make_fx`` (``TABLE``). Nothing of torch is
-patched; an entry applies only inside fz3's traces, and only where the fake kernel would
-refuse (it returns ``NotImplemented`` otherwise, and the op is traced as it is).
+"""Fake kernels in fz3's traces (``fz3.step.joint`` traces a layer on fake tensors): the ops
+whose fake kernel refuses what their real kernel takes, traced anyway through the
+decomposition table handed to ``make_fx`` (``TABLE``), and torch's fake-tensor logger kept
+quiet while a trace runs (``quiet``). Nothing of torch is patched: a ``TABLE`` entry applies
+only inside fz3's traces, and only where the fake kernel would refuse (it returns
+``NotImplemented`` otherwise, and the op is traced as it is).
 
 ``aten._grouped_mm`` (an MoE layer's experts: transformers calls it for every dtype on the
 CPU): its fake kernel takes bf16 only (it checks the CUDA kernel's rules), while the CPU
-kernel takes fp32 too, so an fp32 MoE layer could not be traced. In fp32 (or any dtype but
-bf16) it is traced as ``fz3::grouped_mm``, an op of fz3's own whose real kernel is
-``torch._grouped_mm`` itself and whose fake kernel gives the real one's output (shape,
-dtype, contiguous): the programs call the very kernels eager autograd calls, forward and
-backward (autograd's formula for ``_grouped_mm`` calls ``_grouped_mm``, and its calls meet
-the table too), so a traced fp32 MoE layer equals ``trace=False`` bit for bit.
+kernel takes fp32 too, so an fp32 MoE layer could not be traced. In any dtype but bf16 it is
+traced as ``fz3::grouped_mm``, an op of fz3's own whose real kernel is ``torch._grouped_mm``
+itself and whose fake kernel gives the real one's output (shape, dtype, contiguous): the
+programs call the very kernels eager autograd calls, forward and backward (autograd's
+formula for ``_grouped_mm`` calls ``_grouped_mm``, and those calls meet the table too), so
+a traced fp32 MoE layer equals ``trace=False`` bit for bit. In bf16 it is traced as before.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from typing import Iterator
+
 import torch
 
 aten = torch.ops.aten
+# torch's fake-tensor logger prints an op's whole traceback at ERROR when its fake kernel
+# raises (``_grouped_mm``'s, for bf16 rows not 16-byte aligned): during a trace that is the
+# failure ``joint_trace`` reports as ``TraceError`` (its first line), and the layer falls back
+# to autograd with one INFO line. Nothing else is silenced.
+FAKE_TENSOR_LOG = "torch._subclasses.fake_tensor"
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """torch's fake-tensor logger above ERROR while inside (see ``FAKE_TENSOR_LOG``)."""
+    logger = logging.getLogger(FAKE_TENSOR_LOG)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 @torch.library.custom_op("fz3::grouped_mm", mutates_args=())
