@@ -80,14 +80,17 @@ def match(m: nn.Module) -> Structure | str:
     config = m.config
     base_name = getattr(m, "base_model_prefix", "")
     base = getattr(m, base_name, None) if base_name else None
-    head = m.get_output_embeddings() if hasattr(m, "get_output_embeddings") else None
+    try:
+        head = m.get_output_embeddings()
+        embed = base.get_input_embeddings() if isinstance(base, nn.Module) else None
+    except (AttributeError, NotImplementedError) as e:  # a wrapper that does not say
+        return f"{name} does not say where its embedding and head are ({e})"
     if not isinstance(base, nn.Module) or head is None:
         return f"{name} holds no base model (base_model_prefix) and head to follow"
     head_name = _child_name(m, head)
     extra = [n for n, c in m.named_children() if n not in (base_name, head_name) and _holds(c)]
     if head_name is None or extra:
         return f"{name} holds {extra or 'its head elsewhere'} beside {base_name} and its head"
-    embed = base.get_input_embeddings()
     embed_name = _child_name(base, embed)
     lists = [n for n, c in base.named_children() if isinstance(c, nn.ModuleList)]
     if embed_name is None or len(lists) != 1 or \
@@ -199,12 +202,13 @@ def _holds(module: nn.Module) -> bool:
 
 @functools.cache
 def _reads(cls: type) -> frozenset[str]:
-    """The config keys ``cls.forward`` reads: ``config.x``, and ``self.y`` where ``__init__``
-    set ``self.y = config.x``. Read once per class."""
+    """The config keys ``cls.forward`` reads: ``config.x`` (or ``getattr(config, "x", ...)``),
+    and ``self.y`` where ``__init__`` set ``self.y`` to one. Read once per class."""
     forward = _source(getattr(cls, "forward", None))
     init = _source(getattr(cls, "__init__", None))
-    kept = dict(re.findall(r"self\.(\w+)\s*=\s*(?:self\.)?config\.(\w+)\s*$", init, re.M))
-    keys = set(re.findall(r"config\.(\w+)", forward))
+    read = r"(?:(?:self\.)?config\.(\w+)|getattr\((?:self\.)?config,\s*[\"'](\w+)[\"'][^)]*\))"
+    kept = {a: b or c for a, b, c in re.findall(rf"self\.(\w+)\s*=\s*{read}\s*$", init, re.M)}
+    keys = {b or c for b, c in re.findall(read, forward)}
     keys |= {kept[a] for a in re.findall(r"self\.(\w+)", forward) if a in kept}
     return frozenset(keys)
 
