@@ -94,10 +94,11 @@ def match(m: nn.Module) -> Structure | str:
     embed_name = _child_name(base, embed)
     lists = [n for n, c in base.named_children() if isinstance(c, nn.ModuleList)]
     if embed_name is None or len(lists) != 1 or \
-            len(getattr(base, lists[0])) != config.num_hidden_layers:
+            len(getattr(base, lists[0])) != getattr(config, "num_hidden_layers", None):
         return (f"{type(base).__name__} holds {len(lists)} ModuleLists ({lists}) and its "
                 f"embedding {'as a child' if embed_name else 'elsewhere'}; the template follows "
-                f"one list of config.num_hidden_layers={config.num_hidden_layers} layers")
+                f"one list of config.num_hidden_layers="
+                f"{getattr(config, 'num_hidden_layers', None)} layers")
     layers_name = lists[0]
     rotary = [n for n, c in base.named_children() if "inv_freq" in dict(c.named_buffers())]
     dropouts = [n for n, c in base.named_children() if isinstance(c, nn.Dropout)]
