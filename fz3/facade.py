@@ -8,7 +8,9 @@ timeout=120, layer_aux=None, example=None)``, its arguments:
 
 - module: an unchanged ``nn.Module``; it is not modified (``del`` it to free its memory).
   With none of layers/pre/post given, a built-in adapter is used (Hugging Face models, by
-  ``config.model_type`` and head: ``fz3.hf.adapters``).
+  ``config.model_type`` and head, else a ``...ForCausalLM`` matched by structure and verified:
+  ``fz3.hf.adapters``); a model with none is refused naming the layer containers it holds
+  (``fz3.sharding.candidates``).
 - layers: dotted path of a container of layers (``nn.ModuleList``, ``nn.Sequential``, or
   ``nn.ModuleDict`` in iteration order; used as it is), or a list of them in compute order.
   Consecutive structurally identical layers are stacked and scanned; a list of layers of
@@ -23,7 +25,8 @@ timeout=120, layer_aux=None, example=None)``, its arguments:
   parameters registered between them; None (or no ``between``) passes ``h`` and the extras
   straight on.
 - call_layer: how to call one layer, ``call_layer(layer, h, *extra) -> h``; default
-  ``layer(h, *extra)`` (pass one for layers that return tuples).
+  ``layer(h, *extra)`` (pass one for layers that return tuples; a container whose children
+  have no ``forward`` of their own, each an ``nn.ModuleList``, is refused without it).
 - assign: ``{name prefix: "pre" | "post" | "between.i"}`` for parameters whose registration
   order does not say which function uses them; added to a built-in adapter's own (OPT's final
   norm).
@@ -67,6 +70,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .sharding.candidates import check_callable
 from .comm.arrival import DEFAULT_TIMEOUT_S
 from .hf.adapters import adapter_for
 from .hf.checkpoint_names import checkpoint_names
@@ -97,6 +101,7 @@ def shard(module: nn.Module, layers: str | Sequence[str] | None = None,
     check_not_wrapped(module)  # before an adapter is looked up for a wrapper's class
     paths, pre, post, call_layer, check_batch, outputs, assigned, layer_aux = _functions_given(
         module, layers, pre, post, call_layer, layer_aux)
+    check_callable(module, paths, call_layer)  # children with no forward: before build
     read = None if weights is None else _checkpoint(weights, module)
     return build(module, paths, pre, post, call_layer, check_batch=check_batch, outputs=outputs,
                  between=between, assign={**assigned, **(assign or {})}, group=group,

@@ -54,13 +54,10 @@ FAMILIES = {
 }
 MASKED = ("bert", "modernbert")  # AutoModelForMaskedLM; the others AutoModelForCausalLM
 # model_type -> what its stacks' fallback to autograd says, where they may fall back: Falcon's
-# attention makes a tensor from Python values; 5.0's GPT-J attention holds its rotary table as
-# a buffer (later releases compute it once in the model, and GPT-J traces there); the MoE
-# families' experts in fp32
-FALLS_BACK = {"falcon": "makes a tensor from Python values", "gptj": "attn has buffers",
-              # torch's fake kernel for the experts' grouped matmul takes bf16 only
-              **dict.fromkeys(("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"),
-                              "Expected inputs of BF16")}
+# attention makes a tensor from Python values. (The MoE families' experts in fp32 trace,
+# through fz3.step.fake_kernels; 5.0's GPT-J attention's rotary buffer is an input of its
+# programs.)
+FALLS_BACK = {"falcon": "makes a tensor from Python values"}
 
 
 # the MoE families, and their router's load-balancing loss switched on (a coefficient large

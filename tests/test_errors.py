@@ -28,7 +28,7 @@ def error_ranks(rank, world):
             fz3.shard, m, "stack", pre, post)
     _raises(TypeError, r"layers='norm' is a LayerNorm, not a container of blocks", fz3.shard, m, "norm", pre, post)
     _raises(TypeError, "needs layers=, pre= and post=", fz3.shard, m, "blocks")
-    _raises(TypeError, "no built-in adapter for GPT .*pass layers=", fz3.shard, m)
+    _raises(TypeError, "no built-in adapter for GPT; layer containers in it: 'blocks' .*pass layers='blocks'", fz3.shard, m)
 
     odd = GPT(CFG)  # layers of two kinds are no longer refused: each run becomes a stack (test_units.py)
     odd.blocks[1].fc = nn.Linear(CFG.dim, 3 * CFG.dim)

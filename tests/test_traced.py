@@ -91,11 +91,31 @@ class ReadsHost(Lin):
 
 
 class WithBuffer(Lin):
-    def __init__(self):
+    """A constant buffer (never written, no gradient), its value per layer: an input of the
+    programs, each layer's own (DeepSeek-V3's router bias)."""
+
+    def __init__(self, scale: float = 0.5):
         super().__init__()
-        self.register_buffer("scale", torch.full((6,), 0.5))
+        self.register_buffer("scale", torch.full((6,), scale))
 
     def forward(self, h):
+        return h + self.lin(h) * self.scale
+
+
+class WritesBuffer(WithBuffer):
+    """Writes into its buffer (adding 0, so that every engine computes the same): a program
+    would write into whatever buffer it is next given."""
+
+    def forward(self, h):
+        self.scale.add_(0)
+        return h + self.lin(h) * self.scale
+
+
+class AssignsBuffer(WithBuffer):
+    """Replaces its buffer each call (by an equal one, as above): a program would not."""
+
+    def forward(self, h):
+        self.scale = self.scale * 1.0
         return h + self.lin(h) * self.scale
 
 
@@ -207,7 +227,10 @@ def fallback_ranks(rank, world):
     b = (torch.randint(0, 11, (2, 5), generator=g), torch.randint(0, 11, (2, 5), generator=g))
     cases = {
         "reads": ([ReadsHost() for _ in range(3)], r"layer layers\.0 cannot be traced: .*"),
-        "buffer": ([WithBuffer() for _ in range(3)], r"has buffers"),
+        "buffer": ([WithBuffer(s) for s in (0.5, -1.0, 2.0)], None),
+        "writes a buffer": ([WritesBuffer() for _ in range(3)],
+                            r"it writes into its input in place \(aten\.add_"),
+        "assigns a buffer": ([AssignsBuffer() for _ in range(3)], r"it assigns its buffer scale"),
         "hook": ([_hooked() for _ in range(3)], r"has hooks \(_forward_hooks\)"),
         "indexed": ([Indexed(i) for i in range(3)], None),
         "tagged": ([Tagged(i) for i in range(3)], None),
@@ -243,6 +266,8 @@ def fallback_ranks(rank, world):
             assert step.traced.groups[model.part_index("layers")].own == [0, 1, 2]
             assert step.traced.groups[model.part_index("layers")].alike == [0, 0, 0]
             assert len(programs) == 1 and len(traces) == 2, (programs, traces)
+        if name == "buffer":  # one program for all three, each layer's own buffer its input
+            assert len(programs) == 1, programs
         if name == "plain":
             assert step.traced.groups[model.part_index("layers")].own == [0, 0, 0]
     # one step function, h of two shapes: traced once per shape, each step equal
@@ -528,17 +553,21 @@ def test_a_layer_writing_into_its_input_gives_plain_pytorchs_results():
 
 
 def test_a_failing_fake_kernel_prints_no_traceback(caplog):
-    """A layer whose fake kernel refuses its inputs (``_grouped_mm`` takes bf16 only, an fp32
-    MoE layer on CPU): the trace fails with a one-line reason, and torch's fake-tensor logger
-    prints no traceback (issue 30: ~30 lines of ERROR per rank for a harmless fallback)."""
+    """A layer whose fake kernel refuses its inputs (``_grouped_mm`` in bf16 with rows of 6
+    bytes, which its fake kernel's 16-byte alignment rule refuses; in fp32 it is traced,
+    ``fz3.step.fake_kernels``): the trace fails with a one-line reason, and torch's
+    fake-tensor logger prints no traceback (issue 30: ~30 lines of ERROR per rank for a
+    harmless fallback)."""
 
     def layer(row, frozen_row, h):
         offs = torch.tensor([2, 4], dtype=torch.int32)
-        return h + torch._grouped_mm(h, row[:32].view(2, 4, 4), offs=offs)
+        return h + torch._grouped_mm(h, row[:18].view(2, 3, 3), offs=offs)
 
+    bf16 = dict(dtype=torch.bfloat16)
     with caplog.at_level(logging.DEBUG), \
-            pytest.raises(joint.TraceError, match=r"^RuntimeError: Expected inputs of BF16 type"):
-        joint.trace(layer, [torch.randn(64), torch.randn(4, 4)], False, [])
+            pytest.raises(joint.TraceError, match=r"^RuntimeError: Expected mat_a stride along 0 "
+                                                  r"dim to be multiple of 16 bytes"):
+        joint.trace(layer, [torch.randn(64, **bf16), torch.randn(4, 3, **bf16)], False, [])
     printed = [r for r in caplog.records if r.name.startswith("torch._subclasses")]
     assert not printed, [r.getMessage()[:200] for r in printed]
     assert logging.getLogger("torch._subclasses.fake_tensor").level == logging.NOTSET

@@ -1,8 +1,12 @@
 """Built-in adapters for Hugging Face transformers models (``pip install fz3[hf]``), by
 ``config.model_type`` and the head's class (``...ForCausalLM``, ``...ForMaskedLM``, GPT-2's
-``GPT2LMHeadModel``): an allowlist, each family written out in ``decoders.py`` (transformers'
-Llama template), ``causal.py`` (GPT-2, GPT-NeoX, GPT-J, OPT, BLOOM, Falcon) or ``encoders.py``
-(BERT, RoBERTa, ModernBERT). Another type is refused, even when it looks like a listed one.
+``GPT2LMHeadModel``): the tested families, each written out in ``decoders.py``
+(transformers' Llama template), ``causal.py`` (GPT-2, GPT-NeoX, GPT-J, OPT, BLOOM, Falcon) or
+``encoders.py`` (BERT, RoBERTa, ModernBERT). Another ``...ForCausalLM`` is matched by
+structure (``structural.py``: what it holds and what its forwards read, not its type), the
+match verified on a tiny copy of it (``verify.py``) and logged once per family as untested;
+what matches nothing is refused with the layer containers fz3 sees
+(``fz3.sharding.candidates``).
 
 Supported: transformers >=5.0,<6 (``compat.RANGE``; CI tests both ends of it, see
 ``.ci/hf-range``). ``fz3.shard(model)`` with no ``layers``/``pre``/``post`` looks the model up
@@ -23,12 +27,17 @@ without padding; with padding or for MLM, label the same count per rank).
 
 from __future__ import annotations
 
+import functools
+import logging
 from functools import partial
 
 from torch import nn
 
-from . import causal, compat, decoders, encoders, peft_models
-from .protocol import Adapter, losses as family_losses, make, post
+from ..sharding.candidates import no_adapter_message
+from . import causal, compat, decoders, encoders, peft_models, structural, verify
+from .protocol import Adapter, TypedFamily, losses as family_losses, make, post
+
+log = logging.getLogger(__name__)
 
 # model_type -> its family: the template decoders', the older causal LMs', the encoders'
 TYPED = {**decoders.TYPED, **causal.FAMILIES, **encoders.FAMILIES}
@@ -39,7 +48,8 @@ ATTENTION = ("eager", "sdpa")
 
 def adapter_for(module: nn.Module) -> Adapter:
     """The built-in adapter for ``module`` (by ``config.model_type`` and the ending of its
-    class name), or a TypeError naming the fix; ImportError
+    class name; else the template matched by structure and verified), or a TypeError naming
+    the layer containers it holds and the arguments that would run it; ImportError
     when the installed transformers is outside ``compat.RANGE``; ValueError for a config the
     adapter cannot follow (an attention implementation, a family's refused setting). A PEFT
     wrapper (``get_peft_model(model, ...)``) gets its inner model's adapter, seen through the
@@ -56,14 +66,10 @@ def adapter_for(module: nn.Module) -> Adapter:
                               logits=peft_models.through_head(path, found.logits),
                               losses=peft_models.through_head(path, found.losses),
                               assign={f"{path}.{k}": v for k, v in found.assign.items()})
-    name = type(module).__name__
     found = _typed_for(module)
     if found is None:
-        raise TypeError(f"fz3.shard got no layers=/pre=/post= and has no built-in adapter for "
-                        f"{name} (built in: {', '.join(supported())}); pass layers='<dotted "
-                        f"path of the nn.ModuleList>', pre=(m, batch) -> h and "
-                        f"post=(m, h, batch) -> loss (docs/hf.md, 'A model without a built-in "
-                        f"adapter', shows the pattern)")
+        why = _unmatched(module)
+        raise TypeError(no_adapter_message(module, why))
     check_attention(module)
     return found
 
@@ -87,14 +93,18 @@ def check_attention(module: nn.Module) -> None:
 
 def _typed_for(module: nn.Module) -> Adapter | None:
     """The adapter chosen by ``config.model_type`` (``TYPED``) for a model of the listed head,
-    else None; a ValueError where the family refuses the config."""
+    else the template matched by structure (verified on a tiny copy: a ValueError naming the
+    difference), else None; a ValueError where the family refuses the config."""
     model_type = getattr(getattr(module, "config", None), "model_type", None)
     name = type(module).__name__
     typed = TYPED.get(model_type)
     if typed is None or not name.endswith(typed.head):
-        return None
-    _check_release()
-    _refuse(name, typed.check(module))
+        typed = _matched(module)
+        if typed is None:
+            return None
+    else:
+        _check_release()
+        _refuse(name, typed.check(module))
     typed = typed.configure(typed, module)
     return make(name, typed.layers, typed.pre, partial(post, typed), typed.layer, typed.logits,
                 shifted=typed.shifted, assign=typed.assign(module),
@@ -109,6 +119,45 @@ def losses(m: nn.Module, h, batch, *aux) -> tuple:
     has_aux=True)`` returns ``((loss, terms), grads)``, the same loss and gradients as
     ``post``'s. Local."""
     return adapter_for(m).losses(m, h, batch, *aux)
+
+
+def _matched(module: nn.Module) -> TypedFamily | None:
+    """The template for a Hugging Face model whose structure it follows (``structural``),
+    checked on a tiny copy (``verify``: a ValueError naming the difference), or None."""
+    if not hasattr(getattr(module, "config", None), "model_type"):
+        return None
+    _check_release()
+    shape = structural.match(module)
+    if isinstance(shape, str):
+        return None
+    typed = structural.family(shape)
+    check_attention(module)  # before building a copy with the same implementation
+    why = verify.difference(module, typed)
+    if why is not None:
+        raise ValueError(f"{type(module).__name__} (model_type {module.config.model_type!r}, "
+                         f"not one of fz3's tested families) has the structure of the decoder "
+                         f"template, but the template does not compute its forward: {why}. Pass "
+                         f"layers=, pre= and post= (README, 'A model without a built-in "
+                         f"adapter')")
+    _say_untested(module.config.model_type, type(module).__name__)
+    return typed
+
+
+def _unmatched(module: nn.Module) -> str | None:
+    """Why the template does not follow a Hugging Face model (None for another model)."""
+    if not hasattr(getattr(module, "config", None), "model_type"):
+        return None
+    return (f"model_type {module.config.model_type!r} with this head is not one of the tested "
+            f"families ({', '.join(supported())}), and the decoder template matched by "
+            f"structure cannot follow it: {structural.match(module)}")
+
+
+@functools.cache
+def _say_untested(model_type: str, name: str) -> None:
+    """Once per family: a model the template follows by structure, not a tested family."""
+    log.warning("fz3: %s (model_type %r) is not one of fz3's tested Hugging Face families; "
+                "its structure matches the built-in decoder template, verified against its "
+                "own forward on a tiny random copy", name, model_type)
 
 
 def _refuse(name: str, why: str | None) -> None:

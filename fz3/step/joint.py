@@ -18,15 +18,13 @@ same order, so results are bitwise equal to it (``tests/test_traced.py``).
 
 from __future__ import annotations
 
-import contextlib
-import logging
 from typing import Callable, NamedTuple, Sequence
 
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from . import fake_kernels
 from .codegen import (TraceError, codegen, constant_factories, copy_graph, fast_ops,
                       one_call_flatten, one_call_views)
 from .into import BackwardInto
@@ -134,13 +132,14 @@ def joint_trace(layer: Layer, inputs: Sequence[torch.Tensor], frozen: bool,
 
     plain = [t.detach() for t in inputs]
     try:
-        with _quiet(FAKE_TENSOR_LOG):
+        with fake_kernels.quiet():
             shape = _aux_shape(call, plain) if aux else None
             # g contiguous, as a layer's backward hands it on (``Layers.g_strides``)
             cotangents = [torch.empty_like(plain[first], memory_format=torch.contiguous_format)]
             if shape is not None:
                 cotangents.append(torch.empty(shape[0], dtype=shape[1], device=plain[first].device))
-            joint_gm = make_fx(joint, tracing_mode="fake")(*plain, *cotangents)
+            joint_gm = make_fx(joint, tracing_mode="fake",  # (fake kernels' refusals met)
+                               decomposition_table=fake_kernels.TABLE)(*plain, *cotangents)
     except TraceError:
         raise
     except Exception as e:  # noqa: BLE001 - tracing fails in many ways; each means: fall back
@@ -153,31 +152,16 @@ def joint_trace(layer: Layer, inputs: Sequence[torch.Tensor], frozen: bool,
 
 
 def _aux_shape(call: Callable[..., tuple], plain: list[torch.Tensor]) -> tuple:
-    """The aux output's ``(shape, dtype)``, from one run of the layer on fake tensors (its
-    cotangent is an input of the joint trace)."""
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
-        aux = call(*(mode.from_tensor(t) for t in plain))[1]
+    """The aux output's ``(shape, dtype)``, from a trace of the layer on fake tensors (its
+    cotangent is an input of the joint trace), with the joint trace's ``fake_kernels``."""
+    with torch.no_grad():
+        graph = make_fx(lambda *xs: call(*xs)[1], tracing_mode="fake",
+                        decomposition_table=fake_kernels.TABLE)(*plain).graph
+    out = next(n for n in graph.nodes if n.op == "output").args[0]
+    aux = (out[0] if isinstance(out, (list, tuple)) else out).meta["val"]
     if not aux.is_floating_point():
         raise TraceError(f"its aux output is {aux.dtype}, not a floating tensor")
     return tuple(aux.shape), aux.dtype
-
-
-# torch's fake-tensor logger prints an op's whole traceback at ERROR when its fake kernel
-# raises (``_grouped_mm``'s takes bf16 only, so an fp32 MoE layer's trace fails): during a
-# trace that is the failure ``joint_trace`` reports as ``TraceError`` (its first line), and the
-# layer falls back to autograd with one WARNING. Nothing else is silenced.
-FAKE_TENSOR_LOG = "torch._subclasses.fake_tensor"
-
-
-@contextlib.contextmanager
-def _quiet(name: str):
-    logger = logging.getLogger(name)
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def programs(joint: Joint, keep: frozenset[str] | None = None) -> Programs:

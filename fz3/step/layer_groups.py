@@ -43,7 +43,7 @@ class Groups(NamedTuple):
 
 def groups(bindings: Sequence[Binding], part: Part, failed: dict[str, str]) -> Groups:
     """The stack's ``Groups``. Records in ``failed`` a part whose layers hold state a trace
-    cannot see (buffers, hooks, shared reads)."""
+    cannot see (hooks, shared reads; buffers are the programs' inputs)."""
     states = []
     for layer, binding in enumerate(bindings):
         try:
@@ -124,12 +124,16 @@ for _dunder in ("bool index int float complex eq ne lt le gt ge hash str repr fo
 
 def _state(binding: Binding) -> tuple[int, tuple, dict]:
     """What a layer's code can read besides its parameters and inputs: its function, its
-    modules' paths and types, and their attributes (``(path, name) -> value``, or its id
-    where the value is not plain)."""
+    modules' paths, types and buffers' shapes and dtypes, and their attributes (``(path,
+    name) -> value``, or its id where the value is not plain)."""
     modules, attrs = [], {}
     for path, module in binding.module.m.named_modules():
-        if any(b is not None for b in module._buffers.values()):
-            raise TraceError(f"{path or 'it'} has buffers (state a trace would freeze)")
+        # buffers are the programs' inputs (``fz3.step.traced``): their shapes and dtypes
+        # are what the programs are specialized to, their values are not
+        buffers = tuple((k, tuple(b.shape), b.dtype) for k, b in module._buffers.items()
+                        if b is not None)
+        if any(b is not None and b.requires_grad for b in module._buffers.values()):
+            raise TraceError(f"{path or 'it'} has a buffer that requires grad")
         for k, v in vars(module).items():
             if k in _MODULE_OWN:  # nn.Module's own tables: only hooks matter to a trace
                 if v and "hook" in k and ("forward" in k or "backward" in k) and \
@@ -137,7 +141,7 @@ def _state(binding: Binding) -> tuple[int, tuple, dict]:
                     raise TraceError(f"{path or 'it'} has hooks ({k}), which a trace would skip")
                 continue
             attrs[path, k] = v if _plain(v) else _Id(id(v))
-        modules.append((path, type(module)))
+        modules.append((path, type(module), buffers))
     return id(binding.module.fn), tuple(modules), attrs
 
 

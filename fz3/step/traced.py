@@ -19,8 +19,11 @@ program. This file decides which layers share them and when they are made:
   step functions on it do not trace again.
 - ``compile``: programs compiled by inductor (``fz3.step.inductor``), shared as they are.
 
+A layer's buffers (a router's bias) are its programs' last inputs, each call that layer's
+own (``fz3.step.layer_buffers``): their values are never frozen into a program.
+
 A layer that cannot be traced (it reads a tensor's value on the host, branches on data,
-writes into an extra or a parameter row, makes a tensor from Python values, has buffers or
+writes into an extra, a buffer or a parameter row, makes a tensor from Python values, has
 hooks; one that writes into h writes into a copy, ``fz3.step.joint``) runs through autograd
 (``fz3.step.engine.AutogradLayers``), with one WARNING (``fz3.comm.say``); ``failed`` says
 why.
@@ -34,6 +37,7 @@ from typing import Callable, Sequence
 
 import optree
 import torch
+from torch import nn
 
 from ..comm.say import once, per_rank
 from ..schedule.structure import Role
@@ -42,6 +46,7 @@ from ..sharding.model import ShardedModel
 from ..sharding.parts import Part
 from ..sharding import compute
 from ..sharding.compute import LayerName
+from . import layer_buffers
 from .inductor import Kernels, refuse_uncompiled
 from .joint import Programs, TraceError, joint_trace, programs
 from .partition import op_name
@@ -167,9 +172,11 @@ class TracedLayers:
                 return None
             programs.append(got)
         dense = torch.empty_like(h, device="meta").stride() == h.stride()  # a copy can take it
+        buffers = tuple(layer_buffers.values(self.model.functions[part_index][layer])
+                        for layer in range(first, stop))
         return Layers(tuple(programs), any(p.aliases_params for p in programs), signature.keep,
                       self.model.layer_aux, torch.empty(h.shape, device="meta").stride(),
-                      h.stride() if dense else None)
+                      h.stride() if dense else None, buffers)
 
     def _group(self, i: int, part: Part, layer: int, h: torch.Tensor, extras: Extras,
                signature: tuple) -> Programs | None:
@@ -205,7 +212,8 @@ class TracedLayers:
                           device=self.model.device)
         frozen_row = (torch.empty(part.frozen.padded, dtype=self.model.precision.frozen,
                                   device=self.model.device) if frozen else None)
-        inputs = [row, *([frozen_row] if frozen else []), h, *extras.tensors]
+        inputs = [row, *([frozen_row] if frozen else []), h, *extras.tensors,
+                  *layer_buffers.values(binding)]
         # traced once per model: every step function on it (and its copies) reuses them
         key = (binding, part.layout, part.frozen, signature, hide)
         if key not in self.model.traces:
@@ -238,8 +246,8 @@ class TracedLayers:
         split and turned into code."""
         try:  # in the model's mode (a memory plan traces outside a step): dropout or not
             with compute.mode(self.model):
-                joint = joint_trace(_layer(binding, part, extras.flat), inputs, frozen,
-                                    extras.diff, self.model.layer_aux)
+                layer = _layer(binding, part, extras.flat, layer_buffers.owners(binding))
+                joint = joint_trace(layer, inputs, frozen, extras.diff, self.model.layer_aux)
         except TraceError as e:
             return e
         alike = ("joint", joint.code, part.layout, part.frozen, signature)
@@ -273,19 +281,23 @@ class TracedLayers:
              ", not compiled" if self.compile else "")
 
 
-def _layer(binding: Binding, part: Part, specs: list) -> Callable[..., torch.Tensor]:
-    """The pure function of one layer: ``(row, frozen_row, h, *tensor extras) -> h`` (or
-    ``(h, aux)``), the extras' structure and non-tensor values constants of it."""
+def _layer(binding: Binding, part: Part, specs: list,
+           owners: Sequence[tuple[nn.Module, str]] = ()) -> Callable[..., torch.Tensor]:
+    """The pure function of one layer: ``(row, frozen_row, h, *tensor extras, *buffers) ->
+    h`` (or ``(h, aux)``), the extras' structure and non-tensor values constants of it;
+    ``owners``: where each buffer is held (``layer_buffers.owners``)."""
     layout, frozen_layout = part.layout, part.frozen
+    n = len(owners)
 
     def layer(row: torch.Tensor, frozen_row: torch.Tensor | None, h: torch.Tensor,
               *tensors: torch.Tensor) -> torch.Tensor:
-        it = iter(tensors)
+        it = iter(tensors[:len(tensors) - n])
         extras = [optree.tree_unflatten(spec, [next(it) if isinstance(leaf, torch.Tensor)
                                                else leaf for leaf in leaves])
                   for leaves, spec in specs]
         views = layout.views(row) + ([] if frozen_row is None else frozen_layout.views(frozen_row))
-        out = binding(views, (h, *extras))
+        with layer_buffers.substituted(owners, tensors[len(tensors) - n:]):
+            out = binding(views, (h, *extras))
         new = out[0] if isinstance(out, tuple) and out else out
         if isinstance(new, torch.Tensor) and (new.shape != h.shape or new.dtype != h.dtype):
             raise TraceError(f"it maps h of shape {list(h.shape)} {h.dtype} to "
