@@ -5,6 +5,8 @@ are not refused: each run of identical ones is a stack, ``fz3/sharding/parts.py`
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import nn
 

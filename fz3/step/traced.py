@@ -33,11 +33,10 @@ from __future__ import annotations
 
 import logging
 from logging import WARNING
-from typing import Callable, Sequence
+from typing import Sequence
 
 import optree
 import torch
-from torch import nn
 
 from ..comm.say import once, per_rank
 from ..schedule.structure import Role
@@ -246,7 +245,8 @@ class TracedLayers:
         split and turned into code."""
         try:  # in the model's mode (a memory plan traces outside a step): dropout or not
             with compute.mode(self.model):
-                layer = _layer(binding, part, extras.flat, layer_buffers.owners(binding))
+                layer = layer_buffers.layer_function(binding, part, extras.flat,
+                                                     layer_buffers.owners(binding))
                 joint = joint_trace(layer, inputs, frozen, extras.diff, self.model.layer_aux)
         except TraceError as e:
             return e
@@ -279,29 +279,3 @@ class TracedLayers:
         self._units = {k: v for k, v in self._units.items() if k[0] != part_index}
         once(log, WARNING, "fz3: %s; its layers run through autograd%s", why,
              ", not compiled" if self.compile else "")
-
-
-def _layer(binding: Binding, part: Part, specs: list,
-           owners: Sequence[tuple[nn.Module, str]] = ()) -> Callable[..., torch.Tensor]:
-    """The pure function of one layer: ``(row, frozen_row, h, *tensor extras, *buffers) ->
-    h`` (or ``(h, aux)``), the extras' structure and non-tensor values constants of it;
-    ``owners``: where each buffer is held (``layer_buffers.owners``)."""
-    layout, frozen_layout = part.layout, part.frozen
-    n = len(owners)
-
-    def layer(row: torch.Tensor, frozen_row: torch.Tensor | None, h: torch.Tensor,
-              *tensors: torch.Tensor) -> torch.Tensor:
-        it = iter(tensors[:len(tensors) - n])
-        extras = [optree.tree_unflatten(spec, [next(it) if isinstance(leaf, torch.Tensor)
-                                               else leaf for leaf in leaves])
-                  for leaves, spec in specs]
-        views = layout.views(row) + ([] if frozen_row is None else frozen_layout.views(frozen_row))
-        with layer_buffers.substituted(owners, tensors[len(tensors) - n:]):
-            out = binding(views, (h, *extras))
-        new = out[0] if isinstance(out, tuple) and out else out
-        if isinstance(new, torch.Tensor) and (new.shape != h.shape or new.dtype != h.dtype):
-            raise TraceError(f"it maps h of shape {list(h.shape)} {h.dtype} to "
-                             f"{list(new.shape)} {new.dtype} (traced layers keep h's shape)")
-        return out
-
-    return layer
