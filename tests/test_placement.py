@@ -252,6 +252,10 @@ def test_a_placeholder_is_never_read_as_values():
         with pytest.raises(PartReadError, match=r"read parameter 'head\.weight', which fz3\.shard "
                                                 r"placed in part 'pre'"):
             read()
+    for init in (torch.nn.init.normal_, torch.nn.init.trunc_normal_, torch.nn.init.orthogonal_):
+        assert init(w) is w  # an initialiser (weights= runs HF's _init_weights) does nothing
+    with pytest.raises(PartReadError):
+        x @ w.t()[:, :2].unsqueeze(0)  # views stay unreachable
     assert w.shape == (4, 3) and w.dtype == torch.float32 and w.is_meta
     assert isinstance(w.detach(), Unreachable) and "head.weight" in repr(w)
     assert isinstance(copy.deepcopy(w), Unreachable)

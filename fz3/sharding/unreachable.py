@@ -10,9 +10,12 @@ uninitialised memory (torch 2.13), so a head registered before the layers and re
 ``Unreachable`` is a meta-shaped tensor subclass whose every op that would read its values
 raises ``PartReadError``, naming the parameter and the part it belongs to. Reading its
 ``.shape``, ``.dtype``, ``.device`` or ``.requires_grad`` is not a read (no op runs), nor
-are the ops that only make another tensor of its shape (``detach``, ``alias``,
+are views and the ops that only make another tensor of its shape (``detach``, ``alias``,
 ``zeros_like``...: ``module.state_dict()`` detaches every parameter); what they make is
-unreachable too, so no value derived from a placeholder ever meets a real tensor. A
+unreachable too, so no value derived from a placeholder ever meets a real tensor. An op
+that writes into a placeholder (an initialiser: ``normal_``, ``copy_``; Hugging Face's
+``_init_weights`` runs them when ``weights=`` makes meta buffers real) does nothing, as it
+did on a meta tensor: nothing it wrote could be read. A
 placeholder is made once, in ``fz3.shard``; the per-call path never touches one.
 """
 
@@ -89,13 +92,22 @@ class Unreachable(torch.Tensor):
                            kwargs: dict | None = None) -> Any:
         leaves = optree.tree_leaves((args, kwargs or {}))
         first = next(t for t in leaves if isinstance(t, Unreachable))
-        if func not in _METADATA_ONLY:
+        if _writes_first(func) and isinstance(args[0], Unreachable):
+            return args[0]  # an initialiser (HF's _init_weights): nothing to write, as on meta
+        if func not in _METADATA_ONLY and not func.is_view:
             raise PartReadError(first.parameter, first.part)
         plain = optree.tree_map(
             lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
             if isinstance(t, Unreachable) else t, (args, kwargs or {}))
         out = func(*plain[0], **plain[1])
         return Unreachable(out, first.parameter, first.part)
+
+
+def _writes_first(func: Any) -> bool:
+    """Whether ``func`` writes into its first argument (``normal_``, ``copy_``, ``fill_``...)."""
+    arguments = func._schema.arguments
+    alias = arguments[0].alias_info if arguments else None
+    return alias is not None and alias.is_write
 
 
 def unreachable(module: torch.nn.Module, part_of: dict[str, str]) -> None:
