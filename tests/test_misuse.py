@@ -180,7 +180,7 @@ def test_ranks_out_of_step_are_named_where_they_are(tmp_path):
     """A rank a step ahead is named as such on every rank, and each rank is told what the
     others called (a step against fz3.save or fz3.export), within seconds, in both wait paths
     (a step's collective, a call's arrival) and when the other rank's process ended."""
-    assert dist.run(2, out_of_step_ranks, str(tmp_path), timeout=90) == ["ok"] * 2
+    assert dist.run(2, out_of_step_ranks, str(tmp_path), timeout=60) == ["ok"] * 2
 
 
 def shapes_ranks(rank, world):

@@ -63,6 +63,13 @@ def disagreement_ranks(rank, world):
         fz3.value_and_grad(model)(params, (bs[rank][0].float(), bs[rank][1]))
     loss, _ = fz3.value_and_grad(model)(params, bs[rank])  # the group still works
     assert torch.isfinite(loss)
+    # A step call rank 1 entered and left before its first collective (counted on the model,
+    # whatever the step function) makes it a step ahead at the next step's check.
+    if rank == 1:
+        model.comm.heartbeat.entered("fz3.apply")
+    with pytest.raises(RuntimeError, match=r"rank 1 is on its step call 7 while ranks \[0\] are on call 6 \(step "
+                                           r"calls on this model"):
+        fz3.value_and_grad(model)(params, bs[rank])
     return "ok"
 
 
