@@ -7,8 +7,9 @@ step. What tells them apart is where each rank is: its ``Place`` on the model (t
 it entered, the last fz3 call it entered), which its heartbeat publishes (``liveness.py``).
 Ranks read the places only where they already wait: a collective's wait past ``fz3.shard``'s
 ``timeout`` (``arrival.absent_error``), a collective that failed (``failures.lost_error``),
-``arrive`` past its ``timeout`` or once another rank gave up (``arrival.arrive``). Cost: one
-store read per rank of the group, on those paths only; nothing while the ranks are in step.
+``arrive`` past its ``timeout`` or once another rank gave up (``arrival.arrive``). Cost: two
+store round trips per rank of the group (``places``), on those paths only; nothing while the
+ranks are in step (a step call replaces one tuple; the heartbeat thread publishes it).
 
 Every rank that raises says the same thing: "rank 1 is on its step call 3 while ranks [0] are
 on call 2 (the last fz3 call each rank entered: rank 0: fz3.save after step call 2; rank 1:
