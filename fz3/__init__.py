@@ -5,8 +5,7 @@
 """
 
 from . import hf, optim
-from .comm.arrival import CollectiveMismatchError
-from .comm.failures import RankInterruptedError, RankLostError
+from .comm.failures import CollectiveMismatchError, RankInterruptedError, RankLostError
 from .comm.groups import destroy
 from .observe.memory import MemoryPlan, memory_plan
 from .observe.measure import Measured, measure_memory

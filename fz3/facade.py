@@ -56,8 +56,9 @@ timeout=120, layer_aux=None, example=None)``, its arguments:
   it, parts follow registration order. Either way a function that reads a parameter of
   another part raises ``PartReadError`` naming it, at the call (never a silent wrong value).
 - timeout: seconds a rank waits in one of the model's collectives (gloo) before it looks for
-  ranks that never entered the step call, and names them (``fz3.CollectiveMismatchError``);
-  see ``fz3/comm/collectives.py``.
+  ranks that are not in the same fz3 call (a step call behind or ahead, in ``fz3.save``,
+  ended), and names where each is (``fz3.CollectiveMismatchError``); see
+  ``fz3/comm/collectives.py`` and ``fz3/comm/out_of_step.py``.
 """
 
 from __future__ import annotations

@@ -77,6 +77,55 @@ def test_liveness_is_read_from_change_per_incident():
     assert observe(st, [1, 2, 3], window_s=0.5) == Liveness([], [1, 2], [3])
 
 
+def test_a_place_is_published_and_marked_ended_when_the_heartbeat_stops():
+    """The heartbeat publishes where its rank is (step calls entered, last call) and, stopped
+    on purpose (fz3.destroy, the model dropped, the interpreter's exit), marks it ended: a rank
+    whose process exited after its last step is told from one that died."""
+    import threading
+    import time
+
+    from fz3.comm.liveness import Place, _beat, heartbeat_key, place_key, places
+
+    st = tdist.HashStore()
+    here = [Place(2, "value_and_grad's step", True)]
+    stop = threading.Event()
+    beating = threading.Thread(target=_beat, args=(st, heartbeat_key(0), 0.01, stop, here, place_key(0, 1)),
+                               daemon=True)
+    beating.start()
+    here[0] = Place(2, "fz3.save", False)  # the main thread enters fz3.save after step call 2
+    deadline = time.monotonic() + 5
+    while places(st, [0], 1)[0] != here[0]:
+        assert time.monotonic() < deadline, places(st, [0], 1)
+        time.sleep(0.01)
+    assert places(st, [0, 1], 1) == {0: Place(2, "fz3.save", False, False), 1: None}
+    stop.set()
+    beating.join()
+    assert places(st, [0], 1)[0] == Place(2, "fz3.save", False, True)
+    assert str(places(st, [0], 1)[0]) == "fz3.save after step call 2, then ended (fz3.destroy or its process exited)"
+
+
+def test_ranks_out_of_step_are_named_where_each_is():
+    """The sentence every rank raises: the highest step count first, each rank's last call,
+    where a rank gave up; ranks in this rank's own call are not named."""
+    from fz3.comm.liveness import Place
+    from fz3.comm.out_of_step import apart
+
+    step = "value_and_grad's step"
+    at = {0: Place(2, "fz3.save"), 1: Place(3, step, True), 2: Place(3, step, True), 3: None}
+    assert apart(1, at, {2: "gather pre"}) == (
+        [0, 2], "ranks [1, 2] are on step call 3 while ranks [0] are on call 2 (the last fz3 call each rank "
+                "entered: rank 0: fz3.save after step call 2; rank 1: value_and_grad's step call 3; rank 2: "
+                "value_and_grad's step call 3 (gave up waiting in gather pre); rank 3: none published (did it "
+                "reach fz3.shard?))")
+    assert apart(1, {**at, 0: Place(3, step, True)}) is None  # every rank in call 3: merely slow
+    assert apart(0, {0: Place(1, "fz3.apply", True), 1: Place(1, step, True)}).text.startswith(
+        "the ranks' last fz3 calls differ, each after step call 1 (the last fz3 call each rank entered: "
+        "rank 0: fz3.apply call 1; rank 1: value_and_grad's step call 1)")
+    three = {0: Place(4, step, True), 1: Place(2, step, True), 2: Place(3, step, True)}
+    assert apart(2, three).text.startswith("rank 0 is on its step call 4 while ranks [2] are on call 3 and "
+                                           "ranks [1] are on call 2 (")
+
+
 def arrival_ranks(rank, world, calls):
     from fz3.comm.arrival import arrive
 

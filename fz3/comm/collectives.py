@@ -17,11 +17,13 @@ not queue behind the all-gather of layer i-1 in backward.
 
 [Note: a rank that never comes]
 On gloo, ``wait`` waits at most ``comm.step_timeout`` (``fz3.shard``'s ``timeout=``) at a
-time. When it passes, the ranks' published counts of step calls entered (``liveness.py``)
-say whether a rank is absent: one that entered fewer calls than the others is running other
-code, and the ranks waiting raise ``fz3.CollectiveMismatchError`` naming it. If every rank is
-in the same call, someone is merely slow: ``wait`` waits again, and the process group's own
-timeout stays the bound for a rank hung inside the call (``RankLostError``). Cost: none
+time. When it passes, the ranks' published places (the step calls each entered and its last
+fz3 call, ``liveness.py``) say whether a rank is elsewhere: one that entered fewer or more
+step calls, or is in another call (``fz3.save``), and the ranks waiting raise
+``fz3.CollectiveMismatchError`` naming where each rank is (``out_of_step.py``). If every rank
+is in the same call, someone is merely slow: ``wait`` waits again, and the process group's
+own timeout stays the bound for a rank hung inside the call (``RankLostError``). A
+collective that fails (a peer's process exited) names the ranks out of step the same way. Cost: none
 while ranks arrive in time (``Work.wait(timeout)`` costs what ``Work.wait()`` does). NCCL's
 ``wait`` does not block the host, so there the process group's timeout stays the only bound.
 """
@@ -116,7 +118,7 @@ def all_gather(comm: Comm, out: torch.Tensor | None, shard: torch.Tensor,
                        label)
     if out is None:
         out = shard.new_empty(comm.world_size * shard.numel())
-    work = _issue(comm.group, label, getattr(comm.group, ALL_GATHER), out, shard, GATHER)
+    work = _issue(comm, comm.group, label, getattr(comm.group, ALL_GATHER), out, shard, GATHER)
     return Pending(work, out, shard, comm.group, label, comm)
 
 
@@ -126,7 +128,7 @@ def reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor,
     comm._delay()
     if comm.local:
         return Pending(None, out.copy_(full), full, comm.reduce_group, label)
-    work = _issue(comm.reduce_group, label, getattr(comm.reduce_group, REDUCE_SCATTER), out,
+    work = _issue(comm, comm.reduce_group, label, getattr(comm.reduce_group, REDUCE_SCATTER), out,
                   full, SUM_SCATTER)
     return Pending(work, out, full, comm.reduce_group, label, comm)
 
@@ -139,7 +141,7 @@ def all_reduce(comm: Comm, t: torch.Tensor, *, group: dist.ProcessGroup | None =
     size = comm.replicas if group is comm.replicate_group else comm.world_size
     if size == 1 and comm.local_copies:
         return Pending(None, t, None, group, label)
-    work = _issue(group, label, getattr(group, ALL_REDUCE), [t], SUM)
+    work = _issue(comm, group, label, getattr(group, ALL_REDUCE), [t], SUM)
     return Pending(work, t, None, group, label, comm)
 
 
@@ -177,9 +179,9 @@ def wait(p: Pending) -> torch.Tensor:
             return p.out
         except RuntimeError as e:
             if bound is None or not _timed_out(e):
-                raise lost_error(p.group, p.label, e) from e
-        model = p.comm.heartbeat.model if p.comm.heartbeat is not None else 0
-        absent = absent_error(p.group, p.label, bound.total_seconds(), model)
+                beat = p.comm.heartbeat if p.comm is not None else None
+                raise lost_error(p.group, p.label, e, beat=beat) from e
+        absent = absent_error(p.group, p.label, bound.total_seconds(), p.comm.heartbeat)
         if absent is not None:
             p.comm.abandoned.append(p)  # gloo may still write into its buffers: keep them
             raise absent
@@ -201,8 +203,8 @@ def _timed_out(e: RuntimeError) -> bool:
     return "Operation timed out" in str(e)
 
 
-def _issue(pg: dist.ProcessGroup, label: object, fn, *args):
+def _issue(comm: Comm, pg: dist.ProcessGroup, label: object, fn, *args):
     try:
         return fn(*args)
     except RuntimeError as e:
-        raise lost_error(pg, label, e) from e
+        raise lost_error(pg, label, e, beat=comm.heartbeat) from e

@@ -119,6 +119,10 @@ def destroy(model: Any) -> None:
     Collective over the model's sharding group: every rank calls it, at the same point."""
     from .arrival import arrive
 
+    # published as the rank's last call; arrive gets no beat: a rank that gave up on the
+    # model's collectives may still come here ([Note: a rank that gave up] in arrival.py)
+    if model.comm.heartbeat is not None:
+        model.comm.heartbeat.inside("fz3.destroy")
     arrive(model.comm.group, "fz3.destroy", timeout=120.0)
     release(model.comm)
 

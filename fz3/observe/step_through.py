@@ -92,7 +92,8 @@ def step_through(model: ShardedModel, params: Params, batch: Any,
             try:
                 yield describe(model, sched, frame)
             except GeneratorExit:  # stopped early: every rank must stop here too, or the drain
-                arrive(model.comm.group, "fz3.step_through stop", timeout)  # would wait forever
+                arrive(model.comm.group, "fz3.step_through stop", timeout,  # would wait forever
+                       model.comm.heartbeat)
                 raise
     finally:
         gen.close()  # the executor drains its in-flight collectives

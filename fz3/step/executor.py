@@ -25,7 +25,7 @@ from typing import Any, Callable, Generator, NamedTuple
 import torch
 
 from .. import rng
-from ..comm.arrival import CollectiveMismatchError
+from ..comm.failures import CollectiveMismatchError
 from ..comm.collectives import all_reduce, wait
 from ..schedule.ops import Op, OpKind
 from ..schedule.structure import Role

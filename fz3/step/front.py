@@ -21,6 +21,8 @@ from ..compare import fingerprint
 from ..comm.collectives import differing_ranks
 from ..comm.failures import gather_objects
 from ..comm.groups import refuse_destroyed
+from ..comm.liveness import Place
+from ..comm.out_of_step import steps_apart
 from ..comm.say import once
 from ..schedule.ops import OpKind
 from ..schedule.planner import Policy, plan
@@ -95,16 +97,24 @@ def check_call(model: ShardedModel, params: Params, *batches: Any,
     refuse_destroyed(model.comm, entry)
     check_params(model, params)
     empty = [why for why in (check_batch(model, b, labels) for b in batches) if why is not None]
-    enter(model)
+    enter(model, entry)
     return empty
 
 
-def enter(model: ShardedModel) -> None:
-    """Count one step call on this rank, after its local checks and before its collectives:
-    a rank that raised before here, or never came, has entered fewer calls, and the ranks
-    left waiting name it ([Note: a rank that never comes] in ``fz3/comm/collectives.py``)."""
+def enter(model: ShardedModel, entry: str) -> None:
+    """Count one step call (``entry``) on this rank, after its local checks and before its
+    collectives: a rank that raised before here, or never came, has entered fewer calls, one
+    that ran a step more has entered more, and the ranks left waiting name them where they
+    are ([Note: a rank that never comes] in ``fz3/comm/collectives.py``)."""
     if model.comm.heartbeat is not None:
-        model.comm.heartbeat.entered()
+        model.comm.heartbeat.entered(entry)
+
+
+def calls_entered(model: ShardedModel, step: int) -> int:
+    """The step calls this rank entered on ``model`` (every step function's); ``step`` where
+    the model has no heartbeat."""
+    beat = model.comm.heartbeat
+    return beat.place.calls if beat is not None else step
 
 
 def check_params(model: ShardedModel, params: Params) -> None:
@@ -136,29 +146,30 @@ def check_batch(model: ShardedModel, batch: Any, labels: bool = True) -> str | N
 
 def check_in_sync(model: ShardedModel, step: int, entry: str, batches: Sequence[Any],
                   empty: list[str]) -> None:
-    """Same step count, and batches of the same structure, shapes and dtypes, none empty
-    (``empty``: this rank's reasons, from ``check_call``), on every rank. **Collective**: one
-    all-gather of a few integers (and, on a mismatch, one more to say what differs); a rank
-    that never comes is named when the wait passes ``fz3.shard``'s ``timeout`` ([Note: a rank
-    that never comes])."""
+    """Same step call on the model and the same step count, and batches of the same structure,
+    shapes and dtypes, none empty (``empty``: this rank's reasons, from ``check_call``), on
+    every rank. **Collective**: one all-gather of a few integers (and, on a mismatch, one more
+    to say what differs); a rank that never comes is named when the wait passes
+    ``fz3.shard``'s ``timeout`` ([Note: a rank that never comes])."""
     sigs = [_signature(b) for b in batches]
-    differ, rows = differing_ranks(model.comm, [step, bool(empty), *fingerprint(sigs)],
+    calls = calls_entered(model, step)
+    differ, rows = differing_ranks(model.comm, [calls, step, bool(empty), *fingerprint(sigs)],
                                    model.device, f"{entry}'s check that the ranks agree")
-    hollow = [r for r in range(model.world_size) if rows[r, 1]]
+    hollow = [r for r in range(model.world_size) if rows[r, 2]]
     if not differ and not hollow:
         return
+    for column, counted in ((0, "step calls on this model: value_and_grad's, apply, "
+                                "accumulate's, step_through"), (1, "calls of this step function")):
+        if any(rows[r, column] != rows[0, column] for r in differ):
+            at = {k: Place(int(rows[k, column]) + (column == 1)) for k in range(model.world_size)}
+            raise RuntimeError(f"{entry}: {steps_apart(at)} ({counted}): some rank skipped or "
+                               f"repeated a step (a loop bound or a skipped batch that differs by "
+                               f"rank?); every rank must make the same calls equally often")
     # the error path only: every rank's batches described for people (paths, shapes, dtypes)
-    everyone = gather_objects(model.comm.group,
-                              (step, [_described(b) for b in batches], empty))
-    r = differ[0] if differ else 0
-    (s0, _, _), (sr, _, _) = everyone[0], everyone[r]
-    if s0 != sr:
-        raise RuntimeError(f"{entry}: ranks {differ} are at another step than rank 0 (rank 0 "
-                           f"at call {s0}, rank {r} at call {sr}): some rank skipped or repeated "
-                           f"a step; every rank must call the step equally often")
-    shown = "; ".join(f"rank {k}: {' | '.join(d)}" for k, (_, d, _) in enumerate(everyone))
+    everyone = gather_objects(model.comm.group, ([_described(b) for b in batches], empty))
+    shown = "; ".join(f"rank {k}: {' | '.join(d)}" for k, (d, _) in enumerate(everyone))
     if hollow:
-        why = "; ".join(f"rank {k}: {', '.join(everyone[k][2])}" for k in hollow)
+        why = "; ".join(f"rank {k}: {', '.join(everyone[k][1])}" for k in hollow)
         raise ValueError(f"{entry}: ranks {hollow} have an empty batch ({why}): the loss would be "
                          f"NaN on every rank while the gradients stay finite; drop that batch on "
                          f"every rank")

@@ -125,11 +125,11 @@ def apply(model: ShardedModel, params: Params, batch: Any, *,
     **Collective**: every rank must call it (the schedule is compared across ranks first)."""
     if output is not None:  # local: refused before any collective
         loss, has_aux = _output(model, output, loss, has_aux), True
-    check_call(model, params, batch, entry="fz3.apply", labels=output is None)
     if isinstance(compile, ValueAndGrad):
         traced = compile.traced
-    else:  # local too: refused options fail before the schedule's collective
+    else:  # local too: refused options fail before the call is counted (check_call)
         traced = layer_runner(model, trace=trace, compile=compile, strict=False)
+    check_call(model, params, batch, entry="fz3.apply", labels=output is None)
     sched = prepare(model, schedule, grad=False, entry="apply")
     result = drain(execute(model, lower(model, sched), params, batch, recorder,
                            loss=loss_of(model, loss, has_aux), traced=traced, frames=False))

@@ -77,7 +77,7 @@ def save(path: str | os.PathLike, model: ShardedModel, state: Any, *,
     refuse_destroyed(model.comm, "fz3.save")
     flat = _flatten(model, state, "")  # refuses a donated tree, before anything is touched
     group = _everyone(model)
-    arrive(group, "fz3.save", timeout)
+    arrive(group, "fz3.save", timeout, model.comm.heartbeat)
     try:
         _save(path, model, flat, group)
     except BaseException as e:
@@ -154,7 +154,7 @@ def load(path: str | os.PathLike, model: ShardedModel, template: Any, *, restore
     loading)."""
     path = os.path.normpath(os.fspath(path))
     refuse_destroyed(model.comm, "fz3.load")
-    arrive(_everyone(model), "fz3.load", timeout)
+    arrive(_everyone(model), "fz3.load", timeout, model.comm.heartbeat)
     try:
         return _load(path, model, template, restore_rng)
     except BaseException as e:

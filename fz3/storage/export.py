@@ -63,7 +63,7 @@ def export(path: str | os.PathLike, model: ShardedModel, params: Params, *,
     path = os.path.normpath(os.fspath(path))
     refuse_destroyed(model.comm, "fz3.export")
     check_tree(model, params, "params")
-    arrive(model.comm.group, "fz3.export", timeout)
+    arrive(model.comm.group, "fz3.export", timeout, model.comm.heartbeat)
     fmt = format or ("safetensors" if _has_safetensors() else "torch")
     rank0 = model.is_root
     units = unit_shards(model, params, frozen=True)

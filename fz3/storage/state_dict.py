@@ -49,7 +49,7 @@ def _gather(model: ShardedModel, tree: Params, what: str, timeout: float,
             with_model: bool) -> dict[str, torch.Tensor] | None:
     refuse_destroyed(model.comm, what)
     check_tree(model, tree, "the tree")
-    arrive(model.comm.group, what, timeout)
+    arrive(model.comm.group, what, timeout, model.comm.heartbeat)
     found: dict[str, torch.Tensor] = {}
     for unit, pieces in Gathered(model, unit_shards(model, tree, frozen=with_model)):
         for slot, t in pieces or []:
