@@ -18,6 +18,7 @@ forward is refused naming it (local tests)."""
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -68,12 +69,32 @@ def build(family: str, **settings):
     return module
 
 
+def _pinned() -> bool:
+    """Whether the installed transformers is the release constraints.txt pins (the top of the
+    range), where every family here is known to follow the template."""
+    import transformers as tf
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "constraints.txt")) as f:
+        pins = [line.strip() for line in f if line.startswith("transformers==")]
+    return pins == [f"transformers=={tf.__version__}"]
+
+
 def unlisted_ranks(rank, world):
     bs = [batch(r) for r in range(world)]
+    pinned = _pinned()
     for family in UNLISTED:
         module = build(family)
         ref_loss, want = reference(module, bs)
-        model, params = fz3.shard(module)
+        try:
+            model, params = fz3.shard(module)
+        except ValueError as e:
+            # another release's forward of a family may differ from the template (5.0's
+            # SmolLM3 by 1.2e-4 in the loss): the verification refuses it by name, never a
+            # wrong number; at the pinned release every family here must match
+            if pinned or "the template does not compute its forward" not in str(e):
+                raise
+            continue
         steps = {}
         for kw in MODES if family in EVERY_MODE else MODE_OF.get(family, MODES[:1]):
             step = fz3.value_and_grad(model, **kw)
