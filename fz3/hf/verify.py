@@ -41,7 +41,7 @@ def difference(m: nn.Module, typed: TypedFamily) -> str | None:
     batch = _batch(tiny.config.vocab_size)
     with torch.no_grad():
         try:
-            own = tiny(**batch, use_cache=False)
+            own = tiny(**batch, **({"use_cache": False} if typed.shifted else {}))
         except Exception as e:  # the shrinking broke a rule of the model's: say so
             return (f"its tiny copy's own forward failed ({type(e).__name__}: "
                     f"{str(e)[:200]}), so the template's match cannot be checked")
