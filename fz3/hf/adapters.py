@@ -135,7 +135,7 @@ def _matched(module: nn.Module) -> TypedFamily | None:
         return None
     typed = template.family(shape)
     check_attention(module)  # before building a copy with the same implementation
-    why = verify.difference(module, typed)
+    why = verify.difference(module, typed, template.match, shape)
     if why is not None:
         raise ValueError(f"{type(module).__name__} (model_type {module.config.model_type!r}, "
                          f"not one of fz3's tested families) has the structure of the "
