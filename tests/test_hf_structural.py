@@ -3,7 +3,10 @@ and verified on a tiny copy (``fz3/hf/verify.py``): bare ``fz3.shard(model)`` on
 (sliding and full layers, NoPE layers), Starcoder2 (a sliding window, LayerNorm), Phi (phi-2's
 partial rotary, a parallel block, a final_layernorm and an embedding dropout), GLM4, Cohere
 (logit_scale) and Granite-MoE (embedding and logits multipliers, experts), and DeepSeek-V3
-(multi-head latent attention, a dense then an MoE layer, the router's constant buffer).
+(multi-head latent attention, a dense then an MoE layer, the router's constant buffer); and
+masked-LM encoders (``fz3/hf/structural_encoders.py``): XLM-RoBERTa (its head registered
+before its base model, the decoder tied to the embedding), ELECTRA (an embedding projection,
+a head of two modules) and NomicBERT (rotary tables, no encoder wrapper).
 
 Reference: plain autograd on the unsharded HF model over every rank's batch concatenated
 (``hf_families.reference``), fp32, rtol 1e-5 / atol 1e-6 on the loss and every gradient, world
@@ -25,7 +28,7 @@ import torch
 
 import dist
 import fz3
-from hf_families import COMMON, batch, check_traced, reference
+from hf_families import COMMON, NO_DROPOUT, batch, check_traced, reference
 from reference import assert_close
 
 # family -> (config class name, its own features switched on)
@@ -47,7 +50,12 @@ UNLISTED = {
                                              kv_lora_rank=16, q_lora_rank=16,
                                              qk_rope_head_dim=4, qk_nope_head_dim=4,
                                              v_head_dim=8)),
+    # masked LMs (AutoModelForMaskedLM), dropout off (each rank would draw its own)
+    "xlm-roberta": ("XLMRobertaConfig", NO_DROPOUT),
+    "electra": ("ElectraConfig", dict(NO_DROPOUT, embedding_size=24)),
+    "nomic_bert": ("NomicBertConfig", {}),
 }
+MASKED = ("xlm-roberta", "electra", "nomic_bert")
 MODES = ({}, dict(schedule=fz3.Policy(activations="save")),
          dict(schedule=fz3.Policy(layers_per_unit=2)), dict(trace=False))
 EVERY_MODE = ("smollm3", "granitemoe")
@@ -61,8 +69,8 @@ def build(family: str, **settings):
 
     name, extra = UNLISTED[family]
     torch.manual_seed(0)
-    module = tf.AutoModelForCausalLM.from_config(getattr(tf, name)(**{**COMMON, **extra,
-                                                                      **settings}))
+    auto = tf.AutoModelForMaskedLM if family in MASKED else tf.AutoModelForCausalLM
+    module = auto.from_config(getattr(tf, name)(**{**COMMON, **extra, **settings}))
     for key, b in module.named_buffers():
         if key.endswith("e_score_correction_bias"):  # zeros by default: it would pick nothing
             b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(1)))
@@ -171,3 +179,33 @@ def test_a_match_is_verified_and_a_difference_refused_by_name():
     with pytest.raises(TypeError, match=r"config\.output_router_logits=True: .*set "
                                         r"config\.output_router_logits = False"):
         adapter_for(build("granitemoe", output_router_logits=True))
+
+
+def test_an_encoder_match_is_verified_and_refused_by_name(caplog):
+    """A masked LM is matched by the encoder template and logged once; one whose forward does
+    what the template does not (DistilBERT's head runs an activation registered before its base
+    model) is refused naming the difference; a config key the forwards read and the template
+    does not apply (Ernie's task_type_vocab_size) is refused by name."""
+    import transformers as tf
+
+    from fz3.hf.adapters import adapter_for
+
+    with caplog.at_level(logging.WARNING, logger="fz3"):
+        assert adapter_for(build("electra")).layers == "electra.encoder.layer"
+        adapter_for(build("electra"))
+    said = [r for r in caplog.records if "ElectraForMaskedLM" in r.getMessage()]
+    assert len(said) == 1 and "matches the built-in encoder template" in said[0].getMessage()
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=r"DistilBertForMaskedLM \(model_type 'distilbert', not "
+                                         r"one of fz3's tested families\) has the structure of "
+                                         r"the encoder template, but .*the template's loss "
+                                         r"differs from DistilBertForMaskedLM's own forward"):
+        adapter_for(tf.DistilBertForMaskedLM(tf.DistilBertConfig(
+            vocab_size=97, dim=32, hidden_dim=64, n_layers=2, n_heads=4, dropout=0.0,
+            attention_dropout=0.0)))
+    with pytest.raises(TypeError, match=r"no built-in adapter for ErnieForMaskedLM \(.*the "
+                                        r"encoder template matched by structure cannot follow "
+                                        r"it: its forward reads config\.task_type_vocab_size=3, "
+                                        r"which the template does not apply .*'ernie\.encoder"
+                                        r"\.layer' \(ModuleList of 2 x ErnieLayer"):
+        adapter_for(tf.ErnieForMaskedLM(tf.ErnieConfig(**COMMON, **NO_DROPOUT)))

@@ -34,7 +34,8 @@ from functools import partial
 from torch import nn
 
 from ..sharding.candidates import no_adapter_message
-from . import causal, compat, decoders, encoders, peft_models, structural, verify
+from . import (causal, compat, decoders, encoders, peft_models, structural,
+               structural_encoders, verify)
 from .protocol import Adapter, TypedFamily, losses as family_losses, make, post
 
 log = logging.getLogger(__name__)
@@ -122,25 +123,35 @@ def losses(m: nn.Module, h, batch, *aux) -> tuple:
 
 
 def _matched(module: nn.Module) -> TypedFamily | None:
-    """The template for a Hugging Face model whose structure it follows (``structural``),
-    checked on a tiny copy (``verify``: a ValueError naming the difference), or None."""
+    """The template for a Hugging Face model whose structure it follows (``structural`` for a
+    causal LM, ``structural_encoders`` for a masked LM), checked on a tiny copy (``verify``: a
+    ValueError naming the difference), or None."""
     if not hasattr(getattr(module, "config", None), "model_type"):
         return None
     _check_release()
-    shape = structural.match(module)
+    template = _template(module)
+    shape = template.match(module)
     if isinstance(shape, str):
         return None
-    typed = structural.family(shape)
+    typed = template.family(shape)
     check_attention(module)  # before building a copy with the same implementation
-    why = verify.difference(module, typed)
+    why = verify.difference(module, typed, template.match, shape)
     if why is not None:
         raise ValueError(f"{type(module).__name__} (model_type {module.config.model_type!r}, "
-                         f"not one of fz3's tested families) has the structure of the decoder "
-                         f"template, but the template does not compute its forward: {why}. Pass "
-                         f"layers=, pre= and post= (README, 'A model without a built-in "
-                         f"adapter')")
-    _say_untested(module.config.model_type, type(module).__name__)
+                         f"not one of fz3's tested families) has the structure of the "
+                         f"{template.KIND} template, but the template does not compute its "
+                         f"forward: {why}. Pass layers=, pre= and post= (README, 'A model "
+                         f"without a built-in adapter')")
+    _say_untested(module.config.model_type, type(module).__name__, template.KIND)
     return typed
+
+
+def _template(module: nn.Module):
+    """The template module for the head ``module``'s class ends with: the masked LMs'
+    (``structural_encoders``), else the causal LMs' (``structural``)."""
+    heads = [c.__name__ for c in type(module).__mro__]
+    masked = any(n.endswith(structural_encoders.HEAD) for n in heads)
+    return structural_encoders if masked else structural
 
 
 def _unmatched(module: nn.Module) -> str | None:
@@ -148,16 +159,16 @@ def _unmatched(module: nn.Module) -> str | None:
     if not hasattr(getattr(module, "config", None), "model_type"):
         return None
     return (f"model_type {module.config.model_type!r} with this head is not one of the tested "
-            f"families ({', '.join(supported())}), and the decoder template matched by "
-            f"structure cannot follow it: {structural.match(module)}")
+            f"families ({', '.join(supported())}), and the {_template(module).KIND} template "
+            f"matched by structure cannot follow it: {_template(module).match(module)}")
 
 
 @functools.cache
-def _say_untested(model_type: str, name: str) -> None:
+def _say_untested(model_type: str, name: str, kind: str) -> None:
     """Once per family: a model the template follows by structure, not a tested family."""
     log.warning("fz3: %s (model_type %r) is not one of fz3's tested Hugging Face families; "
-                "its structure matches the built-in decoder template, verified against its "
-                "own forward on a tiny random copy", name, model_type)
+                "its structure matches the built-in %s template, verified against its "
+                "own forward on a tiny random copy", name, model_type, kind)
 
 
 def _refuse(name: str, why: str | None) -> None:

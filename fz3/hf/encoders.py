@@ -49,7 +49,7 @@ def _roberta_logits(m: nn.Module, h: torch.Tensor, batch: dict) -> torch.Tensor:
     return m.lm_head(h)
 
 
-def _masked_lm_loss(logits, m: nn.Module, h: torch.Tensor, batch: dict) -> torch.Tensor:
+def masked_lm_loss(logits, m: nn.Module, h: torch.Tensor, batch: dict) -> torch.Tensor:
     """BertForMaskedLM's and RobertaForMaskedLM's loss: cross-entropy over every position,
     -100 ignored."""
     scores = logits(m, h, batch)
@@ -105,9 +105,9 @@ def _modernbert_loss(m: nn.Module, h: torch.Tensor, batch: dict) -> torch.Tensor
 
 FAMILIES: dict[str, Family] = {
     "bert": Family("bert.encoder.layer", _bert_pre, _bert_layer, _bert_logits,
-                   loss=partial(_masked_lm_loss, _bert_logits), **MASKED_LM),
+                   loss=partial(masked_lm_loss, _bert_logits), **MASKED_LM),
     "roberta": Family("roberta.encoder.layer", _bert_pre, _bert_layer, _roberta_logits,
-                      loss=partial(_masked_lm_loss, _roberta_logits), **MASKED_LM),
+                      loss=partial(masked_lm_loss, _roberta_logits), **MASKED_LM),
     "modernbert": Family("model.layers", _modernbert_pre, _modernbert_layer, _modernbert_logits,
                          loss=_modernbert_loss, check=_modernbert_check, **MASKED_LM),
 }

@@ -29,9 +29,6 @@ refused naming the difference.
 
 from __future__ import annotations
 
-import functools
-import inspect
-import re
 from functools import partial
 from typing import NamedTuple
 
@@ -39,8 +36,12 @@ import torch
 from torch import nn
 
 from . import compat
+from .model_reads import LAYER_ARGUMENTS, child_name, holds, layer_arguments, reads_of, \
+    refused_keys, rotary_refused
 from .protocol import TypedFamily
 
+HEAD = "ForCausalLM"
+KIND = "decoder"
 # config keys the template applies (or that change nothing it computes) when the base model's
 # or the head's forward reads them
 FOLLOWED = frozenset({
@@ -51,8 +52,9 @@ FOLLOWED = frozenset({
     # read only to add the router's loss, refused below when output_router_logits is on
     "output_router_logits", "router_aux_loss_coef", "num_experts", "num_local_experts",
     "num_experts_per_tok"})
+APPLIED = ("embedding_multiplier, logits_scaling, logit_scale, final_logit_softcapping, "
+           "embedding_dropout, layer_types and sliding_window")
 MASK_KINDS = ("full_attention", "sliding_attention")
-LAYER_ARGUMENTS = ("attention_mask", "position_ids", "position_embeddings")
 
 
 class Structure(NamedTuple):
@@ -75,7 +77,7 @@ def match(m: nn.Module) -> Structure | str:
     """The structure of ``m`` as the template follows it, or why it cannot (a sentence
     naming the module, argument or config key). Local."""
     name = type(m).__name__
-    if not any(c.__name__.endswith("ForCausalLM") for c in type(m).__mro__):
+    if not any(c.__name__.endswith(HEAD) for c in type(m).__mro__):
         return f"{name} is not a ...ForCausalLM (the template follows causal LM heads)"
     config = m.config
     base_name = getattr(m, "base_model_prefix", "")
@@ -87,11 +89,11 @@ def match(m: nn.Module) -> Structure | str:
         return f"{name} does not say where its embedding and head are ({e})"
     if not isinstance(base, nn.Module) or head is None:
         return f"{name} holds no base model (base_model_prefix) and head to follow"
-    head_name = _child_name(m, head)
-    extra = [n for n, c in m.named_children() if n not in (base_name, head_name) and _holds(c)]
+    head_name = child_name(m, head)
+    extra = [n for n, c in m.named_children() if n not in (base_name, head_name) and holds(c)]
     if head_name is None or extra:
         return f"{name} holds {extra or 'its head elsewhere'} beside {base_name} and its head"
-    embed_name = _child_name(base, embed)
+    embed_name = child_name(base, embed)
     lists = [n for n, c in base.named_children() if isinstance(c, nn.ModuleList)]
     if embed_name is None or len(lists) != 1 or \
             len(getattr(base, lists[0])) != getattr(config, "num_hidden_layers", None):
@@ -104,17 +106,17 @@ def match(m: nn.Module) -> Structure | str:
     dropouts = [n for n, c in base.named_children() if isinstance(c, nn.Dropout)]
     rest = [n for n, c in base.named_children()
             if n not in (embed_name, layers_name, *rotary, *dropouts)]
-    norms = [n for n in rest if _holds(getattr(base, n))]
+    norms = [n for n in rest if holds(getattr(base, n))]
     if len(rotary) > 1 or len(dropouts) > 1 or len(norms) > 1:
         return (f"{type(base).__name__} holds {rotary + dropouts + norms} beside its embedding "
                 f"and layers; the template follows one final norm, one rotary module and one "
                 f"dropout")
-    keys = _reads(type(base)) | _reads(type(m))
-    why = _refused_keys(keys, config) or _rotary_refused(base, rotary)
+    keys = reads_of((type(base), type(m)))
+    why = _refused(keys, config) or rotary_refused(base, rotary)
     if why:
         return why
     layer = getattr(base, layers_name)[0]
-    passes, why = _layer_arguments(layer, rotary)
+    passes, why = layer_arguments(layer, rotary)
     if why:
         return why
     masks = ("layer_types" if "layer_types" in keys and getattr(config, "layer_types", None)
@@ -193,76 +195,13 @@ def _mask(kind: str, base: nn.Module, h, given, pos):
     return compat.causal_mask(base.config, h, given, pos)
 
 
-def _child_name(parent: nn.Module, child: nn.Module) -> str | None:
-    return next((n for n, c in parent.named_children() if c is child), None)
-
-
-def _holds(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
-
-
-@functools.cache
-def _reads(cls: type) -> frozenset[str]:
-    """The config keys ``cls.forward`` reads: ``config.x`` (or ``getattr(config, "x", ...)``),
-    and ``self.y`` where ``__init__`` set ``self.y`` to one. Read once per class."""
-    forward = _source(getattr(cls, "forward", None))
-    init = _source(getattr(cls, "__init__", None))
-    read = r"(?:(?:self\.)?config\.(\w+)|getattr\((?:self\.)?config,\s*[\"'](\w+)[\"'][^)]*\))"
-    kept = {a: b or c for a, b, c in re.findall(rf"self\.(\w+)\s*=\s*{read}\s*$", init, re.M)}
-    keys = {b or c for b, c in re.findall(read, forward)}
-    keys |= {kept[a] for a in re.findall(r"self\.(\w+)", forward) if a in kept}
-    return frozenset(keys)
-
-
-def _source(fn) -> str:
-    try:
-        return inspect.getsource(fn)
-    except (OSError, TypeError):
-        return ""
-
-
-def _refused_keys(keys: frozenset[str], config) -> str | None:
-    unknown = sorted(k for k in keys - FOLLOWED if hasattr(config, k))
-    if unknown:
-        shown = ", ".join(f"config.{k}={getattr(config, k)!r}" for k in unknown)
-        return (f"its forward reads {shown}, which the template does not apply (it applies "
-                f"embedding_multiplier, logits_scaling, logit_scale, final_logit_softcapping, "
-                f"embedding_dropout, layer_types and sliding_window)")
-    if "output_router_logits" in keys and getattr(config, "output_router_logits", False):
+def _refused(keys: frozenset[str], config) -> str | None:
+    why = refused_keys(keys, config, FOLLOWED, APPLIED)
+    if why is None and "output_router_logits" in keys and \
+            getattr(config, "output_router_logits", False):
         return ("config.output_router_logits=True: the template adds no router load-balancing "
                 "loss for a family fz3 has not tested; set config.output_router_logits = False")
-    return None
-
-
-def _rotary_refused(base: nn.Module, rotary: list[str]) -> str | None:
-    if not rotary:
-        return None
-    params = list(inspect.signature(type(getattr(base, rotary[0])).forward).parameters.values())
-    required = [p.name for p in params[3:] if p.default is p.empty and
-                p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    if required:
-        return (f"its rotary module {type(getattr(base, rotary[0])).__name__} needs {required} "
-                f"beside the positions (tables per layer type); the template makes one pair")
-    return None
-
-
-def _layer_arguments(block: nn.Module, rotary: list[str]) -> tuple[tuple[str, ...], str | None]:
-    """The template's arguments the layer takes, or why it cannot be called with them."""
-    params = list(inspect.signature(type(block).forward).parameters.values())[2:]
-    var_keyword = any(p.kind is p.VAR_KEYWORD for p in params)
-    named = {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
-    required = [p.name for p in params if p.default is p.empty and
-                p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name not in LAYER_ARGUMENTS]
-    passes = tuple(a for a in LAYER_ARGUMENTS if a in named or var_keyword)
-    if required:
-        return passes, (f"its layer {type(block).__name__}.forward needs {required}, which the "
-                        f"template does not pass (it passes {', '.join(LAYER_ARGUMENTS)})")
-    if rotary and "position_embeddings" not in passes:
-        return passes, (f"its layer {type(block).__name__}.forward takes no "
-                        f"position_embeddings, and the template hands it the rotary tables")
-    if "attention_mask" not in passes:
-        return passes, f"its layer {type(block).__name__}.forward takes no attention_mask"
-    return passes, None
+    return why
 
 
 def _layer_index(layers: nn.ModuleList, config, masks: str) -> tuple[str | None, str | None]:

@@ -14,7 +14,7 @@ verdict, and the caller's random state is untouched.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -31,17 +31,22 @@ WIDTHS = (("intermediate_size", 64), ("moe_intermediate_size", 32),
 TOKENS = ("pad_token_id", "bos_token_id", "eos_token_id")
 
 
-def difference(m: nn.Module, typed: TypedFamily) -> str | None:
-    """Why the template ``typed`` does not compute ``m``'s forward on a tiny copy of it, or
-    None when its loss and logits equal the model's (rtol 1e-5, atol 1e-6). Local."""
+def difference(m: nn.Module, typed: TypedFamily, match: Callable[[nn.Module], Any],
+               shape: Any) -> str | None:
+    """Why the template ``typed`` (made from ``shape``, ``match(m)``) does not compute ``m``'s
+    forward on a tiny copy of it, or None when the copy has the same structure and its loss
+    and logits equal the model's (rtol 1e-5, atol 1e-6). Local."""
     try:
         tiny = tiny_copy(m)
     except Exception as e:  # a config the shrinking broke: say so rather than guess
         return f"its tiny copy could not be built from its config ({type(e).__name__}: {e})"
+    if match(tiny) != shape:  # the shrinking dropped a module (a projection to equal widths)
+        return (f"its tiny copy has another structure ({match(tiny)}) than it has ({shape}), "
+                f"so the template's match cannot be checked")
     batch = _batch(tiny.config.vocab_size)
     with torch.no_grad():
         try:
-            own = tiny(**batch, use_cache=False)
+            own = tiny(**batch, **({"use_cache": False} if typed.shifted else {}))
         except Exception as e:  # the shrinking broke a rule of the model's: say so
             return (f"its tiny copy's own forward failed ({type(e).__name__}: "
                     f"{str(e)[:200]}), so the template's match cannot be checked")
