@@ -258,8 +258,9 @@ def _absent(rank):
     if rank == 1:
         default_store().wait(["test/muon/absent"])
         return
-    with pytest.raises(fz3.CollectiveMismatchError, match=r"ranks \[1\] did not enter this step "
-                                                          r"call within 1 s"):
+    # (rank 2 may see rank 0 give up first: then it names both, rank 0 as gave up waiting)
+    with pytest.raises(fz3.CollectiveMismatchError, match=r"ranks \[(0, )?1\] did not come within "
+                                                          r"1 s.*rank 1: no fz3 call after"):
         muon.update(grads, muon.init(params), params)
     if rank == 0:
         default_store().set("test/muon/absent", "1")

@@ -155,8 +155,9 @@ def all_to_all(comm: Comm, out: torch.Tensor, send: torch.Tensor, out_sizes: lis
     comm._delay()
     if comm.local:
         return Pending(None, out.copy_(send), send, comm.reduce_group, label)
-    work = _issue(comm.reduce_group, label, getattr(comm.reduce_group, ALL_TO_ALL), out, send,
-                  out_sizes, send_sizes, TO_ALL)
+    group = comm.reduce_group
+    work = _issue(comm, group, label, getattr(group, ALL_TO_ALL), out, send, out_sizes,
+                  send_sizes, TO_ALL)
     return Pending(work, out, send, comm.reduce_group, label, comm)
 
 

@@ -87,8 +87,8 @@ def muon(model: ShardedModel, lr: float | Callable[[int], float] = 1e-3, weight_
     def step(grads: Params, state: MuonState, params: Params | None, inplace: bool):
         """``(count, momentum, matrix updates by part)``. Collective (the exchange)."""
         _check(model, grads, state, params, weight_decay)
-        if comm.heartbeat is not None:  # one more call entered, after the checks: a rank that
-            comm.heartbeat.entered()  # raised or never came is named by those left waiting
+        if comm.heartbeat is not None:  # its place, after the checks: a rank that raised or
+            comm.heartbeat.inside("fz3.optim.muon's update")  # never came is named by the others
         count = state.count + 1
         rate = lr(int(count)) if callable(lr) else lr
         mom, u = _momentum(grads, state.momentum, runs, momentum, nesterov, inplace)
