@@ -52,9 +52,11 @@ timeout=120, layer_aux=None, example=None)``, its arguments:
 - example: a batch as the step will get it (this rank's): each function is run once on fake
   tensors of it (shapes only, no math) and each parameter outside the stacks goes to the part
   whose function reads it, a shared part when several do (``fz3/sharding/placement.py``);
-  ``assign=`` still wins, and a parameter nothing reads stays where it is registered. Without
-  it, parts follow registration order. Either way a function that reads a parameter of
-  another part raises ``PartReadError`` naming it, at the call (never a silent wrong value).
+  ``assign=`` still wins, and a parameter nothing reads stays where it is registered. A
+  built-in adapter makes one from the config (a row of 8 tokens) when none is given, its
+  ``assign=`` first. Without one, parts follow registration order. Either way a function
+  that reads a parameter of another part raises ``PartReadError`` naming it, at the call
+  (never a silent wrong value).
 - timeout: seconds a rank waits in one of the model's collectives (gloo) before it looks for
   ranks that are not in the same fz3 call (a step call behind or ahead, in ``fz3.save``,
   ended), and names where each is (``fz3.CollectiveMismatchError``); see
@@ -74,6 +76,7 @@ from torch import nn
 from .sharding.candidates import check_callable
 from .comm.arrival import DEFAULT_TIMEOUT_S
 from .hf.adapters import adapter_for
+from .hf.batch import example as hf_example
 from .hf.checkpoint_names import checkpoint_names
 from .hf.peft_merge import merge_for
 from .sharding.model import (BetweenFn, CallLayer, Params, PostFn, PreFn, Reader, ShardedModel,
@@ -104,10 +107,20 @@ def shard(module: nn.Module, layers: str | Sequence[str] | None = None,
         module, layers, pre, post, call_layer, layer_aux)
     check_callable(module, paths, call_layer)  # children with no forward: before build
     read = None if weights is None else _checkpoint(weights, module)
+    made = example is None and check_batch is not None  # a built-in adapter's, from the config
+    if made:
+        example = hf_example(_config(module))
     return build(module, paths, pre, post, call_layer, check_batch=check_batch, outputs=outputs,
                  between=between, assign={**assigned, **(assign or {})}, group=group,
                  mesh=mesh, device=device, precision=precision,
-                 read=read, timeout=timeout, layer_aux=layer_aux, example=example)
+                 read=read, timeout=timeout, layer_aux=layer_aux, example=example,
+                 example_made=made)
+
+
+def _config(module: nn.Module) -> Any:
+    """A Hugging Face model's config, through a PEFT wrapper too."""
+    inner = module.get_base_model() if hasattr(module, "get_base_model") else module
+    return inner.config
 
 
 def _functions_given(module: nn.Module, layers, pre, post, call_layer, layer_aux):

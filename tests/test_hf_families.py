@@ -47,6 +47,8 @@ def families_ranks(rank, world):
             continue
         ref_loss, want = reference(module, bs)
         model, params = fz3.shard(module)
+        # the adapter's example (from the config) places by use exactly as the adapter does
+        assert not model.parts.moves, (family, model.parts.moves)
         step = fz3.value_and_grad(model)
         loss, grads = step(params, bs[rank])
         check_traced(family, step.traced.failed)

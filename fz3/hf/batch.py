@@ -69,3 +69,10 @@ def check_batch(model: str, batch: Any, shifted: bool = True, labels: bool = Tru
     where = where if shifted else ""
     return f"no labelled token{where}: every label is -100"
 
+
+def example(config: Any, seq: int = 8) -> dict:
+    """A batch of one row of ``seq`` tokens for ``config``'s vocabulary, as the adapters take
+    it: what ``fz3.shard`` runs a built-in adapter's functions on (fake tensors of it: shapes
+    only) to place each parameter by what reads it."""
+    ids = torch.arange(seq).remainder(config.vocab_size).unsqueeze(0)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}

@@ -164,7 +164,7 @@ def traced_sizes(traced: TracedLayers, i: int, layer: LayerInputs,
         return None
     programs = got.programs[0]
     params = [layer.row] if layer.frozen_row is None else [layer.row, layer.frozen_row]
-    inputs = [*params, layer.h, *extras.tensors, *got.layer_buffers()[0]]
+    inputs = [*params, layer.h, *extras.tensors, *got.buffers[0]]
     with torch.no_grad(), LiveBytes() as live:
         programs.inference(*inputs)
     forward = live.peak

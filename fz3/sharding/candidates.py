@@ -76,12 +76,15 @@ def no_adapter_message(module: nn.Module, why: str | None = None) -> str:
 def check_callable(module: nn.Module, paths: Sequence[str], call_layer) -> None:
     """Without ``call_layer``, a TypeError naming it when a container's children have no
     ``forward`` of their own (each child a ``ModuleList``): fz3 would call ``layer(h,
-    *extras)`` and torch would raise from inside the step. ``paths`` must resolve (see
-    ``fz3.sharding.checks.resolve_layers``)."""
+    *extras)`` and torch would raise from inside the step. A path that does not resolve is
+    left to ``fz3.shard``'s own refusal (``fz3.sharding.checks.resolve_layers``)."""
     if call_layer is not None:
         return
     for path in paths:
-        stack = resolve_layers(module, path)
+        try:
+            stack = resolve_layers(module, path)
+        except (TypeError, ValueError):  # fz3.shard names it, after its other checks
+            continue
         bad = next((child for child in stack.children() if not has_forward(child)), None)
         if bad is not None:
             raise TypeError(f"layers={path!r} holds {type(bad).__name__}s, which have no "

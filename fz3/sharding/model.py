@@ -150,7 +150,7 @@ def build(module: nn.Module, paths: Sequence[str], pre: PreFn, post: PostFn,
           group: dist.ProcessGroup | None, mesh: Any, device: torch.device | str | None,
           precision: Precision, read: Reader | None,
           timeout: float, layer_aux: bool = False,
-          example: Any = None) -> tuple[ShardedModel, Params]:
+          example: Any = None, example_made: bool = False) -> tuple[ShardedModel, Params]:
     """``fz3.shard`` once its adapter and checkpoint reader are resolved (``fz3.facade``, which
     documents the arguments). **Collective**: one small all-gather checks the ranks agree."""
     check_not_wrapped(module)
@@ -162,8 +162,9 @@ def build(module: nn.Module, paths: Sequence[str], pre: PreFn, post: PostFn,
     comm, device = _comm(module, group, mesh, device, timeout)
     betweens = [fn for fn in between if fn is not None]
     gap_has_fn = [fn is not None for fn in between] or [False] * (len(paths) - 1)
-    used = None if example is None else placement.reads(
-        module, paths, pre, post, between, call_layer or _call_layer, example, layer_aux, device)
+    used = None if example is None else _used(module, paths, pre, post, between,
+                                              call_layer or _call_layer, example, layer_aux,
+                                              device, example_made)
     split = partition(module, paths, comm.world_size, between=gap_has_fn, assign=assign, used=used)
     if used is not None:
         _say_unread(module, paths, used)
@@ -183,6 +184,21 @@ def build(module: nn.Module, paths: Sequence[str], pre: PreFn, post: PostFn,
                          dict(outputs or {}), layer_aux=bool(layer_aux))
     check_same_on_all_ranks(comm, split.parts, device)
     return model, Params(shards)
+
+
+def _used(module, paths, pre, post, between, call_layer, example, layer_aux, device,
+          made: bool) -> Mapping[str, set[str]] | None:
+    """``placement.reads`` on the example; on one a built-in adapter made (``made``), a
+    function that fails on it leaves registration order and the adapter's ``assign=``, said
+    at INFO (the user's own example raises instead)."""
+    try:
+        return placement.reads(module, paths, pre, post, between, call_layer, example,
+                               layer_aux, device)
+    except placement.PlacementError as e:
+        if not made:
+            raise
+        log.info("fz3.shard: parameters follow registration and the adapter's assign= (%s)", e)
+        return None
 
 
 def _say_unread(module: nn.Module, paths: Sequence[str], used: Mapping[str, set[str]]) -> None:

@@ -19,8 +19,9 @@ catches a read that the example's shapes did not take (a branch on data).
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import optree
 import torch
@@ -98,7 +99,7 @@ def reads(module: nn.Module, paths: Sequence[str], pre: Callable, post: Callable
     def run(reader: str, fn: Callable, *args: Any) -> Any:
         record.reader = reader
         try:
-            with mode, record:
+            with mode, record, quiet_fake_tensor_log():
                 return functional_call(BoundFunction(fn, module), bound, args, tie_weights=False)
         except PlacementError:
             raise
@@ -157,6 +158,20 @@ def _fake(mode: FakeTensorMode, t: torch.Tensor, device: torch.device) -> torch.
         with mode:
             return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
     return mode.from_tensor(t)
+
+
+@contextlib.contextmanager
+def quiet_fake_tensor_log() -> Iterator[None]:
+    """torch's fake-tensor logger above ERROR while inside: it prints an op's whole traceback
+    when a fake kernel refuses its inputs (``_grouped_mm`` in fp32), which fz3 then reports
+    in one line of its own. Nothing else is silenced."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 class _Recorder(TorchDispatchMode):

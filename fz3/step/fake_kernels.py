@@ -1,7 +1,7 @@
 """Fake kernels in fz3's traces (``fz3.step.joint`` traces a layer on fake tensors): the ops
 whose fake kernel refuses what their real kernel takes, traced anyway through the
-decomposition table handed to ``make_fx`` (``TABLE``), and torch's fake-tensor logger kept
-quiet while a trace runs (``quiet``). Nothing of torch is patched: a ``TABLE`` entry applies
+decomposition table handed to ``make_fx`` (``TABLE``); torch's fake-tensor logger is kept
+quiet while a trace runs (``fz3.sharding.placement.quiet_fake_tensor_log``). Nothing of torch is patched: a ``TABLE`` entry applies
 only inside fz3's traces, and only where the fake kernel would refuse (it returns
 ``NotImplemented`` otherwise, and the op is traced as it is).
 
@@ -17,30 +17,9 @@ a traced fp32 MoE layer equals ``trace=False`` bit for bit. In bf16 it is traced
 
 from __future__ import annotations
 
-import contextlib
-import logging
-from typing import Iterator
-
 import torch
 
 aten = torch.ops.aten
-# torch's fake-tensor logger prints an op's whole traceback at ERROR when its fake kernel
-# raises (``_grouped_mm``'s, for bf16 rows not 16-byte aligned): during a trace that is the
-# failure ``joint_trace`` reports as ``TraceError`` (its first line), and the layer falls back
-# to autograd with one WARNING. Nothing else is silenced.
-FAKE_TENSOR_LOG = "torch._subclasses.fake_tensor"
-
-
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    """torch's fake-tensor logger above ERROR while inside (see ``FAKE_TENSOR_LOG``)."""
-    logger = logging.getLogger(FAKE_TENSOR_LOG)
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 @torch.library.custom_op("fz3::grouped_mm", mutates_args=())

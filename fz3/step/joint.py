@@ -24,6 +24,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from ..sharding.placement import quiet_fake_tensor_log
 from . import fake_kernels
 from .codegen import (TraceError, codegen, constant_factories, copy_graph, fast_ops,
                       one_call_flatten, one_call_views)
@@ -132,7 +133,7 @@ def joint_trace(layer: Layer, inputs: Sequence[torch.Tensor], frozen: bool,
 
     plain = [t.detach() for t in inputs]
     try:
-        with fake_kernels.quiet():
+        with quiet_fake_tensor_log():
             shape = _aux_shape(call, plain) if aux else None
             # g contiguous, as a layer's backward hands it on (``Layers.g_strides``)
             cotangents = [torch.empty_like(plain[first], memory_format=torch.contiguous_format)]

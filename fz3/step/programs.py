@@ -52,19 +52,15 @@ class Layers(NamedTuple):
     # None: taken as it comes.
     g_strides: tuple | None = None
     h_strides: tuple | None = None
-    # each layer's buffers, its programs' last inputs (``fz3.step.traced``); () where no
-    # layer has any
+    # each layer's buffers, its programs' last inputs (``fz3.step.traced``): one tuple per
+    # layer, empty where it has none (read as it is: no call on the per-layer path)
     buffers: tuple[tuple[torch.Tensor, ...], ...] = ()
-
-    def layer_buffers(self) -> tuple[tuple[torch.Tensor, ...], ...]:
-        """One tuple of buffers per layer (empty ones where none)."""
-        return self.buffers or ((),) * len(self.programs)
 
     def forward(self, pieces: Pieces, h: torch.Tensor, extras: Produced) -> tuple:
         """``(h, aux, residuals)``: residuals a list, one tuple per layer, in layer order."""
         with below_autograd():
             tensors, frozen, residuals, auxes = extras.traced.tensors, pieces.frozen_rows, [], []
-            buffers = self.layer_buffers()
+            buffers = self.buffers
             n = 2 if self.aux else 1  # the programs' outputs before their residuals
             for j, (programs, row) in enumerate(zip(self.programs, pieces.rows)):
                 if j and self.h_strides is not None and h.stride() != self.h_strides:
@@ -80,7 +76,7 @@ class Layers(NamedTuple):
     def inference(self, pieces: Pieces, h: torch.Tensor, extras: Produced) -> tuple:
         with below_autograd():
             tensors, frozen, auxes = extras.traced.tensors, pieces.frozen_rows, []
-            buffers = self.layer_buffers()
+            buffers = self.buffers
             for j, (programs, row) in enumerate(zip(self.programs, pieces.rows)):
                 if j and self.h_strides is not None and h.stride() != self.h_strides:
                     h = laid_out(h, self.h_strides)
@@ -138,7 +134,7 @@ class Layers(NamedTuple):
             return self.backward(pieces, self.forward(pieces, h, extras)[2], g, g_aux, extras,
                                  into)
         tensors, frozen, residuals = extras.traced.tensors, pieces.frozen_rows, []
-        buffers = self.layer_buffers()
+        buffers = self.buffers
         with below_autograd():  # (``backward`` enters it itself)
             for j, (programs, row) in enumerate(zip(self.programs[:-1], pieces.rows)):
                 out = programs.forward(*((row, frozen[j]) if frozen else (row,)), h, *tensors,
