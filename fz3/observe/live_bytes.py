@@ -25,10 +25,18 @@ import weakref
 
 import optree
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
 SET = torch.ops.aten.set_
+
+
+def _real(t: object) -> bool:
+    """A tensor with memory of its own: not on the meta device, not a fake tensor
+    (``fz3.shard(example=)`` and traces run ops on those: shapes only)."""
+    return isinstance(t, torch.Tensor) and t.device.type != "meta" and \
+        not isinstance(t, FakeTensor)
 
 
 class LiveBytes(TorchDispatchMode):
@@ -50,12 +58,12 @@ class LiveBytes(TorchDispatchMode):
         if func.overloadpacket is SET:  # points a tensor at a storage made elsewhere (one that
             return out  # owns nothing: ``fz3.step.shapes.ShardRows``' alias of the params)
         inputs = {id(t.untyped_storage()) for t in optree.tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+                  if _real(t)}
         # (an output aliasing an input: written; not by a view op, nor by a composite op seen
         # whole, as below autograd (``fz3.step.programs``): ``unflatten_dense_tensors``' views)
         written = self.writes and not func.is_view and not self._composite(func)
         for t in optree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            if _real(t):
                 storage = t.untyped_storage()
                 key = id(storage)
                 if (written or key not in inputs) and key not in self._live:
@@ -65,7 +73,7 @@ class LiveBytes(TorchDispatchMode):
                 if arg.alias_info is not None and arg.alias_info.is_write:
                     value = args[i] if i < len(args) else (kwargs or {}).get(arg.name)
                     for t in optree.tree_leaves(value):
-                        if isinstance(t, torch.Tensor) and t.device.type != "meta" and \
+                        if _real(t) and \
                                 id(t.untyped_storage()) not in self._live:
                             self._track(t.untyped_storage())
         self._count()

@@ -1,9 +1,10 @@
 """Fake kernels in fz3's traces (``fz3.step.joint`` traces a layer on fake tensors): the ops
 whose fake kernel refuses what their real kernel takes, traced anyway through the
 decomposition table handed to ``make_fx`` (``TABLE``); torch's fake-tensor logger is kept
-quiet while a trace runs (``fz3.sharding.placement.quiet_fake_tensor_log``). Nothing of torch is patched: a ``TABLE`` entry applies
-only inside fz3's traces, and only where the fake kernel would refuse (it returns
-``NotImplemented`` otherwise, and the op is traced as it is).
+quiet while a trace runs (``fz3.sharding.placement.quiet_fake_tensor_log``). Nothing of
+torch is patched: a ``TABLE`` entry applies only inside fz3's traces, and only where the fake
+kernel would refuse (it returns ``NotImplemented`` otherwise, and the op is traced as it
+is).
 
 ``aten._grouped_mm`` (an MoE layer's experts: transformers calls it for every dtype on the
 CPU): its fake kernel takes bf16 only (it checks the CUDA kernel's rules), while the CPU
