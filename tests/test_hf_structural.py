@@ -92,6 +92,10 @@ def unlisted_ranks(rank, world):
     bs = [batch(r) for r in range(world)]
     pinned = _pinned()
     for family in UNLISTED:
+        import transformers as tf
+
+        if not hasattr(tf, UNLISTED[family][0]) and not pinned:
+            continue  # a family this release does not have (NomicBERT in 5.0)
         module = build(family)
         ref_loss, want = reference(module, bs)
         try:
