@@ -1,6 +1,7 @@
 """What a Hugging Face model holds and what its forwards read, as the templates matched by
 structure see it (``structural.py`` for ``...ForCausalLM``, ``structural_encoders.py`` for
-``...ForMaskedLM``): a module's name in its parent, whether it holds weights, the config keys
+``...ForMaskedLM``): its base model and ends, a module's name in its parent, whether it holds
+weights, the config keys
 a class's ``forward`` reads, and which of the templates' arguments a layer or a rotary module
 takes. Local, read once per class."""
 
@@ -20,6 +21,20 @@ LAYER_ARGUMENTS = ("attention_mask", "position_ids", "position_embeddings")
 def child_name(parent: nn.Module, child: nn.Module) -> str | None:
     """The name under which ``parent`` holds ``child`` directly, or None."""
     return next((n for n, c in parent.named_children() if c is child), None)
+
+
+def ends(m: nn.Module) -> tuple[str, nn.Module, nn.Module | None, nn.Module | None] | str:
+    """``(base name, base model, head, embedding)`` of a model with a head, as it says them
+    (``base_model_prefix``, ``get_output_embeddings``, ``get_input_embeddings``), or why it
+    does not say them (a sentence)."""
+    name, base_name = type(m).__name__, getattr(m, "base_model_prefix", "")
+    base = getattr(m, base_name, None) if base_name else None
+    try:
+        head = m.get_output_embeddings()
+        embed = base.get_input_embeddings() if isinstance(base, nn.Module) else None
+    except (AttributeError, NotImplementedError) as e:  # a wrapper that does not say
+        return f"{name} does not say where its embedding and head are ({e})"
+    return base_name, base, head, embed
 
 
 def holds(module: nn.Module) -> bool:

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from . import compat
-from .model_reads import LAYER_ARGUMENTS, child_name, holds, layer_arguments, reads_of, \
+from .model_reads import child_name, ends, holds, layer_arguments, reads_of, \
     refused_keys, rotary_refused
 from .protocol import TypedFamily
 
@@ -79,14 +79,10 @@ def match(m: nn.Module) -> Structure | str:
     name = type(m).__name__
     if not any(c.__name__.endswith(HEAD) for c in type(m).__mro__):
         return f"{name} is not a ...ForCausalLM (the template follows causal LM heads)"
-    config = m.config
-    base_name = getattr(m, "base_model_prefix", "")
-    base = getattr(m, base_name, None) if base_name else None
-    try:
-        head = m.get_output_embeddings()
-        embed = base.get_input_embeddings() if isinstance(base, nn.Module) else None
-    except (AttributeError, NotImplementedError) as e:  # a wrapper that does not say
-        return f"{name} does not say where its embedding and head are ({e})"
+    config, found = m.config, ends(m)
+    if isinstance(found, str):
+        return found
+    base_name, base, head, embed = found
     if not isinstance(base, nn.Module) or head is None:
         return f"{name} holds no base model (base_model_prefix) and head to follow"
     head_name = child_name(m, head)

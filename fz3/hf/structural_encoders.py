@@ -36,7 +36,7 @@ from torch import nn
 
 from . import compat
 from .encoders import MASKED_LM, masked_lm_loss
-from .model_reads import holds, layer_arguments, reads_of, refused_keys, rotary_refused
+from .model_reads import ends, holds, layer_arguments, reads_of, refused_keys, rotary_refused
 from .protocol import TypedFamily
 
 HEAD = "ForMaskedLM"
@@ -66,14 +66,10 @@ class Structure(NamedTuple):
 def match(m: nn.Module) -> Structure | str:
     """The structure of ``m`` as the template follows it, or why it cannot (a sentence
     naming the module, argument or config key). Local."""
-    name, config = type(m).__name__, m.config
-    base_name = getattr(m, "base_model_prefix", "")
-    base = getattr(m, base_name, None) if base_name else None
-    try:
-        out = m.get_output_embeddings()
-        embed = base.get_input_embeddings() if isinstance(base, nn.Module) else None
-    except (AttributeError, NotImplementedError) as e:  # a wrapper that does not say
-        return f"{name} does not say where its embedding and head are ({e})"
+    name, config, found = type(m).__name__, m.config, ends(m)
+    if isinstance(found, str):
+        return found
+    base_name, base, out, embed = found
     if not isinstance(base, nn.Module) or out is None or embed is None:
         return f"{name} holds no base model (base_model_prefix), embedding and head to follow"
     head = tuple(n for n, c in m.named_children() if n != base_name and holds(c))
