@@ -35,7 +35,8 @@ import torch
 
 from ..comm.collectives import differing_ranks
 from ..comm.say import once
-from ..schedule.ops import HEAVY_OPS, Op, OpKind
+from ..schedule.ops import Op, OpKind
+from ..schedule.saveable import selective
 from ..schedule.planner import Policy, plan as plan_policy
 from ..schedule.schedule import Schedule, validate
 from ..schedule.structure import Role
@@ -43,7 +44,7 @@ from ..sharding.model import Params, ShardedModel
 from ..step.traced import TracedLayers
 from ..step.value_and_grad import value_and_grad
 from .activations import activation_sizes
-from .memory import failed_parts, plan_of, selective_sizes
+from .memory import cut_sizes, failed_parts, plan_of
 
 log = logging.getLogger(__name__)
 MiB = 2**20
@@ -76,12 +77,12 @@ def plan(model: Any, policy: Policy | None = None, *, grad: bool = True,
 def fit(model: ShardedModel, memory: int, batch: Any, params: Params | None) -> Schedule:
     """``plan``'s search (the module's docstring)."""
     traced = TracedLayers(model)
-    act, selective = activation_sizes(model, batch, traced), selective_sizes(
-        model, batch, traced, HEAVY_OPS)
+    act, cut = activation_sizes(model, batch, traced), cut_sizes(model, batch, traced,
+                                                                 [selective])
     failed = failed_parts(model, traced)
 
     def peak(s: Schedule) -> int:
-        return plan_of(model, s, act, selective, failed).peak
+        return plan_of(model, s, act, cut, failed).peak
 
     def lowest(make) -> Schedule:
         """``make(join)`` with gradient shards joined or not, whichever plans the lower peak
@@ -153,7 +154,7 @@ def _candidates(base: Schedule, resident: frozenset[str], kinds: dict[int, OpKin
 def _with(base: Schedule, kinds: dict[int, OpKind]) -> Schedule:
     ops = tuple(Op(kinds[op.unit], op.unit) if op.kind in UPGRADES and op.unit in kinds
                 else op for op in base.ops)
-    return validate(replace(base, ops=ops, keep=HEAVY_OPS))
+    return validate(replace(base, ops=ops))
 
 
 def _savings(model: ShardedModel, build, params: Params, batch: Any, failed: set[int]) -> dict:
