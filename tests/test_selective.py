@@ -174,6 +174,21 @@ def test_keep_names_ops_and_refuses_nothing():
         fz3.keep(ops=[3])
     with pytest.raises(ValueError, match=r"'selective', fz3.keep.* or a predicate"):
         fz3.Policy(activations="selected")
+    # a user's predicate: each layer's forward carries it, printed and compared across ranks
+    # by name (two function objects of one name plan alike), not by address
+    def made():
+        def save_attention(node):
+            return "scaled_dot_product" in str(node.target)
+        return fz3.plan(4, fz3.Policy(activations=save_attention))
+
+    mine = made()
+    assert mine.fingerprint() == made().fingerprint() != fz3.plan(
+        4, fz3.Policy(activations="selective")).fingerprint()
+    assert str(mine).count("forward (test_keep_names_ops_and_refuses_nothing.<locals>.made."
+                           "<locals>.save_attention)") == 4, str(mine)
+    with pytest.raises(fz3.ScheduleError, match=r"a forward carries a predicate"):
+        fz3.validate(fz3.Schedule((fz3.Op("gather", 0), fz3.Op("wait", 0),
+                                   fz3.Op("forward", 0, "save")), mine.units))
     # a forward-only schedule keeps nothing for a backward
     sched = fz3.plan(4, fz3.Policy(activations="selective"))
     assert sum(op.saves is selective for op in sched.ops) == 4
@@ -193,8 +208,19 @@ def budget_ranks(rank, world):
                               ("attention", {"activations": save_attention}),
                               ("save", {"activations": "save"}))}
     assert peaks["recompute0"] < peaks["recompute"] < peaks["selective"] < peaks["save"], peaks
-    # a user's predicate keeps what it saves: more than recompute's input, less than save
+    # a user's predicate keeps what it saves: more than recompute's input, less than save,
+    # planned and as the step runs
     assert peaks["recompute"] < peaks["attention"] < peaks["save"], peaks
+    live = {}
+    for name, rule in (("recompute", "recompute"), ("attention", save_attention),
+                       ("save", "save")):
+        step = fz3.value_and_grad(model, fz3.Policy(activations=rule))
+        step(params, bs[rank])
+        with LiveBytes(writes=True) as counted:
+            step(params, bs[rank])
+            torch.distributed.barrier()
+        live[name] = counted.peak
+    assert live["recompute"] < live["attention"] < live["save"], live
     for budget in (peaks["recompute0"], (peaks["recompute"] + peaks["save"]) // 2,
                    peaks["save"] * 2):
         chosen = fz3.plan(model, memory=budget, batch=bs[rank], params=params)
