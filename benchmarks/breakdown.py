@@ -35,7 +35,7 @@ sys.path.insert(0, HERE)
 
 from compare import CONFIGS, systems_for  # noqa: E402
 
-COMPUTE = ("forward", "forward_save", "loss", "backward")
+COMPUTE = ("forward", "loss", "backward")
 WAITS = ("wait", "wait_reduce")
 
 

@@ -274,8 +274,8 @@ def test_the_budget_search_takes_the_best_savings_per_byte_that_fit():
 
     def build(resident, kinds):
         base = fz3.plan(parts, fz3.Policy(resident=tuple(sorted(resident))))
-        ops = tuple(fz3.Op(kinds[op.unit], op.unit) if op.kind == "forward" and op.unit in kinds
-                    else op for op in base.ops)
+        ops = tuple(fz3.Op("forward", op.unit, kinds[op.unit]) if op.kind == "forward"
+                    and op.unit in kinds else op for op in base.ops)
         return fz3.validate(fz3.Schedule(ops, base.units, base.reduce, base.grad))
 
     def peak(s):
@@ -285,13 +285,12 @@ def test_the_budget_search_takes_the_best_savings_per_byte_that_fit():
                         - sum(op.kind == "gather" for op in s.ops))
         return 100 + kept + resident
 
-    saves = {1: {fz3.OpKind.FORWARD: 0.0, fz3.OpKind.FORWARD_SELECTIVE: 2.0,
-                 fz3.OpKind.FORWARD_SAVE: 3.0}, "resident": {"pre": 1.0, "post": 0.0}}
+    saves = {1: {recompute: 0.0, selective: 2.0, saveable.save: 3.0},
+             "resident": {"pre": 1.0, "post": 0.0}}
     start = build(frozenset(), {})
     for memory, want in ((100, ([], [])), (125, (["blocks.2", "blocks.3"], ["pre"])),
                          (160, (["blocks.0", "blocks.1", "blocks.2", "blocks.3"], ["pre"]))):
         chosen, resident, kinds = search(start, build, peak, memory, saves)
         assert peak(chosen) <= memory, (memory, peak(chosen))
-        selective = sorted(start.units[u].name for u, k in kinds.items()
-                           if k == fz3.OpKind.FORWARD_SELECTIVE)
-        assert (selective, sorted(resident)) == want, (memory, selective, resident, kinds)
+        upgraded = sorted(start.units[u].name for u, k in kinds.items() if k is selective)
+        assert (upgraded, sorted(resident)) == want, (memory, upgraded, resident, kinds)
