@@ -96,7 +96,10 @@ class Op(_Op):
     __slots__ = ()
 
     def __new__(cls, kind: OpKind | str, unit: int, saves: Saveable | None = None) -> Op:
-        if kind in _LEGACY:
+        if isinstance(kind, str) and kind in _LEGACY:
+            if saves is not None:
+                raise ValueError(f"Op({str(kind)!r}, {unit}, {saves!r}): {kind} names its "
+                                 f"predicate itself; write Op('forward', {unit}, saves)")
             kind, saves = OpKind.FORWARD, _LEGACY[kind]
         elif kind == OpKind.FORWARD and saves is None:
             saves = recompute
