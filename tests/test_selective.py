@@ -64,6 +64,10 @@ def test_selective_keeps_less_than_save_and_is_bitwise_the_same(name):
     assert torch.equal(out, want)
     got, expected = selective.backward([row, *sel_res, g]), save.backward([row, *save_res, g])
     assert all(torch.equal(a, b) for a, b in zip(got, expected)), name
+    if name == "fz3 gpt":  # a user's predicate that raises is named, with the node
+        with pytest.raises(TypeError, match=r"activations=.*<lambda>\) raised AttributeError.* "
+                                            r"on the node %"):
+            _programs(block, h, extras, lambda node: node.target.nope)
 
 
 def save_attention(node) -> bool:

@@ -77,6 +77,17 @@ def name_of(saves: Saveable) -> str:
     return getattr(saves, "__qualname__", type(saves).__qualname__)
 
 
+def keeps(saves: Saveable, node: torch.fx.Node) -> bool:
+    """``saves(node)``; a predicate that raises is named with the node it failed on."""
+    try:
+        return bool(saves(node))
+    except Exception as e:
+        raise TypeError(f"Policy(activations={name_of(saves)}) raised {type(e).__name__}: {e} "
+                        f"on the node {node.format_node()}: a predicate takes a torch.fx.Node "
+                        f"(node.target an ATen op, torch.ops.aten.mm.default) and returns "
+                        f"whether to keep its output") from e
+
+
 def cuts(saves: Saveable) -> bool:
     """Whether ``saves`` cuts a traced layer's programs its own way (neither ``save`` nor
     ``recompute``): a layer that is not traced runs such a unit as ``recompute``."""

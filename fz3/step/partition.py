@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 import torch
 from torch import fx
 
-from ..schedule.saveable import Saveable, save
+from ..schedule.saveable import Saveable, keeps, save
 from .codegen import CONSTANT_FACTORIES
 
 
@@ -151,7 +151,7 @@ def recomputable(joint: fx.Graph, forward_side: set[fx.Node], saves: Saveable) -
         if node.target is operator.getitem:
             if node.args[0] in out:
                 out.add(node)
-        elif not (saves(node) or _draws_random(node) or written_args(node)
+        elif not (keeps(saves, node) or _draws_random(node) or written_args(node)
                   or any(a in touched for a in node.all_input_nodes)):
             out.add(node)
     return out
