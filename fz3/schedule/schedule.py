@@ -114,13 +114,13 @@ class Schedule:
         if self.join_grads:
             head += "\ngradient shards joined after the backward: " + ", ".join(
                 _span(self.units, p) for p in sorted(self.join_grads))
-        rows = [head, f"{'#':>4}  {'op':<21} {'unit':<18} gathered"]
+        rows = [head, f"{'#':>4}  {'op':<19} {'unit':<18} gathered"]
         for i, op in enumerate(self.ops):
             name = self.describe(op).split(" ", 1)[1]
             live = str(walked.live[i]) if i < len(walked.live) else "?"
             mark = f"  <- {walked.error.reason}" if walked.error and walked.error.index == i else ""
             kind = str(op[0]) + ("" if op.saves is None else f" ({name_of(op.saves)})")
-            rows.append(f"{i:>4}  {kind:<21} {name:<18} {live}{mark}")
+            rows.append(f"{i:>4}  {kind:<19} {name:<18} {live}{mark}")
         if walked.error is not None and (walked.error.index is None
                                          or walked.error.index >= len(self.ops)):
             rows.append(f"invalid: {walked.error}")
