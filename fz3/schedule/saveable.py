@@ -5,7 +5,8 @@ layer's joint graph, as JAX's ``everything_saveable`` / ``nothing_saveable`` /
 A predicate is called on each op of a traced layer's forward (an ``fx.Node`` whose
 ``target`` is an ATen op, ``torch.ops.aten.mm.default``): True, its output is kept until the
 backward; False, the backward computes it again from what is kept (``fz3.step.partition``,
-[Note: selective recompute]). Three are built in:
+[Note: selective recompute]; an op that draws random numbers or writes in place is kept and
+not asked). Three are built in:
 
 - ``save``: everything (what autograd saves): the unit keeps its layers' residuals;
 - ``recompute``: nothing: the unit keeps only its input and RNG state, and its backward runs
