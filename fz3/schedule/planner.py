@@ -76,6 +76,11 @@ class Policy:
             raise ValueError(f"activations={self.activations!r}: use 'recompute', 'save', "
                              f"'save_unsharded', 'selective', fz3.keep(ops=[...]) or a "
                              f"predicate over a layer's forward ops")
+        if self.reduce not in REDUCES:
+            raise ValueError(f"reduce={self.reduce!r}: use 'reduce_scatter' or 'all_reduce'")
+        if isinstance(self.resident, str):
+            raise TypeError(f"resident={self.resident!r}: pass a tuple of part names, "
+                            f"e.g. ('pre',)")
 
     @property
     def saves(self) -> Saveable:
@@ -83,11 +88,6 @@ class Policy:
         rule = self.activations
         return rule if callable(rule) else {"recompute": recompute, "save": save,
                                             "save_unsharded": save, "selective": selective}[rule]
-        if self.reduce not in REDUCES:
-            raise ValueError(f"reduce={self.reduce!r}: use 'reduce_scatter' or 'all_reduce'")
-        if isinstance(self.resident, str):
-            raise TypeError(f"resident={self.resident!r}: pass a tuple of part names, "
-                            f"e.g. ('pre',)")
 
 
 def schedule_units(parts: Sequence[PartShape], layers_per_unit: int) -> tuple[Unit, ...]:
