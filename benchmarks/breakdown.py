@@ -35,7 +35,7 @@ sys.path.insert(0, HERE)
 
 from compare import CONFIGS, systems_for  # noqa: E402
 
-COMPUTE = ("forward", "forward_save", "loss", "backward")
+COMPUTE = ("forward", "loss", "backward")
 WAITS = ("wait", "wait_reduce")
 
 
@@ -132,7 +132,7 @@ def collectives_only(model, sched, spec: dict) -> None:
     for s in range(spec["warmup"] + spec["steps"]):
         t0 = time.perf_counter()
         pending = {}
-        for kind, u in sched.ops:
+        for kind, u, *_ in sched.ops:
             n = size[u]
             if kind == "gather":
                 pending[kind, u] = c.all_gather(model.comm, torch.empty(n), torch.zeros(n // world))

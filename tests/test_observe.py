@@ -17,6 +17,7 @@ import dist
 import fz3
 from fz3.models.gpt import GPTConfig
 from fz3.models import shard_gpt
+from fz3.schedule import saveable
 from reference import batches, gpt
 
 CFG = GPTConfig(vocab=37, seq=16, dim=36, heads=4, layers=4)
@@ -55,7 +56,7 @@ def memory_ranks(rank, world):
             if f.phase == "loss":
                 gen.close()
                 break
-            if f.op.kind == "forward_save" or f.name == "pre":
+            if f.op.saves is saveable.save or f.name == "pre":
                 param_ptrs = {v.untyped_storage().data_ptr() for v in f.params.values()}
                 measured += sum(b for p, b in seen.items() if p not in param_ptrs)
         kept = plan.per_op[sched.ops.index(fz3.Op("loss", sched.post)) - 1][3]  # graphs alive when forward ends

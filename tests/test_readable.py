@@ -34,7 +34,7 @@ def readable_ranks(rank, world, folder):
     assert repr(model.parts).startswith("(Part(name='pre'")  # the tuple's, for debugging
     # a frame's header: phase, unit name, op index (the kind where it differs)
     batch = batches(CFG, world)[rank]
-    for policy, kind in ((fz3.Policy(), ""), (fz3.Policy(activations="save"), ", forward_save")):
+    for policy, kind in ((fz3.Policy(), ""), (fz3.Policy(activations="save"), ", save")):
         frames = list(fz3.step_through(model, params, batch, policy))
         f = next(f for f in frames if f.phase == "forward" and f.name == "blocks.2")
         assert repr(f).splitlines()[0] == f"StepFrame(forward blocks.2 (op {f.index}{kind}))"

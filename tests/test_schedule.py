@@ -183,4 +183,8 @@ def test_policy_rejects_bad_values():
         fz3.Policy(activations="keep")
     with pytest.raises(ValueError, match="layers_per_unit=0"):
         fz3.Policy(layers_per_unit=0)
+    with pytest.raises(ValueError, match="reduce='all_gather'"):
+        fz3.Policy(reduce="all_gather")
+    with pytest.raises(TypeError, match="resident='pre'"):
+        fz3.Policy(resident="pre")
     assert dataclasses.replace(fz3.Policy(), prefetch=3).prefetch == 3

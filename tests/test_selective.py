@@ -21,7 +21,8 @@ import dist
 import fz3
 from fz3.models import shard_gpt
 from fz3.models.gpt import GPTConfig
-from fz3.schedule.ops import HEAVY_OPS
+from fz3.schedule import saveable
+from fz3.schedule.saveable import name_of, recompute, selective
 from fz3.step import joint
 from reference import (LayerNet, assert_close, batches, fz3_said, gpt, layer_post, layer_pre,
                        reference_grads)
@@ -35,9 +36,9 @@ def _same(a, b) -> bool:
     return all(torch.equal(x, y) for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b)))
 
 
-def _programs(block, h, extras, keep):
+def _programs(block, h, extras, saves):
     layer, row = as_layer(block)
-    return joint.programs(joint.joint_trace(layer, [row, h, *extras], False, []), keep), row
+    return joint.programs(joint.joint_trace(layer, [row, h, *extras], False, []), saves), row
 
 
 def _kept_bytes(programs, row, h, extras) -> tuple[int, tuple]:
@@ -54,8 +55,8 @@ def test_selective_keeps_less_than_save_and_is_bitwise_the_same(name):
     block, extras = _layer(name)
     block.eval()
     h = torch.randn(B, T, D)
-    save, row = _programs(block, h, extras, None)
-    selective, _ = _programs(block, h, extras, HEAVY_OPS)
+    save, row = _programs(block, h, extras, saveable.save)
+    selective, _ = _programs(block, h, extras, saveable.selective)
     save_bytes, (want, save_res) = _kept_bytes(save, row, h, extras)
     sel_bytes, (out, sel_res) = _kept_bytes(selective, row, h, extras)
     assert sel_bytes <= 0.6 * save_bytes, (name, sel_bytes, save_bytes)
@@ -63,6 +64,15 @@ def test_selective_keeps_less_than_save_and_is_bitwise_the_same(name):
     assert torch.equal(out, want)
     got, expected = selective.backward([row, *sel_res, g]), save.backward([row, *save_res, g])
     assert all(torch.equal(a, b) for a, b in zip(got, expected)), name
+    if name == "fz3 gpt":  # a user's predicate that raises is named, with the node
+        with pytest.raises(TypeError, match=r"activations=.*<lambda>\) raised AttributeError.* "
+                                            r"on the node %"):
+            _programs(block, h, extras, lambda node: node.target.nope)
+
+
+def save_attention(node) -> bool:
+    """A user's predicate (docs/memory.md): keep the attention kernels' outputs only."""
+    return "scaled_dot_product" in str(node.target)
 
 
 def selective_ranks(rank, world):
@@ -72,23 +82,25 @@ def selective_ranks(rank, world):
     # against plain autograd on the unsharded model (dropout off: the same draws there too)
     plain, plain_params = shard_gpt(gpt(GPTConfig(**{**CFG.__dict__, "dropout": 0.0})))
     ref_loss, want = reference_grads(gpt(GPTConfig(**{**CFG.__dict__, "dropout": 0.0})), bs)
-    loss, grads = fz3.value_and_grad(plain, fz3.Policy(activations="selective"))(plain_params,
-                                                                                 bs[rank])
-    torch.testing.assert_close(loss.item(), ref_loss, rtol=1e-5, atol=1e-6)
-    if rank == 0:
-        assert_close(fz3.full_state_dict(plain, grads), want, what="selective vs plain")
-    else:
-        fz3.full_state_dict(plain, grads)  # collective
+    for rule in ("selective", save_attention):
+        loss, grads = fz3.value_and_grad(plain, fz3.Policy(activations=rule))(plain_params,
+                                                                             bs[rank])
+        torch.testing.assert_close(loss.item(), ref_loss, rtol=1e-5, atol=1e-6)
+        if rank == 0:
+            assert_close(fz3.full_state_dict(plain, grads), want, what=f"{rule} vs plain")
+        else:
+            fz3.full_state_dict(plain, grads)  # collective
     # with dropout, bit for bit against trace=False (itself tested against plain autograd)
     for policy in (fz3.Policy(activations="selective"),
                    fz3.Policy(activations="selective", layers_per_unit=2),
                    fz3.Policy(activations=fz3.keep(ops=["addmm", "bmm"]))):
         step = same_as_untraced(model, policy, params, bs[rank])
         assert step.traced.failed == {}, step.traced.failed
-    # one op kind per unit: a hand-made schedule mixing selective, save and recompute
+    # one predicate per unit: a hand-made schedule mixing selective, save and recompute, by
+    # the kinds a schedule was written with before forwards carried predicates
     sched = fz3.plan(model, fz3.Policy(activations="selective"))
     kinds = {1: "forward_save", 2: "forward"}  # blocks.0 saves, blocks.1 recomputes
-    ops = [fz3.Op(kinds.get(op.unit, op.kind) if op.kind == "forward_selective" else op.kind,
+    ops = [fz3.Op(kinds.get(op.unit, "forward_selective") if op.saves is selective else op.kind,
                   op.unit) for op in sched.ops]
     same_as_untraced(model, fz3.Schedule(tuple(ops), sched.units), params, bs[rank])
     # accumulate: two micro-batches, gradients summed across them
@@ -104,7 +116,7 @@ def selective_ranks(rank, world):
 
 def test_selective_equals_plain_autograd_and_trace_false_bit_for_bit():
     header = dist.run(2, selective_ranks, timeout=300)[0]
-    assert header.startswith("forward_selective keeps the outputs of: ") and "addmm" in header
+    assert header.startswith("selective keeps the outputs of: ") and "addmm" in header
 
 
 def fallback_ranks(rank, world):
@@ -132,7 +144,7 @@ def fallback_ranks(rank, world):
 def test_selective_falls_back_to_recompute_said_once():
     said = dist.run(1, fallback_ranks, timeout=200)[0]
     assert re.search(r"layers: selective units run as recompute", said[0]), said
-    assert "trace=False: forward_selective units run as recompute" in said[1], said
+    assert "trace=False: forward units keeping by selective run as recompute" in said[1], said
 
 
 def test_a_keep_rule_naming_no_op_of_a_layer_warns():
@@ -163,14 +175,28 @@ def test_keep_names_ops_and_refuses_nothing():
         fz3.keep(ops=[])
     with pytest.raises(TypeError, match=r"3 is not an op name"):
         fz3.keep(ops=[3])
-    with pytest.raises(ValueError, match=r"'selective' or fz3.keep"):
+    with pytest.raises(ValueError, match=r"'selective', fz3.keep.* or a predicate"):
         fz3.Policy(activations="selected")
+    # a user's predicate: each layer's forward carries it, printed and compared across ranks
+    # by name (two function objects of one name plan alike), not by address
+    def made():
+        def save_attention(node):
+            return "scaled_dot_product" in str(node.target)
+        return fz3.plan(4, fz3.Policy(activations=save_attention))
+
+    mine = made()
+    assert mine.fingerprint() == made().fingerprint() != fz3.plan(
+        4, fz3.Policy(activations="selective")).fingerprint()
+    assert str(mine).count("forward (test_keep_names_ops_and_refuses_nothing.<locals>.made."
+                           "<locals>.save_attention)") == 4, str(mine)
+    with pytest.raises(fz3.ScheduleError, match=r"a forward carries a predicate"):
+        fz3.validate(fz3.Schedule((fz3.Op("gather", 0), fz3.Op("wait", 0),
+                                   fz3.Op("forward", 0, "save")), mine.units))
     # a forward-only schedule keeps nothing for a backward
     sched = fz3.plan(4, fz3.Policy(activations="selective"))
-    assert sum(op.kind == "forward_selective" for op in sched.ops) == 4
-    assert all(op.kind == "forward" for op in fz3.plan(4, fz3.Policy(activations="selective"),
-                                                       grad=False).ops if op.kind in
-               ("forward", "forward_selective"))
+    assert sum(op.saves is selective for op in sched.ops) == 4
+    assert all(op.saves is recompute for op in fz3.plan(4, fz3.Policy(activations="selective"),
+                                                        grad=False).ops if op.kind == "forward")
 
 
 def budget_ranks(rank, world):
@@ -182,8 +208,22 @@ def budget_ranks(rank, world):
     peaks = {name: fz3.memory_plan(model, fz3.plan(model, fz3.Policy(**kw)), bs[rank]).peak
              for name, kw in (("recompute", {}), ("recompute0", {"prefetch": 0}),
                               ("selective", {"activations": "selective"}),
+                              ("attention", {"activations": save_attention}),
                               ("save", {"activations": "save"}))}
     assert peaks["recompute0"] < peaks["recompute"] < peaks["selective"] < peaks["save"], peaks
+    # a user's predicate keeps what it saves: more than recompute's input, less than save,
+    # planned and as the step runs
+    assert peaks["recompute"] < peaks["attention"] < peaks["save"], peaks
+    live = {}
+    for name, rule in (("recompute", "recompute"), ("attention", save_attention),
+                       ("save", "save")):
+        step = fz3.value_and_grad(model, fz3.Policy(activations=rule))
+        step(params, bs[rank])
+        with LiveBytes(writes=True) as counted:
+            step(params, bs[rank])
+            torch.distributed.barrier()
+        live[name] = counted.peak
+    assert live["recompute"] < live["attention"] < live["save"], live
     for budget in (peaks["recompute0"], (peaks["recompute"] + peaks["save"]) // 2,
                    peaks["save"] * 2):
         chosen = fz3.plan(model, memory=budget, batch=bs[rank], params=params)
@@ -233,28 +273,27 @@ def test_the_budget_search_takes_the_best_savings_per_byte_that_fit():
 
     parts = (PartShape("pre", Role.PRE, 1), PartShape("blocks", Role.STACK, 4),
              PartShape("post", Role.POST, 1))
-    cost = {"forward": 0, "forward_selective": 10, "forward_save": 30}
+    cost = {"recompute": 0, "selective": 10, "save": 30}
 
     def build(resident, kinds):
         base = fz3.plan(parts, fz3.Policy(resident=tuple(sorted(resident))))
-        ops = tuple(fz3.Op(kinds[op.unit], op.unit) if op.kind == "forward" and op.unit in kinds
-                    else op for op in base.ops)
+        ops = tuple(fz3.Op("forward", op.unit, kinds[op.unit]) if op.kind == "forward"
+                    and op.unit in kinds else op for op in base.ops)
         return fz3.validate(fz3.Schedule(ops, base.units, base.reduce, base.grad))
 
     def peak(s):
-        kept = sum(cost[str(op.kind)] for op in s.ops if str(op.kind).startswith("forward")
+        kept = sum(cost[name_of(op.saves)] for op in s.ops if op.kind == "forward"
                    and s.units[op.unit].role is Role.STACK)
         resident = 5 * (sum(op.kind == "gather" for op in build(frozenset(), {}).ops)
                         - sum(op.kind == "gather" for op in s.ops))
         return 100 + kept + resident
 
-    saves = {1: {fz3.OpKind.FORWARD: 0.0, fz3.OpKind.FORWARD_SELECTIVE: 2.0,
-                 fz3.OpKind.FORWARD_SAVE: 3.0}, "resident": {"pre": 1.0, "post": 0.0}}
+    saves = {1: {recompute: 0.0, selective: 2.0, saveable.save: 3.0},
+             "resident": {"pre": 1.0, "post": 0.0}}
     start = build(frozenset(), {})
     for memory, want in ((100, ([], [])), (125, (["blocks.2", "blocks.3"], ["pre"])),
                          (160, (["blocks.0", "blocks.1", "blocks.2", "blocks.3"], ["pre"]))):
         chosen, resident, kinds = search(start, build, peak, memory, saves)
         assert peak(chosen) <= memory, (memory, peak(chosen))
-        selective = sorted(start.units[u].name for u, k in kinds.items()
-                           if k == fz3.OpKind.FORWARD_SELECTIVE)
-        assert (selective, sorted(resident)) == want, (memory, selective, resident, kinds)
+        upgraded = sorted(start.units[u].name for u, k in kinds.items() if k is selective)
+        assert (upgraded, sorted(resident)) == want, (memory, upgraded, resident, kinds)

@@ -9,6 +9,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..schedule.saveable import Saveable, save
 from ..schedule.structure import Role
 from ..sharding import compute
 from ..sharding.model import ShardedModel
@@ -98,19 +99,19 @@ def walk_parts(model: ShardedModel, batch: Any, measure: Measure) -> list[int]:
 
 
 def activation_sizes(model: ShardedModel, batch: Any, traced: TracedLayers | None = None,
-                     keep: frozenset[str] | None = None) -> tuple[PartActivations, ...]:
+                     saves: Saveable = save) -> tuple[PartActivations, ...]:
     """Per part, in order: the storages autograd saves running it, each counted once,
     parameters excluded; and the peak bytes its forward allocates, without a graph, with one,
     and with one followed by the backward, tracked by ``LiveBytes``. ``traced``: the engine
     runs the stacks' layers as its programs, so a layer it traces is measured by them instead
-    (``traced_sizes``; ``keep``: its selective recompute's programs); one that falls back is
+    (``traced_sizes``; ``saves``: the predicate its programs are cut by); one that falls back is
     measured through autograd, as it runs."""
     sizes: list[tuple[int, int, int, int]] = [(0, 0, 0, 0)] * len(model.parts)
 
     def measure(i: int, run: Callable[[], Any], params: list[torch.Tensor],
                 inputs: list[torch.Tensor], layer: LayerInputs | None) -> Any:
         if traced is not None and layer is not None:
-            got = traced_sizes(traced, i, layer, keep)
+            got = traced_sizes(traced, i, layer, saves)
             if got is not None:
                 sizes[i] = got
                 return None
@@ -147,7 +148,7 @@ def activation_sizes(model: ShardedModel, batch: Any, traced: TracedLayers | Non
 
 
 def traced_sizes(traced: TracedLayers, i: int, layer: LayerInputs,
-                 keep: frozenset[str] | None = None) -> tuple[int, int, int, int] | None:
+                 saves: Saveable = save) -> tuple[int, int, int, int] | None:
     """A traced layer's ``(forward, graph, kept, train)`` bytes (``PartActivations``), or None
     if it runs through autograd: ``graph`` is its residuals' storages, each counted once, the
     parameter rows' excluded, read from the fake tensors of its trace (nothing computed);
@@ -159,7 +160,7 @@ def traced_sizes(traced: TracedLayers, i: int, layer: LayerInputs,
     extras = traced.extras(compute.detach_extras(layer.extras, positions, grad=False), positions)
     # every layer of the part traced (as the first step does; kept for it): if one cannot
     # be, the part runs through autograd and is measured so
-    got = traced.layers(i, 0, traced.model.parts[i].rows, layer.h, extras, keep)
+    got = traced.layers(i, 0, traced.model.parts[i].rows, layer.h, extras, saves)
     if got is None:
         return None
     programs = got.programs[0]

@@ -35,7 +35,8 @@ import torch
 
 from ..comm.collectives import differing_ranks
 from ..comm.say import once
-from ..schedule.ops import HEAVY_OPS, Op, OpKind
+from ..schedule.ops import Op, OpKind
+from ..schedule.saveable import Saveable, name_of, recompute, save, selective
 from ..schedule.planner import Policy, plan as plan_policy
 from ..schedule.schedule import Schedule, validate
 from ..schedule.structure import Role
@@ -43,12 +44,11 @@ from ..sharding.model import Params, ShardedModel
 from ..step.traced import TracedLayers
 from ..step.value_and_grad import value_and_grad
 from .activations import activation_sizes
-from .memory import failed_parts, plan_of, selective_sizes
+from .memory import cut_sizes, failed_parts, plan_of
 
 log = logging.getLogger(__name__)
 MiB = 2**20
-UPGRADES = {OpKind.FORWARD: (OpKind.FORWARD_SELECTIVE, OpKind.FORWARD_SAVE),
-            OpKind.FORWARD_SELECTIVE: (OpKind.FORWARD_SAVE,), OpKind.FORWARD_SAVE: ()}
+UPGRADES = {recompute: (selective, save), selective: (save,), save: ()}  # a unit's predicate
 
 
 def plan(model: Any, policy: Policy | None = None, *, grad: bool = True,
@@ -76,12 +76,12 @@ def plan(model: Any, policy: Policy | None = None, *, grad: bool = True,
 def fit(model: ShardedModel, memory: int, batch: Any, params: Params | None) -> Schedule:
     """``plan``'s search (the module's docstring)."""
     traced = TracedLayers(model)
-    act, selective = activation_sizes(model, batch, traced), selective_sizes(
-        model, batch, traced, HEAVY_OPS)
+    act, cut = activation_sizes(model, batch, traced), cut_sizes(model, batch, traced,
+                                                                 [selective])
     failed = failed_parts(model, traced)
 
     def peak(s: Schedule) -> int:
-        return plan_of(model, s, act, selective, failed).peak
+        return plan_of(model, s, act, cut, failed).peak
 
     def lowest(make) -> Schedule:
         """``make(join)`` with gradient shards joined or not, whichever plans the lower peak
@@ -99,7 +99,7 @@ def fit(model: ShardedModel, memory: int, batch: Any, params: Params | None) -> 
             f"or a larger budget would fit")
     prefetch = 1 if fits[0] is bases[0] else 0
 
-    def build(resident: frozenset[str], kinds: dict[int, OpKind]) -> Schedule:
+    def build(resident: frozenset[str], kinds: dict[int, Saveable]) -> Schedule:
         return lowest(lambda join: _with(plan_policy(model, Policy(
             prefetch=prefetch, join_grads=join, resident=tuple(sorted(resident)))), kinds))
 
@@ -111,11 +111,11 @@ def fit(model: ShardedModel, memory: int, batch: Any, params: Params | None) -> 
 
 
 def search(start: Schedule, build, peak, memory: int, saves: dict
-           ) -> tuple[Schedule, frozenset[str], dict[int, OpKind]]:
+           ) -> tuple[Schedule, frozenset[str], dict[int, Saveable]]:
     """The greedy search from ``start`` (recompute everywhere, nothing resident): ``build
     (resident, kinds) -> Schedule``, ``peak(schedule) -> bytes``, ``saves`` as ``_savings``
-    measures them. Returns the schedule, its resident parts and its layer units' kinds."""
-    resident, kinds = frozenset(), {u: OpKind.FORWARD for u, unit in enumerate(start.units)
+    measures them. Returns the schedule, its resident parts and its layer units' predicates."""
+    resident, kinds = frozenset(), {u: recompute for u, unit in enumerate(start.units)
                                     if unit.role is Role.STACK}
     chosen = start
     while True:
@@ -132,11 +132,11 @@ def search(start: Schedule, build, peak, memory: int, saves: dict
         _, resident, kinds, chosen = best
 
 
-def _candidates(base: Schedule, resident: frozenset[str], kinds: dict[int, OpKind],
+def _candidates(base: Schedule, resident: frozenset[str], kinds: dict[int, Saveable],
                 saves: dict) -> list[tuple[frozenset, dict, float]]:
     """The next upgrades, each with the seconds it saves: per stack part and current kind,
     its last unit of that kind to each better kind; each part not yet resident, made so."""
-    last: dict[tuple[int, OpKind], int] = {}
+    last: dict[tuple[int, Saveable], int] = {}
     for u, kind in kinds.items():
         last[base.units[u].part, kind] = max(u, last.get((base.units[u].part, kind), -1))
     out = []
@@ -150,10 +150,10 @@ def _candidates(base: Schedule, resident: frozenset[str], kinds: dict[int, OpKin
     return out
 
 
-def _with(base: Schedule, kinds: dict[int, OpKind]) -> Schedule:
-    ops = tuple(Op(kinds[op.unit], op.unit) if op.kind in UPGRADES and op.unit in kinds
-                else op for op in base.ops)
-    return validate(replace(base, ops=ops, keep=HEAVY_OPS))
+def _with(base: Schedule, kinds: dict[int, Saveable]) -> Schedule:
+    ops = tuple(Op(op.kind, op.unit, kinds[op.unit]) if op.kind == OpKind.FORWARD
+                and op.unit in kinds else op for op in base.ops)
+    return validate(replace(base, ops=ops))
 
 
 def _savings(model: ShardedModel, build, params: Params, batch: Any, failed: set[int]) -> dict:
@@ -165,8 +165,7 @@ def _savings(model: ShardedModel, build, params: Params, batch: Any, failed: set
     stacks = [p for p, part in enumerate(parts) if part.role is Role.STACK]
     modes: list[tuple[frozenset, dict]] = [(frozenset(), {})]
     modes += [(frozenset(), {p: k}) for p in stacks
-              for k in (OpKind.FORWARD_SELECTIVE, OpKind.FORWARD_SAVE)
-              if not (k == OpKind.FORWARD_SELECTIVE and p in failed)]
+              for k in (selective, save) if not (k is selective and p in failed)]
     if model.world_size > 1:
         modes += [(frozenset({part.name}), {}) for part in parts if part.role is not Role.STACK]
     units = build(frozenset(), {}).units  # every choice has the same units
@@ -206,16 +205,15 @@ def _zeros(model: ShardedModel) -> Params:
                         for p in model.parts))
 
 
-def _say(chosen: Schedule, kinds: dict[int, OpKind], resident: frozenset[str], peak: int,
+def _say(chosen: Schedule, kinds: dict[int, Saveable], resident: frozenset[str], peak: int,
          memory: int, saves: dict, prefetch: int) -> None:
     """One WARNING, from rank 0 (every rank chose alike: the times compared are the slowest
     rank's): what it chose, per kind, with the planned peak and time saved."""
-    names = {"forward": "recompute", "forward_selective": "selective", "forward_save": "save"}
     by_kind: dict[str, list[str]] = {}
     saved = sum(saves["resident"].get(name, 0.0) for name in resident)
     for u, kind in kinds.items():
         unit = chosen.units[u]
-        by_kind.setdefault(names[kind.value], []).append(unit.name)
+        by_kind.setdefault(name_of(kind), []).append(unit.name)
         saved += saves[unit.part][kind] * len(unit.layers)
     once(log, WARNING, "fz3.plan: memory=%.1f MiB: %s; resident: %s; prefetch %d; gradient "
          "shards %s; planned peak %.1f MiB, %.1f ms per step saved over recompute", memory / MiB,

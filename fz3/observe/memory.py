@@ -4,7 +4,7 @@ Persistent: the fp32 shards of params, grads and optimizer state (``optimizer_st
 copies: 2 for AdamW). Transient, op by op, from the one memory model
 (``fz3.schedule.footprint``): gathered parameter buffers, unreduced flat gradients, layer
 inputs kept for recompute (these three are the executor's own buffers; it reports the same
-numbers through ``fz3.Recorder``) and autograd graphs kept by ``forward_save`` units and by
+numbers through ``fz3.Recorder``) and autograd graphs kept by units whose forward saves and by
 ``pre`` (measured once on the given batch, ``fz3.observe.activations``; for traced layers,
 their programs' residuals).
 
@@ -21,6 +21,7 @@ import torch
 
 from ..schedule.footprint import footprint
 from ..schedule.ops import FORWARD_KINDS, Op, OpKind
+from ..schedule.saveable import Saveable, cuts, recompute
 from ..schedule.schedule import Schedule
 from ..schedule.structure import Role
 from ..sharding.model import ShardedModel
@@ -43,7 +44,7 @@ class MemoryPlan(NamedTuple):
     gathered: int  # peak gathered parameter buffers
     unsharded_grads: int  # peak unreduced flat gradients
     saved_inputs: int  # peak layer inputs kept for recompute
-    # peak autograd graphs kept (forward_save units, pre) and recomputed (during backward)
+    # peak autograd graphs kept (units that save, pre) and recomputed (during backward)
     graphs: int
     # persistent + the largest transient total at any op (gradient shards included as allocated)
     peak: int
@@ -89,14 +90,16 @@ class ModelSizes:
     """``fz3.schedule.footprint.Sizes`` of a sharded model on one batch."""
 
     def __init__(self, model: ShardedModel, schedule: Schedule, act: tuple[PartActivations, ...],
-                 selective: tuple[PartActivations, ...] | None = None):
-        """``act``: each part's sizes; ``selective``: its layers' under selective recompute,
-        which the units run as ``forward_selective`` keep instead."""
+                 cut: dict[Saveable, tuple[PartActivations, ...] | None] | None = None):
+        """``act``: each part's sizes; ``cut``: its layers' under programs cut by each
+        predicate other than save and recompute (``cut_sizes``), which a unit whose forward
+        carries that predicate keeps instead."""
         self.model, self.schedule, self.act = model, schedule, act
-        chosen = {op.unit for op in schedule.ops if op.kind == OpKind.FORWARD_SELECTIVE}
+        chosen = {op.unit: (cut or {}).get(op.saves) for op in schedule.ops
+                  if op.saves is not None and cuts(op.saves)}
         # by unit: the sizes it runs with
-        self.unit_act = [selective[unit.part] if u in chosen and selective is not None
-                         else act[unit.part] for u, unit in enumerate(schedule.units)]
+        self.unit_act = [chosen[u][unit.part] if chosen.get(u) is not None else act[unit.part]
+                         for u, unit in enumerate(schedule.units)]
         self.csize = torch.empty((), dtype=model.precision.compute).element_size()
         self.rsize = torch.empty((), dtype=model.precision.reduce).element_size()
         self.fsize = torch.empty((), dtype=model.precision.frozen).element_size()
@@ -148,11 +151,11 @@ class ModelSizes:
         unit = self.schedule.units[op.unit]
         act, k = self.unit_act[op.unit], len(unit.layers)
         if op.kind in FORWARD_KINDS:
-            # a forward that keeps its graph (forward_save, forward_selective; pre's and
+            # a forward that keeps its graph (any predicate but recompute; pre's and
             # between's with gradients): its temporaries beyond the graph, which the totals
             # after it hold
-            keeps = op.kind is not OpKind.FORWARD or (self.schedule.grad
-                                                      and unit.role is not Role.STACK)
+            keeps = op.saves is not recompute or (self.schedule.grad
+                                                  and unit.role is not Role.STACK)
             return max(act.kept - act.graph, 0) if keeps else act.forward
         if op.kind not in (OpKind.BACKWARD, OpKind.LOSS):
             return 0
@@ -181,18 +184,17 @@ def memory_plan(model: ShardedModel, schedule: Schedule, batch: Any, *,
     """
     traced = TracedLayers(model) if trace else None
     act = activation_sizes(model, batch, traced)
-    selective = None
-    if any(op.kind == OpKind.FORWARD_SELECTIVE for op in schedule.ops):
-        selective = selective_sizes(model, batch, traced, schedule.keep)
-    return plan_of(model, schedule, act, selective, failed_parts(model, traced),
-                   optimizer_states)
+    cut = cut_sizes(model, batch, traced, [op.saves for op in schedule.ops if op.saves])
+    return plan_of(model, schedule, act, cut, failed_parts(model, traced), optimizer_states)
 
 
-def selective_sizes(model: ShardedModel, batch: Any, traced: TracedLayers | None,
-                    keep: frozenset[str]) -> tuple[PartActivations, ...] | None:
-    """Each part's sizes under selective recompute keeping ``keep`` (None untraced: it runs
-    as recompute)."""
-    return None if traced is None else activation_sizes(model, batch, traced, keep=keep)
+def cut_sizes(model: ShardedModel, batch: Any, traced: TracedLayers | None,
+              predicates: list[Saveable]) -> dict[Saveable, tuple[PartActivations, ...] | None]:
+    """Each part's sizes under the programs each predicate other than save and recompute cuts
+    (what it keeps: the residuals of those programs, ``traced_sizes``); None untraced: a unit
+    carrying it runs as recompute."""
+    return {p: None if traced is None else activation_sizes(model, batch, traced, saves=p)
+            for p in dict.fromkeys(predicates) if cuts(p)}
 
 
 def failed_parts(model: ShardedModel, traced: TracedLayers | None) -> set[int]:
@@ -201,17 +203,16 @@ def failed_parts(model: ShardedModel, traced: TracedLayers | None) -> set[int]:
 
 
 def plan_of(model: ShardedModel, schedule: Schedule, act: tuple[PartActivations, ...],
-            selective: tuple[PartActivations, ...] | None, failed: set[int],
+            cut: dict[Saveable, tuple[PartActivations, ...] | None], failed: set[int],
             optimizer_states: int = 2) -> MemoryPlan:
-    """``memory_plan`` from measured sizes (``activation_sizes``; ``selective``: under
-    selective recompute, ``failed``: parts whose layers run through autograd): a
-    ``forward_selective`` unit of a part that is not traced runs, so is planned, as
-    ``forward``."""
-    ops = tuple(Op(OpKind.FORWARD, op.unit) if op.kind == OpKind.FORWARD_SELECTIVE
-                and (selective is None or schedule.units[op.unit].part in failed) else op
-                for op in schedule.ops)
+    """``memory_plan`` from measured sizes (``activation_sizes``; ``cut``: ``cut_sizes``,
+    ``failed``: parts whose layers run through autograd): a unit of a part that is not traced
+    whose forward carries a predicate other than save runs, so is planned, as recompute."""
+    ops = tuple(Op(OpKind.FORWARD, op.unit) if op.saves is not None and cuts(op.saves)
+                and (cut.get(op.saves) is None or schedule.units[op.unit].part in failed)
+                else op for op in schedule.ops)
     schedule = replace(schedule, ops=ops)
-    sizes = ModelSizes(model, schedule, act, selective)
+    sizes = ModelSizes(model, schedule, act, cut)
     per_op = footprint(schedule, sizes)
     shard_bytes = sum(p.rows * p.layout.shard_numel for p in model.parts) * 4
     frozen_bytes = sum(t.numel() * t.element_size() for t in model.frozen if t is not None)

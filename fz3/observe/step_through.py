@@ -10,6 +10,7 @@ import torch
 from ..comm.arrival import DEFAULT_TIMEOUT_S, arrive
 from ..comm.collectives import all_reduce, wait
 from ..schedule.ops import FORWARD_KINDS, Op
+from ..schedule.saveable import name_of
 from ..schedule.structure import Role
 from ..schedule.planner import Policy
 from ..schedule.schedule import Schedule
@@ -44,8 +45,9 @@ class StepFrame(NamedTuple):
     def __repr__(self) -> str:
         if self.op is None:
             head = f"StepFrame({self.phase})"
-        else:  # "forward model.layers.2 (op 15)"; the op's kind where it is not the phase's
-            kind = "" if self.op.kind.value == self.phase else f", {self.op.kind.value}"
+        else:  # "forward model.layers.2 (op 15)"; what the op keeps where it is not recompute
+            what = self.op.kind.value if self.op.saves is None else name_of(self.op.saves)
+            kind = "" if what in (self.phase, "recompute") else f", {what}"
             head = f"StepFrame({self.phase} {self.name} (op {self.index}{kind}))"
         rows = [head]
         if self.phase == "done":
@@ -101,7 +103,7 @@ def step_through(model: ShardedModel, params: Params, batch: Any,
 
 def describe(model: ShardedModel, schedule: Schedule, f: Frame) -> StepFrame:
     """A ``Frame`` with names: parameters and gradients as ``{module name: tensor}``."""
-    kind, u = f.op
+    kind, u = f.op[:2]
     phase = "forward" if kind in FORWARD_KINDS else str(kind)
     unit = schedule.units[u]
     part = model.parts[unit.part]

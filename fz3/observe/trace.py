@@ -65,7 +65,7 @@ def chrome_trace(rec: Recorder, rank: int = 0) -> dict:
            for name, tid in LANES.items()]
     issued: dict[tuple[int, str, int], Event] = {}
     for e in events:
-        kind, u = e.op
+        kind, u = e.op[:2]
         lane = LANE_OF[OpKind(kind).category]
         out.append({"name": rec.schedule_of(e.step).describe(e.op), "cat": "op", "ph": "X",
                     "pid": rank, "tid": LANES[lane],
@@ -104,7 +104,7 @@ def trace_summary(rec: Recorder) -> str:
     recorded = {e.step for e in rec.events}
     steady = recorded - rec.tracing or recorded
     for e in (e for e in rec.events if e.step in steady):
-        kind, u = e.op
+        kind, u = e.op[:2]
         ms = (e.t_end_ns - e.t_begin_ns) / 1e6
         name = rec.schedule_of(e.step).units[u].name
         order.setdefault(name, (e.step, u))

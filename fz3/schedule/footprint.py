@@ -17,6 +17,7 @@ from typing import NamedTuple, Protocol
 
 from .ops import (COMPUTE_KINDS, Activation, Grad, Op, OpKind, Params, UnitState,
                   transition)
+from .saveable import recompute
 from .schedule import Schedule, Unit
 from .structure import Role
 
@@ -38,7 +39,7 @@ class OpBytes(NamedTuple):
     gathered: int  # gathered (or in-flight) parameter buffers
     unreduced: int  # flat gradients not yet reduced
     inputs: int  # layer inputs kept for recompute
-    graphs: int  # autograd graphs kept (forward_save, pre)
+    graphs: int  # autograd graphs or residuals kept (a forward saving some, pre)
     shards: int  # gradient shards allocated so far
     during: int
 
@@ -98,11 +99,11 @@ def _account(totals: list[int], sizes: Sizes, op: Op, u: int, before: UnitState,
 
 def _kept(unit: Unit, op: Op, sizes: Sizes) -> tuple[int, int]:
     """``(input, graph)`` bytes a forward keeps: pre's and between's graphs are kept whenever
-    gradients are wanted; a layer unit keeps its k layers' graphs (``forward_save``) or its
-    input (``forward``, recomputed in backward)."""
+    gradients are wanted; a layer unit keeps its k layers' residuals (what its predicate saves,
+    ``Op.saves``: ``Sizes.graph_bytes`` are measured under it) or its input (``recompute``)."""
     if unit.role is not Role.STACK:
         return 0, sizes.graph_bytes(op.unit)
-    if op.kind in (OpKind.FORWARD_SAVE, OpKind.FORWARD_SELECTIVE):  # residuals, per layer
+    if op.saves is not recompute:  # residuals, per layer
         return 0, sizes.graph_bytes(op.unit) * len(unit.layers)
     return sizes.input_bytes(op.unit), 0
 

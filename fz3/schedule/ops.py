@@ -6,9 +6,9 @@ A unit has three independent pieces of state:
 
 ==============  ===============================================================
 ``params``      ``ABSENT -> GATHERING -> GATHERED -> ABSENT`` (gather, wait, free)
-``activation``  ``NONE -> KEPT -> NONE``: a forward keeps the unit's input (``forward``,
-                recompute in backward), its graph (``forward_save``) or the outputs
-                of its heavy ops (``forward_selective``) until its backward
+``activation``  ``NONE -> KEPT -> NONE``: a forward keeps what its predicate saves
+                (``Op.saves``, ``fz3.schedule.saveable``: its input for ``recompute``,
+                its residuals for ``save``, some of them for others) until its backward
 ``grad``        ``NONE -> UNREDUCED -> REDUCING -> REDUCED`` (backward, reduce,
                 wait_reduce), or ``UNREDUCED -> CARRIED`` (accumulate: summed into a
                 buffer that the next micro-batch reduces)
@@ -26,6 +26,9 @@ from __future__ import annotations
 from enum import Enum
 from typing import NamedTuple
 
+# (HEAVY_OPS: ``selective``'s ops, read from here too)
+from .saveable import HEAVY_OPS, Saveable, name_of, recompute, save, selective  # noqa: F401
+
 class Category(Enum):
     """What an op does, as the streams and lanes see it."""
 
@@ -40,11 +43,10 @@ class OpKind(str, Enum):
 
     GATHER = "gather"  # issue the all-gather of the unit's shards
     WAIT = "wait"  # block until the unit's gather is done
-    FORWARD = "forward"  # compute the unit; keep its input (recompute in backward)
-    FORWARD_SAVE = "forward_save"  # compute the unit; keep its autograd graph
-    # compute the unit; keep its heavy ops' outputs (``Schedule.keep``), recompute the rest
-    # in backward (traced layers; a layer that is not runs as ``forward``)
-    FORWARD_SELECTIVE = "forward_selective"
+    FORWARD = "forward"  # compute the unit; keep what its predicate saves (``Op.saves``)
+    # accepted where an op is made: ``Op("forward_save", u)`` is ``Op("forward", u, save)``
+    FORWARD_SAVE = "forward_save"
+    FORWARD_SELECTIVE = "forward_selective"  # ``Op("forward", u, selective)``
     LOSS = "loss"  # post + loss, and its vjp (the post unit)
     BACKWARD = "backward"  # vjp of the unit (recomputing it first after ``forward``)
     FREE = "free"  # release the unit's gathered parameters
@@ -73,26 +75,47 @@ _CATEGORY = {
     OpKind.FREE: Category.LIFETIME, OpKind.ACCUMULATE: Category.LIFETIME,
 }
 COMPUTE_KINDS = frozenset(k for k in OpKind if k.category is Category.COMPUTE)
-# a unit's forward, as each keeps what its backward needs
-FORWARD_KINDS = frozenset({OpKind.FORWARD, OpKind.FORWARD_SAVE, OpKind.FORWARD_SELECTIVE})
-# the ops whose outputs ``forward_selective`` keeps by default: matrix products, attention,
-# convolutions (ATen names, ``fz3.step.partition.op_name``); ``fz3.keep`` names others
-HEAVY_OPS = frozenset({
-    "mm", "addmm", "bmm", "baddbmm", "convolution", "_grouped_mm",
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_attention_math", "_flash_attention_forward",
-    "_efficient_attention_forward"})
+FORWARD_KINDS = frozenset({OpKind.FORWARD})  # (a set: what reads it reads every forward)
+# the kinds an op is still made with, and the predicate each stands for
+_LEGACY = {OpKind.FORWARD_SAVE: save, OpKind.FORWARD_SELECTIVE: selective}
 # wait -> the issue it ends
 COMPLETES = {OpKind.WAIT: OpKind.GATHER, OpKind.WAIT_REDUCE: OpKind.REDUCE}
 
 
-class Op(NamedTuple):
+class _Op(NamedTuple):
     kind: OpKind
     unit: int  # index into the schedule's units (``Schedule.units``)
+    # a forward's: what it keeps for its backward (``fz3.schedule.saveable``); None otherwise
+    saves: Saveable | None = None
+
+
+class Op(_Op):
+    """One op of a schedule. ``Op("forward", u)`` recomputes (``saves=recompute``);
+    ``Op("forward", u, save)``, or ``Op("forward_save", u)``, keeps the residuals."""
+
+    __slots__ = ()
+
+    def __new__(cls, kind: OpKind | str, unit: int, saves: Saveable | None = None) -> Op:
+        if isinstance(kind, str) and kind in _LEGACY:
+            if saves is not None:
+                raise ValueError(f"Op({str(kind)!r}, {unit}, {saves!r}): {kind} names its "
+                                 f"predicate itself; write Op('forward', {unit}, saves)")
+            kind, saves = OpKind.FORWARD, _LEGACY[kind]
+        elif kind == OpKind.FORWARD and saves is None:
+            saves = recompute
+        return super().__new__(cls, kind, unit, saves)
 
     def __str__(self) -> str:
-        return f"{self.kind} {self.unit}"
+        return f"{self.kind} {self.unit}" + ("" if self.saves is None else
+                                            f" ({name_of(self.saves)})")
+
+    def __repr__(self) -> str:
+        saves = "" if self.saves is None else f", {name_of(self.saves)}"
+        return f"Op({str(self.kind)!r}, {self.unit!r}{saves})"
+
+    def named(self) -> tuple:
+        """The op as plain values (its predicate by name): what ranks compare."""
+        return (str(self.kind), self.unit, None if self.saves is None else name_of(self.saves))
 
 
 class Params(Enum):
@@ -138,9 +161,6 @@ TABLE: dict[OpKind, tuple[Change, ...]] = {
     OpKind.GATHER: (_c("params", {Params.ABSENT}, Params.GATHERING),),
     OpKind.WAIT: (_c("params", {Params.GATHERING}, Params.GATHERED),),
     OpKind.FORWARD: (_GATHERED, _c("activation", {Activation.NONE}, Activation.KEPT)),
-    OpKind.FORWARD_SAVE: (_GATHERED, _c("activation", {Activation.NONE}, Activation.KEPT)),
-    OpKind.FORWARD_SELECTIVE: (_GATHERED,
-                               _c("activation", {Activation.NONE}, Activation.KEPT)),
     OpKind.LOSS: (_GATHERED, _c("grad", {Grad.NONE}, Grad.UNREDUCED)),
     OpKind.BACKWARD: (_GATHERED, _c("activation", {Activation.KEPT}, Activation.NONE),
                       _c("grad", {Grad.NONE}, Grad.UNREDUCED)),
@@ -155,8 +175,7 @@ _CONTRIBUTE = _c("grad", {Grad.NONE, Grad.UNREDUCED}, Grad.UNREDUCED)
 # What a compute op does to a unit it reads (not its own): it needs it gathered, and a loss or
 # a backward adds to its gradient, which stays unreduced until its last reader is done.
 READ_TABLE: dict[OpKind, tuple[Change, ...]] = {
-    OpKind.FORWARD: (_GATHERED,), OpKind.FORWARD_SAVE: (_GATHERED,),
-    OpKind.FORWARD_SELECTIVE: (_GATHERED,),
+    OpKind.FORWARD: (_GATHERED,),
     OpKind.LOSS: (_GATHERED, _CONTRIBUTE), OpKind.BACKWARD: (_GATHERED, _CONTRIBUTE),
 }
 

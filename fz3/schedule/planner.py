@@ -15,21 +15,14 @@ the schedule itself, its check and its table are ``fz3.schedule.schedule``.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Literal, NamedTuple, Sequence
+from typing import Any, Iterable, Literal, Sequence
 
-from .ops import HEAVY_OPS, Op, OpKind
+from .ops import Op, OpKind
+from .saveable import Keep, Saveable, recompute, save, selective
 from .structure import PartShape, Role, check_structure, layers_only
 from .schedule import REDUCES, Schedule, Unit, compute_order, validate
 
 ACTIVATIONS = ("recompute", "save", "save_unsharded", "selective")
-
-
-class Keep(NamedTuple):
-    """Selective recompute by a rule (``fz3.keep``): a layer's forward keeps the outputs of
-    these ops (ATen names: ``"mm"``, ``"_scaled_dot_product_flash_attention_for_cpu"``) and
-    its backward computes the rest again from them."""
-
-    ops: frozenset[str]
 
 
 def keep(ops: Iterable[Any]) -> Keep:
@@ -58,8 +51,9 @@ class Policy:
     # False: keep units gathered from forward until their backward
     reshard_after_forward: bool = True
     # "selective": keep the heavy ops' outputs (``fz3.schedule.ops.HEAVY_OPS``), recompute the
-    # rest; or ``fz3.keep(ops=...)``, a rule of your own
-    activations: Literal["recompute", "save", "save_unsharded", "selective"] | Keep = \
+    # rest; ``fz3.keep(ops=...)``, a rule of your own; or any predicate over a layer's forward
+    # ops (``fz3.schedule.saveable``: True keeps the op's output; docs/memory.md)
+    activations: Literal["recompute", "save", "save_unsharded", "selective"] | Saveable = \
         "recompute"
     layers_per_unit: int = 1  # consecutive layers of a stack gathered and reduced as one unit
     reduce: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"
@@ -78,14 +72,22 @@ class Policy:
             raise ValueError(f"prefetch={self.prefetch} must be >= 0 (0 means no overlap)")
         if self.layers_per_unit < 1:
             raise ValueError(f"layers_per_unit={self.layers_per_unit} must be >= 1")
-        if not isinstance(self.activations, Keep) and self.activations not in ACTIVATIONS:
+        if not callable(self.activations) and self.activations not in ACTIVATIONS:
             raise ValueError(f"activations={self.activations!r}: use 'recompute', 'save', "
-                             f"'save_unsharded', 'selective' or fz3.keep(ops=[...])")
+                             f"'save_unsharded', 'selective', fz3.keep(ops=[...]) or a "
+                             f"predicate over a layer's forward ops")
         if self.reduce not in REDUCES:
             raise ValueError(f"reduce={self.reduce!r}: use 'reduce_scatter' or 'all_reduce'")
         if isinstance(self.resident, str):
             raise TypeError(f"resident={self.resident!r}: pass a tuple of part names, "
                             f"e.g. ('pre',)")
+
+    @property
+    def saves(self) -> Saveable:
+        """``activations`` as a predicate (``fz3.schedule.saveable``)."""
+        rule = self.activations
+        return rule if callable(rule) else {"recompute": recompute, "save": save,
+                                            "save_unsharded": save, "selective": selective}[rule]
 
 
 def schedule_units(parts: Sequence[PartShape], layers_per_unit: int) -> tuple[Unit, ...]:
@@ -129,14 +131,12 @@ def plan(model: Any, policy: Policy = Policy(), *, grad: bool = True) -> Schedul
         raise ValueError(f"Policy(resident={policy.resident}): no part named {unknown}; parts are "
                          f"{[p.name for p in parts]}")
     units = schedule_units(parts, policy.layers_per_unit)
-    rule = policy.activations
-    selective = isinstance(rule, Keep) or rule == "selective"
-    stays = rule == "save_unsharded" or not policy.reshard_after_forward
-    fwd = (OpKind.FORWARD if not grad or rule == "recompute" else
-           OpKind.FORWARD_SELECTIVE if selective else OpKind.FORWARD_SAVE)
-    # selective: a layer unit's (pre's and between's keep their graph whatever their kind)
-    steps = [Op(fwd, op.unit) if op.kind == OpKind.FORWARD and (
-        not selective or units[op.unit].role is Role.STACK) else op
+    saves = policy.saves if grad else recompute
+    stays = policy.activations == "save_unsharded" or not policy.reshard_after_forward
+    # save: every unit's; another predicate: a layer unit's (pre's and between's keep their
+    # graph whatever their forward carries)
+    steps = [Op(op.kind, op.unit, saves) if op.kind == OpKind.FORWARD and (
+        saves is save or units[op.unit].role is Role.STACK) else op
         for op in compute_order(units, grad=grad)]
     resident = {u for u, unit in enumerate(units)
                 if stays or parts[unit.part].name in policy.resident}
@@ -163,11 +163,9 @@ def plan(model: Any, policy: Policy = Policy(), *, grad: bool = True) -> Schedul
             ops += [Op(OpKind.WAIT_REDUCE, u) for u in waiting]
             waiting = done
     ops += [Op(OpKind.WAIT_REDUCE, u) for u in waiting]
-    kept = rule.ops if isinstance(rule, Keep) else HEAVY_OPS
     joined = frozenset(u.part for u in units if u.role is Role.STACK) \
         if policy.join_grads and grad else frozenset()
-    return validate(Schedule(tuple(ops), units, policy.reduce, grad, keep=kept,
-                             join_grads=joined))
+    return validate(Schedule(tuple(ops), units, policy.reduce, grad, join_grads=joined))
 
 
 def _by_step(pairs) -> dict[int, list[int]]:

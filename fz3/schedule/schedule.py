@@ -15,8 +15,9 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, NamedTuple, Sequence
 
 from ..compare import fingerprint
-from .ops import (COMPUTE_KINDS, FORWARD_KINDS, HEAVY_OPS, Grad, Op, OpKind, Params, UnitState,
+from .ops import (COMPUTE_KINDS, FORWARD_KINDS, Grad, Op, OpKind, Params, UnitState,
                   transition)
+from .saveable import Keep, name_of, recompute
 from .structure import FORWARD_ROLES, Role
 
 REDUCES = ("reduce_scatter", "all_reduce")
@@ -53,8 +54,6 @@ class Schedule:
     grad: bool = True  # False: a forward-only schedule (fz3.apply)
     # units gathered at once, resident ones aside
     max_live_units: int = field(default=0, compare=False)
-    # what ``forward_selective`` keeps: the ATen names of the ops whose outputs it keeps
-    keep: frozenset[str] = HEAVY_OPS
     # stack parts whose gradient shard is not allocated whole at their first reduce: each unit's
     # rows are reduced into a buffer of their own, joined into the part's shard after the
     # backward (one copy; less memory where activations outweigh the shard, see ``Policy``)
@@ -86,10 +85,10 @@ class Schedule:
         return next(u for u, unit in enumerate(self.units) if unit.role is Role.POST)
 
     def recomputed(self) -> set[int]:
-        """Layer units whose backward recomputes their forward (run as ``forward``, which
-        keeps the input, not as ``forward_save``, which keeps the graph)."""
+        """Layer units whose backward recomputes their forward (their forward's predicate is
+        ``recompute``: it keeps the input)."""
         return {op.unit for op in self.ops
-                if op.kind == OpKind.FORWARD and self.units[op.unit].role is Role.STACK}
+                if op.saves is recompute and self.units[op.unit].role is Role.STACK}
 
     def describe(self, op: Op) -> str:
         """``"forward blocks.0"``: the op with its unit's name."""
@@ -101,26 +100,27 @@ class Schedule:
     def fingerprint(self) -> bytes:
         units = [(u.name, u.part, u.layers.start, u.layers.stop, u.role.value, u.reads)
                  for u in self.units]
-        selective = any(op.kind == OpKind.FORWARD_SELECTIVE for op in self.ops)
-        keep = (sorted(self.keep),) if selective else ()
         joined = (("join_grads", sorted(self.join_grads)),) if self.join_grads else ()
-        return fingerprint((self.ops, units, self.reduce, self.grad, *keep, *joined))
+        # ops by value, a predicate by its name (``saveable.name_of``): equal on every rank
+        return fingerprint(([op.named() for op in self.ops], units, self.reduce, self.grad,
+                            *joined))
 
     def __str__(self) -> str:
         walked = walk(self)
         head = (f"Schedule: {len(self.ops)} ops over {len(self.units)} units, "
                 f"reduce={self.reduce}, at most {max(walked.live, default=0)} units gathered")
-        if any(op[0] == OpKind.FORWARD_SELECTIVE for op in self.ops):
-            head += f"\nforward_selective keeps the outputs of: {', '.join(sorted(self.keep))}"
+        for rule in dict.fromkeys(op.saves for op in self.ops if isinstance(op.saves, Keep)):
+            head += f"\n{name_of(rule)} keeps the outputs of: {', '.join(sorted(rule.ops))}"
         if self.join_grads:
             head += "\ngradient shards joined after the backward: " + ", ".join(
                 _span(self.units, p) for p in sorted(self.join_grads))
-        rows = [head, f"{'#':>4}  {'op':<17} {'unit':<18} gathered"]
+        rows = [head, f"{'#':>4}  {'op':<19} {'unit':<18} gathered"]
         for i, op in enumerate(self.ops):
             name = self.describe(op).split(" ", 1)[1]
             live = str(walked.live[i]) if i < len(walked.live) else "?"
             mark = f"  <- {walked.error.reason}" if walked.error and walked.error.index == i else ""
-            rows.append(f"{i:>4}  {str(op[0]):<17} {name:<18} {live}{mark}")
+            kind = str(op[0]) + ("" if op.saves is None else f" ({name_of(op.saves)})")
+            rows.append(f"{i:>4}  {kind:<19} {name:<18} {live}{mark}")
         if walked.error is not None and (walked.error.index is None
                                          or walked.error.index >= len(self.ops)):
             rows.append(f"invalid: {walked.error}")
@@ -228,14 +228,17 @@ def _step(s: Schedule, op: Op, states: dict[int, UnitState], order: list[Op], do
     if kind == OpKind.LOSS and s.units[u].role is not Role.POST:
         return (f"loss runs on the post unit ({s.units[s.post].name}, unit {s.post}), "
                 f"not {name}"), done
-    if kind in (OpKind.FORWARD_SAVE, OpKind.FORWARD_SELECTIVE) and not s.grad:
-        return (f"{kind} keeps activations for a backward; a forward-only schedule has none",
-                done)
+    if (kind == OpKind.FORWARD) != (op.saves is not None) or (
+            op.saves is not None and not callable(op.saves)):
+        return (f"saves={op.saves!r}: a forward carries a predicate (fz3.schedule.saveable), "
+                f"no other op does"), done
+    if kind == OpKind.FORWARD and op.saves is not recompute and not s.grad:
+        return (f"{kind} ({name_of(op.saves)}) keeps activations for a backward; a "
+                f"forward-only schedule has none", done)
     if kind in (OpKind.REDUCE, OpKind.ACCUMULATE) and not s.grad:
         return "a forward-only schedule has no gradients to reduce", done
     if kind in COMPUTE_KINDS:
-        want = Op(OpKind.FORWARD if kind in FORWARD_KINDS else kind, u)
-        if done >= len(order) or order[done] != want:
+        if done >= len(order) or order[done][:2] != (kind, u):
             expected = ("nothing (all compute is done)" if done >= len(order)
                         else s.describe(order[done]))
             return f"compute out of order: expected {expected}", done

@@ -43,6 +43,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
+from ..schedule.saveable import save
 from ..schedule.structure import Role
 from ..sharding import compute
 from ..sharding.binding import Binding
@@ -93,7 +94,9 @@ class AutogradLayers:
     """Layers ``first, ...`` of a stack part through autograd (see the module's Note)."""
 
     holds_buffer = True  # a graph holds views of the buffer
-    keep = None  # no selective recompute (``fz3.step.programs.Layers.keep``): run as recompute
+    # autograd keeps its graph (``fz3.step.programs.Layers.saves``): another predicate runs
+    # as recompute (a staticmethod: the function itself, not a method bound to the engine)
+    saves = staticmethod(save)
 
     def __init__(self, bindings: Sequence[Binding], part: Part, first: int, writes: dict,
                  aux: bool = False):

@@ -140,20 +140,20 @@ def _forward_stage(model: ShardedModel, schedule: Schedule, op: Op, index: int,
 
 def _forward_layers(model: ShardedModel, schedule: Schedule, op: Op, index: int,
                     fixed: OpFixed | None) -> Step:
-    """A layer unit through the layer protocol (``fz3.step.engine``): ``forward_save`` keeps
-    its residuals, ``forward_selective`` its traced programs' heavy ops' outputs (a unit that
-    is not traced runs as ``forward``); ``forward`` keeps its input and RNG state, to run
-    ``forward`` again in backward (recompute). Its layers' aux outputs (``layer_aux``) wait
-    for the loss."""
+    """A layer unit through the layer protocol (``fz3.step.engine``), keeping what the op's
+    predicate saves (``Op.saves``, ``fz3.schedule.saveable``): the residuals of programs cut
+    by it (``save``'s: autograd's); ``recompute`` keeps its input and RNG state, to run
+    ``forward`` again in backward, and so does an engine not cut by the predicate (autograd
+    given neither save nor recompute). Its layers' aux outputs (``layer_aux``) wait for the
+    loss."""
     u, producer, grad, device = op.unit, schedule.producers[op.unit], schedule.grad, model.device
-    selective = op.kind == OpKind.FORWARD_SELECTIVE
-    find = layer_engine(model, schedule.units[u], schedule.keep if selective else None)
-    save = op.kind == OpKind.FORWARD_SAVE
+    saves = op.saves
+    find = layer_engine(model, schedule.units[u], saves)
 
     def forward_layers(s: StepState) -> Frame | None:
         x, extras = s.h, s.produced[producer]
         engine = find(s.traced, x, extras)
-        if save or selective and engine.keep is not None:
+        if engine.saves == saves:  # (a predicate equal by value: fz3.keep(ops=) twice)
             s.h, aux, residuals = engine.forward(s.gathered[u], x, extras)
             s.saved[u] = Kept(x=x, engine=engine, residuals=residuals)
         else:
@@ -270,7 +270,6 @@ _forward, _backward = (_by_role(_forward_layers, _forward_stage),
 # Each op kind's step maker: the one table a new op kind adds to (``lower`` reads it).
 STEPS: dict[OpKind, Callable[[ShardedModel, Schedule, Op, int, Any], Step]] = {
     OpKind.GATHER: gather_op, OpKind.WAIT: wait_op, OpKind.FORWARD: _forward,
-    OpKind.FORWARD_SAVE: _forward, OpKind.FORWARD_SELECTIVE: _forward,
     OpKind.LOSS: _loss, OpKind.BACKWARD: _backward, OpKind.FREE: free_op,
     OpKind.REDUCE: reduce_op, OpKind.WAIT_REDUCE: wait_reduce_op,
     OpKind.ACCUMULATE: accumulate_op,

@@ -25,6 +25,7 @@ from ..comm.liveness import Place
 from ..comm.out_of_step import steps_apart
 from ..comm.say import once
 from ..schedule.ops import OpKind
+from ..schedule.saveable import cuts, name_of
 from ..schedule.planner import Policy, plan
 from ..schedule.schedule import Schedule, validate
 from ..sharding.model import Params, ShardedModel
@@ -230,8 +231,10 @@ def layer_runner(model: ShardedModel, *, trace: bool, compile: bool,
 
 
 def say_untraced_selective(schedule: Schedule, traced: TracedLayers | None) -> None:
-    """Selective recompute cuts traced programs: with ``trace=False`` a ``forward_selective``
-    unit runs as ``forward`` (recompute). Said once, a WARNING."""
-    if traced is None and any(op.kind == OpKind.FORWARD_SELECTIVE for op in schedule.ops):
-        once(log, WARNING, "fz3: trace=False: forward_selective units run as recompute "
-             "(selective recompute keeps what traced programs compute; pass trace=True)")
+    """A predicate other than save or recompute cuts traced programs: with ``trace=False`` a
+    forward carrying one runs as recompute. Said once, a WARNING."""
+    cut = sorted({name_of(op.saves) for op in schedule.ops if op.saves and cuts(op.saves)})
+    if traced is None and cut:
+        once(log, WARNING, "fz3: trace=False: forward units keeping by %s run as recompute "
+             "(a predicate keeps what traced programs compute; pass trace=True)",
+             ", ".join(cut))

@@ -28,6 +28,7 @@ from ..sharding.placement import quiet_fake_tensor_log
 from . import fake_kernels
 from .codegen import (TraceError, codegen, constant_factories, copy_graph, fast_ops,
                       one_call_flatten, one_call_views)
+from ..schedule.saveable import Saveable, save
 from .into import BackwardInto
 from .partition import joined, partition, written, written_args
 
@@ -51,7 +52,7 @@ class Programs(NamedTuple):
     forward: Callable[..., tuple]
     backward: Callable[..., tuple]
     inference: Callable[..., torch.Tensor]
-    graphs: tuple  # forward, backward, inference, recompute (None: selective programs)
+    graphs: tuple  # forward, backward, inference, recompute (None: cut by another predicate)
     source: str
     # a residual may share storage with a parameter row (then the executor keeps the row's
     # storage object across free and re-gather, as for an autograd graph)
@@ -165,19 +166,19 @@ def _aux_shape(call: Callable[..., tuple], plain: list[torch.Tensor]) -> tuple:
     return tuple(aux.shape), aux.dtype
 
 
-def programs(joint: Joint, keep: frozenset[str] | None = None) -> Programs:
+def programs(joint: Joint, saves: Saveable = save) -> Programs:
     """``trace``'s second half: a joint graph split into programs (the graph is changed).
-    ``keep``: selective recompute, the names of the ops whose outputs the forward keeps
-    (``fz3.step.partition``); None: it keeps what autograd would."""
+    ``saves``: which forward ops' outputs the forward keeps (``fz3.step.partition``; ``save``:
+    what autograd would)."""
     first, n = joint.first, outputs(joint.aux)
     _fold_transposes(joint.graph)
-    fwd, bwd = partition(joint.graph, params=range(first), grads=joint.grads, keep=keep,
+    fwd, bwd = partition(joint.graph, params=range(first), grads=joint.grads, saves=saves,
                          outputs=n)
     aliases = _residuals_alias_params(fwd, params=first, outputs=n)
     # Forwards without gradient run the forward's ops, residuals not returned: the same
     # kernels as the recompute that follows them (eager may pick others without grad mode);
-    # selective programs never recompute (they keep residuals): no joined one
-    rec = joined(fwd, bwd, first, n) if keep is None else None
+    # programs cut by another predicate never recompute (they keep residuals): no joined one
+    rec = joined(fwd, bwd, first, n) if saves is save else None
     graphs = (fwd, bwd, _forward_only(fwd, n), rec)  # as traced
     slow_f, slow_b = fast_ops(fwd), fast_ops(bwd, boxed=True)
     # the joined nodes are the halves', arguments and all: each half's ``_op`` calls are its

@@ -24,17 +24,19 @@ from typing import Callable, Sequence
 import torch
 from torch import fx
 
+from ..schedule.saveable import Saveable, keeps, save
 from .codegen import CONSTANT_FACTORIES
 
 
-def partition(joint: fx.Graph, params: range, grads: int,
-              keep: frozenset[str] | None = None, outputs: int = 1) -> tuple[fx.Graph, fx.Graph]:
+def partition(joint: fx.Graph, params: range, grads: int, saves: Saveable = save,
+              outputs: int = 1) -> tuple[fx.Graph, fx.Graph]:
     """Split a joint graph (inputs ``(*inputs, *cotangents)``, outputs ``(*outs, *grads)``,
     ``outputs`` of each: h, and a layer's aux output) into forward ``(*inputs) -> (*outs,
     *residuals)`` and backward ``(*param inputs, *residuals, *cotangents) -> grads``.
     ``params``: the positions of the parameter rows, whose views the backward recomputes.
-    ``keep`` (selective recompute, [Note: selective recompute]): the names of the ops whose
-    outputs are kept; the backward computes every other forward value it needs again."""
+    ``saves`` ([Note: selective recompute]): the predicate saying which forward ops' outputs
+    are kept; the backward computes every other forward value it needs again (``save``: it
+    keeps what autograd would)."""
     places = [n for n in joint.nodes if n.op == "placeholder"]
     out_node = next(n for n in joint.nodes if n.op == "output")
     outs, grad_nodes = out_node.args[0][:outputs], out_node.args[0][outputs:]
@@ -54,11 +56,9 @@ def partition(joint: fx.Graph, params: range, grads: int,
     rows.update(n for n in joint.nodes if n.op == "call_function" and not n.all_input_nodes
                 and n.target in CONSTANT_FACTORIES and not written(n))
     # the backward recomputes what depends on g, the row views and those constants (and,
-    # selective, the forward's cheap ops); everything else it reads (forward values, h,
-    # extras) is a residual
-    computed = backward_side | rows
-    if keep is not None:
-        computed |= recomputable(joint, forward_side, keep)
+    # the forward's ops ``saves`` does not keep); everything else it reads (forward values,
+    # h, extras) is a residual
+    computed = backward_side | rows | recomputable(joint, forward_side, saves)
     needed = _ancestors(grad_nodes, stop=lambda m: m not in computed)
     residuals = [m for m in joint.nodes if m in needed and m not in computed]
 
@@ -116,10 +116,10 @@ def joined(forward: fx.Graph, backward: fx.Graph, params: int, outputs: int = 1)
 
 
 # [Note: selective recompute]
-# ``Policy(activations="selective")`` keeps the outputs of the compute-heavy ops
-# (``fz3.schedule.ops.HEAVY_OPS``: matrix products, attention, convolutions; ``fz3.keep``
-# names others) and recomputes the rest inside the backward
-# program from them, the layer's input, its extras and the re-gathered parameter rows: the
+# A predicate (``fz3.schedule.saveable``; ``Policy(activations="selective")`` keeps the
+# outputs of the compute-heavy ops, ``fz3.keep`` names others, a user's function chooses by
+# node) says which forward ops' outputs are kept; the backward program recomputes the rest
+# from them, the layer's input, its extras and the re-gathered parameter rows: the
 # same ATen ops on the same values, so the results are bitwise those of eager autograd. What
 # is never recomputed, its output kept instead: an op that draws random numbers (dropout's
 # mask is the forward's own, no RNG is replayed), an op that writes in place, and any value
@@ -127,17 +127,11 @@ def joined(forward: fx.Graph, backward: fx.Graph, params: int, outputs: int = 1)
 # written value). The recomputed ops run at the start of the backward program, in forward
 # order, each freed after its last use.
 
-def op_name(node: fx.Node) -> str:
-    """An ATen op's name without namespace and overload: ``aten.mm.default`` -> ``mm``."""
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return target.overloadpacket.__name__
-    return getattr(target, "__name__", str(target))
-
-
-def recomputable(joint: fx.Graph, forward_side: set[fx.Node], keep: frozenset[str]
-                 ) -> set[fx.Node]:
-    """The forward's ops a selective backward computes again (see the Note above)."""
+def recomputable(joint: fx.Graph, forward_side: set[fx.Node], saves: Saveable) -> set[fx.Node]:
+    """The forward's ops a backward computes again, ``saves`` keeping the rest (see the Note
+    above; none for ``save``)."""
+    if saves is save:
+        return set()
     touched: set[fx.Node] = set()  # written into, and every view of or into such a value
     for node in joint.nodes:
         for value in written_args(node):
@@ -157,7 +151,7 @@ def recomputable(joint: fx.Graph, forward_side: set[fx.Node], keep: frozenset[st
         if node.target is operator.getitem:
             if node.args[0] in out:
                 out.add(node)
-        elif not (op_name(node) in keep or _draws_random(node) or written_args(node)
+        elif not (keeps(saves, node) or _draws_random(node) or written_args(node)
                   or any(a in touched for a in node.all_input_nodes)):
             out.add(node)
     return out

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..schedule.saveable import Saveable, save
 from ..sharding.compute import stacked
 from . import shapes
 from .engine import Pieces, Produced
@@ -40,9 +41,8 @@ class Layers(NamedTuple):
     programs: tuple[Programs, ...]  # one per layer of the unit
     # a residual may view the gathered buffer: ``free`` keeps its storage object (released)
     holds_buffer: bool
-    # selective recompute: the ops whose outputs ``forward`` keeps (``fz3.step.partition``);
-    # None: it keeps what autograd would
-    keep: frozenset[str] | None = None
+    # the predicate its programs were cut by (``fz3.schedule.saveable``, ``fz3.step.partition``)
+    saves: Saveable = save
     aux: bool = False  # each layer returns (h, aux) (``ShardedModel.layer_aux``)
     # [Note: inputs in their traced layout] The programs' views assume the strides they were
     # traced with (and inductor checks them): ``g_strides`` (h's shape, contiguous, as a
@@ -177,4 +177,4 @@ class Signature(NamedTuple):
     dtype: torch.dtype
     training: bool
     extras: tuple  # ``Extras.consts``
-    keep: frozenset[str] | None  # ``Layers.keep``
+    saves: Saveable  # ``Layers.saves``

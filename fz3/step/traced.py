@@ -14,9 +14,9 @@ program. This file decides which layers share them and when they are made:
   itself is paid again).
 - Programs are traced at a unit's first forward for each input signature (shapes and dtypes
   of h and the tensor extras, the values of the other extras, train or eval mode, and
-  selective recompute's rule: a ``forward_selective`` unit's programs keep its heavy ops'
-  outputs, ``fz3.step.partition``) and kept in the model (``ShardedModel.traces``): other
-  step functions on it do not trace again.
+  the predicate its forward carries, ``fz3.schedule.saveable``: programs cut by another
+  than ``save`` keep only what it saves, ``fz3.step.partition``) and kept in the model
+  (``ShardedModel.traces``): other step functions on it do not trace again.
 - ``compile``: programs compiled by inductor (``fz3.step.inductor``), shared as they are.
 
 A layer's buffers (a router's bias) are its programs' last inputs, each call that layer's
@@ -39,6 +39,7 @@ import optree
 import torch
 
 from ..comm.say import once, per_rank
+from ..schedule.saveable import Keep, Saveable, name_of, op_name, save
 from ..schedule.structure import Role
 from ..sharding.binding import Binding
 from ..sharding.model import ShardedModel
@@ -48,7 +49,6 @@ from ..sharding.compute import LayerName
 from . import layer_buffers
 from .inductor import Kernels, refuse_uncompiled
 from .joint import Programs, TraceError, joint_trace, programs
-from .partition import op_name
 from .layer_groups import Groups, groups, hidden
 from .programs import Extras, Layers, Signature
 
@@ -74,7 +74,7 @@ class TracedLayers:
         # (part, signature) -> the first group's graphs: a later group with others compiles again
         self._first: dict[tuple, tuple] = {}
         self._warned: set[int] = set()  # parts reported as compiling per layer
-        # parts said to run selective units as recompute, and said to have no op a rule keeps
+        # parts said to run a predicate's units as recompute, and said to have no op it keeps
         self._warned_keep: set[str] = set()
         self._kept_none: set[str] = set()
         self._shapes: dict[str, list[tuple]] = {}  # part name -> input shapes traced, in order
@@ -117,13 +117,13 @@ class TracedLayers:
         return Extras(tuple(tensors), flat, diff, signature, key)
 
     def layers(self, part_index: int, first: int, stop: int, h: torch.Tensor,
-               extras: Extras, keep: frozenset[str] | None = None) -> Layers | None:
+               extras: Extras, saves: Saveable = save) -> Layers | None:
         """The programs for layers ``[first, stop)`` of a stack on ``h`` and ``extras``, or
-        None: they run through autograd. ``keep``: selective recompute's rule (``Layers.keep``).
-        Traced at the first call per signature. On the per-layer path: once traced, one dict
-        lookup."""
+        None: they run through autograd. ``saves``: the predicate they are cut by
+        (``Layers.saves``). Traced at the first call per signature. On the per-layer path:
+        once traced, one dict lookup."""
         unit = (part_index, first, stop, h.shape, h.stride(), h.dtype, self.model.training,
-                extras.key, keep)
+                extras.key, saves)
         known = self._units.get(unit)
         if known is not None:
             return known
@@ -135,15 +135,15 @@ class TracedLayers:
             layers = None
         else:
             signature = Signature(tuple(h.shape), h.stride(), h.dtype, self.model.training,
-                                  extras.consts, keep)
+                                  extras.consts, saves)
             self._say_new_shape(part, signature)
             layers = self._layers(part_index, part, first, stop, h, extras, signature)
         if layers is not None:
             self._units[unit] = layers
-        elif keep is not None and part.name not in self._warned_keep:
+        elif saves is not save and part.name not in self._warned_keep:
             self._warned_keep.add(part.name)
-            once(log, WARNING, "fz3: %s: selective units run as recompute (its layers run "
-                 "through autograd)", part.name)
+            once(log, WARNING, "fz3: %s: %s units run as recompute (its layers run through "
+                 "autograd)", part.name, name_of(saves))
         return layers
 
     def _say_new_shape(self, part: Part, signature: Signature) -> None:
@@ -173,7 +173,7 @@ class TracedLayers:
         dense = torch.empty_like(h, device="meta").stride() == h.stride()  # a copy can take it
         buffers = tuple(layer_buffers.values(self.model.functions[part_index][layer])
                         for layer in range(first, stop))
-        return Layers(tuple(programs), any(p.aliases_params for p in programs), signature.keep,
+        return Layers(tuple(programs), any(p.aliases_params for p in programs), signature.saves,
                       self.model.layer_aux, torch.empty(h.shape, device="meta").stride(),
                       h.stride() if dense else None, buffers)
 
@@ -253,22 +253,24 @@ class TracedLayers:
         alike = ("joint", joint.code, part.layout, part.frozen, signature)
         if alike not in self.model.traces:
             try:
-                self.model.traces[alike] = programs(joint, signature.keep)
+                self.model.traces[alike] = programs(joint, signature.saves)
             except TraceError as e:
                 self.model.traces[alike] = e
         made = self.model.traces[alike]
-        if signature.keep is not None and not isinstance(made, TraceError):
-            self._keeps_some(part, made, signature.keep)
+        if signature.saves is not save and not isinstance(made, TraceError):
+            self._keeps_some(part, made, signature.saves)
         return made
 
-    def _keeps_some(self, part: Part, made: Programs, keep: frozenset[str]) -> None:
-        """A keep-rule that names no op of the layer: one warning per part, naming its ops."""
-        ops = {op_name(n) for n in made.graphs[0].nodes if n.op == "call_function"}
-        if not ops & keep and part.name not in self._kept_none:
+    def _keeps_some(self, part: Part, made: Programs, saves: Saveable) -> None:
+        """A predicate that keeps no op of the layer: one warning per part, naming its ops."""
+        nodes = [n for n in made.graphs[0].nodes if n.op == "call_function"]
+        if not any(saves(n) for n in nodes) and part.name not in self._kept_none:
             self._kept_none.add(part.name)
+            kept = sorted(saves.ops) if isinstance(saves, Keep) else name_of(saves)
             once(log, WARNING, "fz3: selective recompute keeps %s, but no layer of %s runs any "
                  "of them (its forward runs %s): it keeps only its input, like recompute. Name "
-                 "some of its ops in fz3.keep(ops=...)", sorted(keep), part.name, sorted(ops))
+                 "some of its ops in fz3.keep(ops=...)", kept, part.name,
+                 sorted({op_name(n) for n in nodes}))
 
     def _fail(self, part_index: int, part: Part, why: str) -> None:
         """Its layers run through autograd: all of them, also those of its units found traced

@@ -14,6 +14,7 @@ import optree
 import torch
 
 from ..schedule.ops import Op
+from ..schedule.saveable import Saveable, recompute, save
 from ..schedule.schedule import Schedule, Unit
 from ..schedule.structure import Role
 from ..sharding.model import ShardedModel
@@ -50,14 +51,15 @@ def stage_engine(model: ShardedModel, unit: Unit) -> Callable[[Loss], Stage]:
     return lambda loss: stage
 
 
-def layer_engine(model: ShardedModel, unit: Unit, keep: frozenset[str] | None = None
+def layer_engine(model: ShardedModel, unit: Unit, saves: Saveable = save
                  ) -> Callable[[Any, torch.Tensor, Produced], Any]:
     """``find(traced, x, produced)``: what runs a layer unit on ``x`` and its producer's
     extras ``produced`` (``fz3.step.engine``'s protocol): its traced programs
-    (``fz3.step.programs.Layers``; with ``keep``, selective recompute's), or, for layers that
-    cannot be traced and with ``trace=False`` (``traced`` None), autograd (made here, once;
-    ``keep`` None: it has no selective form). On the per-layer path: once traced, a dict
+    (``fz3.step.programs.Layers``, cut by ``saves``; ``recompute`` runs ``save``'s), or, for
+    layers that cannot be traced and with ``trace=False`` (``traced`` None), autograd (made
+    here, once; its ``saves`` is ``save``). On the per-layer path: once traced, a dict
     lookup."""
+    cut = save if saves is recompute else saves
     part, first, stop = unit.part, unit.layers.start, unit.layers.stop
     autograd = AutogradLayers(model.functions[part][first:stop], model.parts[part], first,
                               model.writes_input, model.layer_aux)
@@ -66,7 +68,7 @@ def layer_engine(model: ShardedModel, unit: Unit, keep: frozenset[str] | None = 
         if traced is not None:
             if produced.traced is None:  # at the first layer that reads them in this step
                 produced.traced = traced.extras(produced.extras, produced.positions)
-            layers = traced.layers(part, first, stop, x, produced.traced, keep)
+            layers = traced.layers(part, first, stop, x, produced.traced, cut)
             if layers is not None:
                 return layers
         return autograd
