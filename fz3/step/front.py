@@ -235,3 +235,10 @@ def say_untraced_selective(schedule: Schedule, traced: TracedLayers | None) -> N
     if traced is None and any(op.kind == OpKind.FORWARD_SELECTIVE for op in schedule.ops):
         once(log, WARNING, "fz3: trace=False: forward_selective units run as recompute "
              "(selective recompute keeps what traced programs compute; pass trace=True)")
+
+
+def refuse_fixed_buffers(value: object, entry: str) -> None:
+    """``fixed_buffers=`` was an option until every step wrote into the same memory."""
+    if value is not None:
+        raise TypeError(f"{entry}(fixed_buffers={value!r}): buffers are fixed by design now "
+                        f"(each unit's memory is made once, fz3.step.memory); drop the argument")
