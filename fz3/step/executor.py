@@ -107,7 +107,7 @@ def _forward_stage(model: ShardedModel, schedule: Schedule, op: Op, index: int,
                    memory: UnitMemory) -> Step:
     """pre, or a between function, through ``Stage`` (``fz3.step.engine``): its graph kept
     whenever gradients are wanted."""
-    u, grad = op.unit, schedule.grad
+    u, grad, reads = op.unit, schedule.grad, (op.unit, *schedule.units[op.unit].reads)
     engine, pre = stage_engine(model, schedule.units[u]), schedule.units[u].role is Role.PRE
 
     def forward_stage(s: StepState) -> Frame:
@@ -120,9 +120,10 @@ def _forward_stage(model: ShardedModel, schedule: Schedule, op: Op, index: int,
         else:
             h, extras = stage.inference(pieces, x, s.batch)
         positions = compute.differentiable(extras)
-        s.h = h.detach()
-        produced = s.produced[u] = Produced(compute.detach_extras(extras, positions,
-                                                                  grad=False), positions)
+        h, extras = apart((h.detach(), compute.detach_extras(extras, positions, grad=False)), s,
+                          reads)
+        s.h, produced = h, Produced(extras, positions)
+        s.produced[u] = produced
         return frame_of(s, op, index, s.batch if x is None else x, (s.h, *produced.extras),
                         None)
 
@@ -154,7 +155,7 @@ def _forward_layers(model: ShardedModel, schedule: Schedule, op: Op, index: int,
                 s.saved[u] = Recompute(x=x, engine=engine, rng=before)
         if aux is None:
             return frame_of(s, op, index, x, s.h, None)
-        s.layer_aux[u] = aux = apart(aux, s.gathered[u])  # it waits for the loss
+        s.layer_aux[u] = aux = apart(aux, s, (u,))  # it waits for the loss
         return frame_of(s, op, index, x, (s.h, aux), None)
 
     return forward_layers
@@ -167,6 +168,7 @@ def _loss(model: ShardedModel, schedule: Schedule, op: Op, index: int,
     aux outputs (``layer_aux``, one tensor per stack) are its fourth argument."""
     u, grad, ranks = op.unit, schedule.grad, _ranks(model)
     engine, comm = stage_engine(model, schedule.units[u]), model.comm
+    reads = (u, *schedule.units[u].reads)
 
     def loss_(s: StepState) -> Frame:
         stage, pieces = engine(s.loss_fn), stage_pieces(s, u)
@@ -185,7 +187,7 @@ def _loss(model: ShardedModel, schedule: Schedule, op: Op, index: int,
             s.rng_after = rng.capture(model.device)
         else:
             loss, aux = stage.inference(pieces, s.h, s.batch, layer_aux)
-        s.loss, s.aux = loss.detach(), detached(aux)
+        s.loss, s.aux = loss.detach(), apart(detached(aux), s, reads)
         s.loss_mean = all_reduce(comm, s.loss.float() / ranks, group=comm.group,
                                  label="the loss's mean")
         return frame_of(s, op, index, h_in if layer_aux is None else (h_in, layer_aux), loss, g,

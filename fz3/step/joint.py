@@ -55,8 +55,8 @@ class Programs(NamedTuple):
     source: str
     aux: tuple | None = None  # (shape, dtype) of the layer's aux output; None: it has none
     # ``backward`` writing its flat gradient into the unit's gradient memory
-    # (``fz3.step.memory``), made at its first call; None: it has no such form (inductor's programs, a gradient not made
-    # by one flatten)
+    # (``fz3.step.memory``), made at its first call; None: it has no such form (inductor's
+    # programs, a gradient not made by one flatten)
     backward_into: BackwardInto | None = None
     recompute: Callable[..., tuple] | None = None  # None: forward, then backward
     recompute_into: BackwardInto | None = None  # ``backward_into``'s, for ``recompute``

@@ -41,8 +41,13 @@ from .engine import Pieces
 _set_versions = torch._C._autograd._unsafe_set_version_counter
 
 
-def release(t: torch.Tensor) -> None:
-    t.untyped_storage().resize_(0)
+def _storages(tensors) -> tuple[tuple[torch.UntypedStorage, int], ...]:
+    """Each distinct storage of ``tensors`` with its full size in bytes."""
+    out: dict[int, tuple] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        out.setdefault(storage.data_ptr(), (storage, t.numel() * t.element_size()))
+    return tuple(out.values())
 
 
 def regrow(t: torch.Tensor) -> torch.Tensor:
@@ -82,7 +87,8 @@ class UnitMemory:
                                                     model.precision.reduce, by_layer)
         frozen = model.frozen[unit.part]
         self.numel = self.world * self.k * part.layout.shard_numel
-        self.frozen_numel = None if frozen is None else self.world * self.k * part.frozen.shard_numel
+        self.frozen_numel = None if frozen is None else \
+            self.world * self.k * part.frozen.shard_numel
         self.frozen_dtype = None if frozen is None else frozen.dtype
         self.pieces: Pieces | None = None
         self.grad: torch.Tensor | None = None
@@ -103,9 +109,11 @@ class UnitMemory:
         self.pieces = Pieces(layered, rows, frozen_layered, frozen_rows)
         self.staged = self.stack and self.k > 1 and self.world > 1
         self.versioned = tuple(b for b in (layered, frozen_layered) if b is not None)
-        for t in (trained, frozen, *self.versioned):
-            if t is not None:
-                release(t)
+        # (storage, its bytes) of what gathers write, and of every buffer (``free``'s)
+        self.written = _storages(b for b in (trained, frozen) if b is not None)
+        self.held = _storages((trained, *self.versioned, *(() if frozen is None else (frozen,))))
+        for storage, _ in self.held:
+            storage.resize_(0)
         self.versions = tuple(t._version for t in self.versioned)
 
     def _buffers(self, numel: int, dtype: torch.dtype) -> tuple:
@@ -124,8 +132,10 @@ class UnitMemory:
         """What a gather writes into: the trained and frozen flat buffers, storage regrown."""
         if self.pieces is None:
             self._make()
-        trained, frozen = self.gathered
-        return regrow(trained), None if frozen is None else regrow(frozen)
+        for storage, size in self.written:
+            if storage.nbytes() != size:
+                storage.resize_(size)
+        return self.gathered
 
     def arrange(self, trained: torch.Tensor, frozen: torch.Tensor | None) -> Pieces:
         """The waited gathers (``gathered``'s buffers) as ``Pieces``: a k-layer unit's
@@ -137,7 +147,7 @@ class UnitMemory:
                     k = self.k
                     regrow(layered).view(k, self.world, -1).copy_(
                         out.view(self.world, k, -1).transpose(0, 1))
-                    release(out)
+                    out.untyped_storage().resize_(0)
         _set_versions(self.versioned, self.versions)
         return pieces
 
@@ -147,49 +157,50 @@ class UnitMemory:
         if self.handed_out:
             self.pieces = None
             return
-        for t in (*self.gathered, *self.versioned):
-            if t is not None:
-                release(t)
+        for storage, _ in self.held:
+            storage.resize_(0)
 
     # gradients (a stack unit's)
 
     def _make_grad(self) -> None:
-        """The flat gradient ``(world*k*n,)`` in the reduce dtype; ``rows``, its layer-major
-        ``(k, padded)`` form in the compute dtype that backward writes: the same memory
-        unless the reduce wants rank-major rows of k > 1 layers or another dtype."""
+        """The flat gradient ``(world*k*n,)`` in the reduce dtype; ``grad_rows``, its
+        layer-major ``(k, padded)`` form in the compute dtype that backward writes: the same
+        memory unless the reduce wants rank-major rows of k > 1 layers or another dtype."""
         k, world = self.k, self.world
         self.grad = torch.empty(self.numel, dtype=self.reduce, device=self.device)
-        apart = self.reduce != self.compute or (k > 1 and world > 1 and not self.by_layer)
+        self.grad_apart = self.reduce != self.compute or (k > 1 and world > 1 and not self.by_layer)
         self.grad_rows = (torch.empty(k, self.numel // k, dtype=self.compute, device=self.device)
-                          if apart else self.grad.view(k, -1))
+                          if self.grad_apart else self.grad.view(k, -1))
         self.grad_each = tuple(GradRow(r) for r in self.grad_rows.unbind(0))
-        for t in {id(self.grad): self.grad, id(self.grad_rows): self.grad_rows}.values():
-            release(t)
+        self.grad_held = _storages((self.grad, self.grad_rows))
+        for storage, _ in self.grad_held:
+            storage.resize_(0)
 
     def grad_into(self) -> tuple[torch.Tensor, tuple[GradRow, ...]]:
         """``(rows, each row)``: the ``(k, padded)`` gradient backward writes, storage regrown."""
         if self.grad is None:
             self._make_grad()
-        regrow(self.grad)
-        return regrow(self.grad_rows), self.grad_each
+        for storage, size in self.grad_held:
+            if storage.nbytes() != size:
+                storage.resize_(size)
+        return self.grad_rows, self.grad_each
 
     def unreduced(self, g: torch.Tensor | None) -> torch.Tensor:
         """The flat gradient as the reduce takes it, from backward's ``(k, padded)`` (or
         ``(padded,)``) gradient ``g`` (copied unless written in place; None: zeros):
         ``(world, k, n)`` rank-major, one layer's ``(world*n,)``, or with an all-reduce a
         ``(world, k, n)`` view of layer-major memory."""
-        rows, k, world = self.grad_rows, self.k, self.world
+        rows, grad, k, world = self.grad_rows, self.grad, self.k, self.world
         if g is None:
             rows.zero_()
-        elif g.data_ptr() != rows.data_ptr() or g.dtype != rows.dtype:
+        elif g.data_ptr() != rows.data_ptr():  # (written in place by a traced backward)
             rows.copy_(g.view(rows.shape))
-        grad = self.grad
-        if rows.data_ptr() != grad.data_ptr() or rows.dtype != grad.dtype:
+        if self.grad_apart:
             if self.by_layer or k == 1:
                 grad.copy_(rows.view(-1))
             else:
                 grad.view(world, k, -1).copy_(rows.view(k, world, -1).transpose(0, 1))
-            release(rows)
+            rows.untyped_storage().resize_(0)
         if self.by_layer:
             return grad.view(k, world, -1).transpose(0, 1)
         return grad if k == 1 else grad.view(world, k, -1)
@@ -199,8 +210,8 @@ class UnitMemory:
         if self.handed_out:
             self.grad = None
             return
-        release(self.grad)
-        release(self.grad_rows)
+        for storage, _ in self.grad_held:
+            storage.resize_(0)
 
     def hand_over_grad(self) -> None:
         """The gradient's tensor is someone else's now (``accumulate``'s carry)."""
