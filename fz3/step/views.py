@@ -37,8 +37,8 @@ class RowViews(Views):
     between them) read the same row within a step, and a unit's rows are the same tensors
     every step (its memory, ``fz3.step.memory``). The views are of a detached alias of the
     row, so they keep neither the row alive nor, once it is gone (``forget``), its memory. A
-    fake row (a trace's) is not kept. After the views come the ``derived`` ones, views of them made with
-    them (``derive``)."""
+    fake row (a trace's) is not kept. After the views come the ``derived`` ones, views of them
+    made with them (``derive``)."""
 
     def __new__(cls, shapes: Sequence[tuple[int, ...]]):
         self = super().__new__(cls, shapes)
