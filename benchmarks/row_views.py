@@ -5,8 +5,8 @@
 A traced program reads a layer's parameters as views of its gathered row
 (``fz3.step.views.RowViews``: one C++ call for a dozen views, then each weight's ``t``), kept
 while that row tensor lives. A gather into a new buffer every step makes them again; a step
-function that keeps the buffer object, its storage released at ``free`` and regrown by the
-next gather (``fz3.step.movement.free_op``), reuses them. Per gather, microseconds (median of
+function keeps each unit's buffer objects, their storage released at ``free`` and regrown by
+the next gather (``fz3.step.memory``), and reuses them. Per gather, microseconds (median of
 7 runs of 2000), for the GPT block of ``host_overhead.py`` (hidden 16) and wider ones:
 
 - new: ``torch.empty`` of the row, its views made, both dropped (the views' weak-reference

@@ -137,11 +137,10 @@ def check_dropout_world1(rank, world):
 
 
 def check_one_rank_computes_on_its_shards(rank, world):
-    """One rank gathers nothing (``fz3.comm``): its layers compute on views of the parameter
-    shards themselves, or on their cast to the compute dtype. The step still equals plain
-    autograd, writes nothing into the parameters, and never frees their memory, not even where
-    a kept graph (``trace=False`` with ``save``, a tied embedding read by pre's and post's
-    graphs) would have its buffer released at more ranks."""
+    """One rank gathers a copy of its shards (or their cast to the compute dtype) into each
+    unit's memory (``fz3.step.memory``). The step still equals plain autograd, writes nothing
+    into the parameters, and never frees their memory, also where a kept graph (``trace=False``
+    with ``save``, a tied embedding read by pre's and post's graphs) has its buffer released."""
     cfg = dataclasses.replace(UNEVEN, tie=True)
     module = gpt(cfg)
     model, params = shard_gpt(module)
@@ -160,8 +159,8 @@ def check_one_rank_computes_on_its_shards(rank, world):
     frames = [f for f in fz3.step_through(model, params, bs[0], fz3.Policy(activations="save"))
               if f.phase == "forward" and f.name.startswith("blocks.")]
     assert len(frames) == cfg.layers
-    for f in frames:  # views of the shard: the same memory, nothing gathered
-        assert all(t.untyped_storage().data_ptr() == stack.untyped_storage().data_ptr()
+    for f in frames:  # a copy of the shard (the unit's own memory, fz3.step.memory)
+        assert all(t.untyped_storage().data_ptr() != stack.untyped_storage().data_ptr()
                    for t in f.params.values()), f.name
     # computing in bf16, the buffers are casts: freed (and released under a graph) as usual
     low = fz3.Precision(torch.bfloat16, torch.float32)

@@ -84,7 +84,7 @@ def test_joined_gradients_are_bitwise_those_of_the_whole_shard():
 
 
 HEAVY = GPTConfig(vocab=32, seq=64, dim=32, heads=2, layers=4)  # activations >> parameters
-THIN = GPTConfig(vocab=32, seq=4, dim=96, heads=2, layers=4)  # parameters >> activations
+THIN = GPTConfig(vocab=32, seq=4, dim=96, heads=2, layers=8)  # parameters >> activations
 
 
 def memory_ranks(rank, world):
@@ -110,8 +110,8 @@ def memory_ranks(rank, world):
 def test_joining_lowers_the_peak_where_activations_outweigh_the_shard():
     """Planned and live peaks, one rank, recompute: lower joined on the activation-heavy model
     (its blocks' whole shard was alive beside the last layer's recomputed activations),
-    higher on the thin one (the rows and the joined shard are alive together at the end; one
-    rank: no gathered copy of a unit beside the shard in the backward)."""
+    higher on the thin one (the rows and the joined shard, twice its eight layers' shard, are
+    alive together at the end; not joined, the shard beside one gathered unit)."""
     got = dist.run(1, memory_ranks, timeout=300)[0]
     for what in (0, 1):  # planned, live
         assert got["heavy", True][what] < got["heavy", False][what], got

@@ -22,9 +22,9 @@ def lowered_ranks(rank, world):
     made = []
     lower = vg.lower
 
-    def counting(model, schedule, arena=None):
+    def counting(model, schedule):
         made.append(schedule)
-        return lower(model, schedule, arena)
+        return lower(model, schedule)
 
     vg.lower = counting  # the test's own spy, undone below
     try:

@@ -628,7 +628,7 @@ def test_programs_run_below_autograd():
     out, *residuals = programs.forward(other.copy_(row), h)
     assert any(r._is_view() for r in residuals)  # above autograd
     grad_row, grad_h = programs.backward([other, *residuals, g])
-    layers = Layers((programs,), holds_buffer=False, buffers=((),))
+    layers = Layers((programs,), buffers=((),))
     extras = Produced((), [], traced=Extras((), [], (), (), 0))
     pieces = Pieces(row.view(1, -1), (row,), None)
     got, aux, kept = layers.forward(pieces, h, extras)

@@ -295,8 +295,8 @@ def plan_vs_live_ranks(rank, world):
         for policy in POLICIES[:4]:
             sched = fz3.plan(model, policy)
             plan = fz3.memory_plan(model, sched, batch)
-            # one rank gathers fp32 shards in place: no gathered buffers at all
-            assert (plan.gathered == 0) == (world == 1 and precision is None), plan
+            # one rank gathers a copy too (fz3.step.memory): its gathered buffers are counted
+            assert plan.gathered > 0, plan
             step = fz3.value_and_grad(model, sched)
             step(params, batch)  # warm: nothing cached on the first call is counted
             with LiveBytes(writes=True) as live:

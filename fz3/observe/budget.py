@@ -8,8 +8,9 @@ How it chooses:
   partitions), so a candidate's planned peak is a fold over its ops (``plan_of``), not a run;
 - times: steps run on the model itself, at most 2 per mode (the second is timed): every unit
   recomputing, then, for each stack, its units all ``selective`` and all ``save``, and (with
-  more than one rank: one rank gathers nothing) each other part resident. The time a mode
-  saves over recompute, per layer of that stack, is what upgrading one of its layers saves.
+  more than one rank: one rank's gather is a local copy) each other part resident. The time
+  a mode saves over recompute, per layer of that stack, is what upgrading one of its layers
+  saves.
   Times are the slowest rank's, so every rank chooses the same;
 - gradient shards: every candidate is planned both ways (``Policy.join_grads``), and the one
   with the lower planned peak is taken (joining costs one copy of the shard a step);

@@ -15,7 +15,7 @@ handed to a new allocation while the old storage object lives on at size zero.
 into it (an argument the op's schema marks written, a ``copy_``'s destination; an output of
 an op that is neither a view op nor made of other ops aliasing an input, a collective's
 output): a step function keeps its gathered buffers' objects between steps, their storage
-released (``fz3.step.movement.free_op``), and regrows them outside any op; the parameters,
+released (``fz3.step.memory``), and regrows them outside any op; the parameters,
 only read by a step, are not counted.
 """
 
@@ -56,7 +56,7 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func.overloadpacket is SET:  # points a tensor at a storage made elsewhere (one that
-            return out  # owns nothing: ``fz3.step.shapes.ShardRows``' alias of the params)
+            return out  # owns nothing of its own)
         inputs = {id(t.untyped_storage()) for t in optree.tree_leaves((args, kwargs))
                   if _real(t)}
         # (an output aliasing an input: written; not by a view op, nor by a composite op seen

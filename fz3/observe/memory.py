@@ -121,11 +121,7 @@ class ModelSizes:
     def gathered(self, u: int) -> int:
         unit = self.schedule.units[u]
         frozen = self.model.parts[unit.part].frozen
-        if self.model.comm.local:
-            # one rank computes on its shards (fz3.comm): only a cast to the compute dtype is
-            # new (with cuda_graphs, the ring's slots are copies: not counted here)
-            cast = self.model.precision.compute != torch.float32
-            return self._elements(u) * self.csize if cast else 0
+        # one rank gathers a copy too (``fz3.step.memory``)
         return self._elements(u) * self.csize + (len(unit.layers) * frozen.padded * self.fsize
                                                  if frozen else 0)
 

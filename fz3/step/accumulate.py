@@ -22,33 +22,28 @@ import optree
 import torch
 
 from ..comm.collectives import all_reduce, wait
-from .arena import Arena
 from .traced import TracedLayers
 from .executor import execute, lower
 from ..sharding.model import Params, ShardedModel
 from ..schedule.planner import Policy, deferred
 from ..schedule.schedule import Schedule
 from .front import (check_call, check_in_sync, drain, layer_runner, prepare,
-                    say_untraced_selective)
+                    refuse_fixed_buffers, say_untraced_selective)
 
 
 class Accumulate:
     """``f(params, micro_batches) -> (mean loss, grads)``."""
 
     def __init__(self, model: ShardedModel, schedule: Schedule, policy: Literal["reduce", "defer"],
-                 traced: TracedLayers | None = None, check_sync: bool = True,
-                 fixed_buffers: bool = False):
+                 traced: TracedLayers | None = None, check_sync: bool = True):
         if policy not in ("reduce", "defer"):
             raise ValueError(f"policy={policy!r}: use 'reduce' (sum reduced shards) or 'defer' "
                              f"(reduce once)")
         self.model, self.schedule, self.policy, self.traced = model, schedule, policy, traced
         self.deferred = deferred(schedule) if policy == "defer" else None
-        # lowered once: the last micro-batch's program reduces, the others' (defer) accumulate;
-        # with fixed_buffers both gather into the same ones (never running at once)
-        self.arena = Arena(model) if fixed_buffers else None
-        self.programs = (lower(model, schedule, self.arena),
-                         None if self.deferred is None else lower(model, self.deferred,
-                                                                  self.arena))
+        # lowered once: the last micro-batch's program reduces, the others' (defer) accumulate
+        self.programs = (lower(model, schedule),
+                         None if self.deferred is None else lower(model, self.deferred))
         self.steps = 0  # calls so far, checked across ranks
         self.check_sync = check_sync
 
@@ -89,13 +84,14 @@ class Accumulate:
 def accumulate(model: ShardedModel, schedule: Schedule | Policy | None = None, *,
                policy: Literal["reduce", "defer"] = "reduce", compile: bool = False,
                strict: bool = False, trace: bool = True,
-               check_sync: bool | None = None, fixed_buffers: bool = False) -> Accumulate:
+               check_sync: bool | None = None, fixed_buffers: object = None) -> Accumulate:
     """A step over k micro-batches: ``f(params, [batch_1, ..., batch_k]) -> (loss, grads)``;
-    ``trace``/``compile``/``strict``/``check_sync``/``fixed_buffers`` as in
-    ``fz3.value_and_grad`` (the check covers every micro-batch).
+    ``trace``/``compile``/``strict``/``check_sync`` as in ``fz3.value_and_grad`` (the check
+    covers every micro-batch).
     **Collective**: the schedule is compared across ranks here; every rank must call it."""
+    refuse_fixed_buffers(fixed_buffers, "fz3.accumulate")
     traced = layer_runner(model, trace=trace, compile=compile, strict=strict)
     sync = model.device.type == "cpu" if check_sync is None else check_sync
     sched = prepare(model, schedule, grad=True, entry="accumulate")
     say_untraced_selective(sched, traced)
-    return Accumulate(model, sched, policy, traced, sync, fixed_buffers)
+    return Accumulate(model, sched, policy, traced, sync)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 from torch import fx

@@ -11,8 +11,9 @@ The executor calls a unit of a stack's layers only through four methods:
 - ``backward(pieces, residuals, g, g_aux, extras, into) -> (grad_buffer, grad_h,
   grad_extras)``: the gradient of the unit's trained buffer (``(padded,)`` or ``(1, padded)``
   for one layer, ``(k, padded)`` for k), of its input, and of each extra that carries
-  gradient (``Produced.positions``' order, summed over its layers); ``into``: a fixed buffer
-  (``fz3.step.arena``) the buffer's gradient may be written into and returned, or None;
+  gradient (``Produced.positions``' order, summed over its layers); ``into``: the unit's
+  gradient memory (``UnitMemory.grad_into``) the buffer's gradient may be written into and
+  returned, or None;
 - ``recompute(pieces, h, g, g_aux, extras, into)``: what ``backward`` returns for the
   residuals ``forward(pieces, h, extras)`` would keep (``recompute``'s backward, the
   forward's RNG restored first): traced programs run the unit's last layer's forward and
@@ -25,8 +26,7 @@ gathered memory (``Pieces``), ``extras`` the record of the pre or between unit w
 outputs the layers take (``Produced``). Two implementations:
 ``fz3.step.programs.Layers`` (traced programs, compiled by inductor with ``compile=True``) and
 ``AutogradLayers`` below (the layer's Python through autograd: ``trace=False``, and layers
-that cannot be traced). ``holds_buffer`` says whether residuals may view the gathered buffer
-(then ``free`` keeps its storage object, ``fz3.step.movement``).
+that cannot be traced).
 
 Pre, between and post units run through the first three (``Stage``): ``h`` is their
 input (none for pre: the batch is theirs), ``extras`` the batch, ``forward`` returns their
@@ -52,22 +52,15 @@ from . import shapes
 
 
 class Pieces(NamedTuple):
-    """A unit's gathered memory (``StepState.gathered``, made by its ``wait``)."""
+    """A unit's gathered memory (``StepState.gathered``): ``fz3.step.memory.UnitMemory``'s
+    tensors, the same every step."""
 
     # its trained buffer: a layer unit's (1, padded) for one layer, (k, padded) for k; any
     # other unit's (padded,)
     buffer: torch.Tensor
     rows: tuple[torch.Tensor, ...]  # a layer unit's: each layer's trained row, 1-D, as gathered
     frozen: torch.Tensor | None  # its frozen buffer ((k, frozen padded) for layers), or None
-    # whether the buffer, and the frozen one, are the step's own memory; not: the parameters'
-    # own shards (one rank gathers without a copy, ``fz3.comm``), never released by ``free``
-    owned: tuple[bool, bool] = (True, True)
-    # a layer unit's: each layer's frozen row, 1-D, made once per gather (a program keeps a
-    # row's parameter views while that row lives: ``fz3.step.views.RowViews``)
-    frozen_rows: tuple[torch.Tensor, ...] = ()
-    # whether its gathers ran across ranks into buffers (not one rank's, which copy or hand
-    # over the shard or its cast): ``free`` may keep those (``fz3.step.movement.free_op``)
-    written: bool = False
+    frozen_rows: tuple[torch.Tensor, ...] = ()  # a layer unit's: each layer's frozen row, 1-D
 
 
 @dataclass(eq=False)
@@ -93,7 +86,6 @@ class Graph(NamedTuple):
 class AutogradLayers:
     """Layers ``first, ...`` of a stack part through autograd (see the module's Note)."""
 
-    holds_buffer = True  # a graph holds views of the buffer
     # autograd keeps its graph (``fz3.step.programs.Layers.saves``): another predicate runs
     # as recompute (a staticmethod: the function itself, not a method bound to the engine)
     saves = staticmethod(save)
@@ -164,8 +156,6 @@ class Stage:
     """Pre, a between function or the loss (post) through autograd (see the module's Note).
     Its graph is kept whenever gradients are wanted: pre's decides which extras (rotary
     tables, masks, ...) carry gradient, and costs one activation."""
-
-    holds_buffer = True
 
     def __init__(self, binding: Binding, role: Role, name: str, has_aux: bool = False):
         self.binding, self.role, self.name, self.has_aux = binding, role, name, has_aux

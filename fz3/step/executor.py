@@ -8,8 +8,8 @@ them in order, all sharing a ``StepState``; it yields a ``Frame`` after every co
 it early drains every collective still in flight, so no rank is left inside one. The
 compute steps follow, in the order a step meets them (a layer unit's compute goes through
 the layer protocol, ``fz3.step.engine``); those that move memory are ``movement.py``'s;
-what they call a unit's function with, and where its results go, is ``unit_io.py``'s; the
-buffers' lifetimes are noted in ``state.py``.
+what they call a unit's function with, and where its results go, is ``unit_io.py``'s; each
+unit's memory, and its lifetime, is ``memory.py``'s.
 
 [Note: a new op kind]
 It touches: ``fz3/schedule/ops.py`` (the ``OpKind`` enum and the state transition table),
@@ -32,11 +32,10 @@ from ..schedule.structure import Role
 from ..schedule.schedule import Schedule
 from ..sharding import compute
 from ..sharding.model import Params, ShardedModel
-from . import shapes
-from .arena import Arena, OpFixed
 from .engine import Produced
+from .memory import UnitMemory, memories
 from .record import observed
-from .state import Frame, Kept, Loss, Recompute, Released, Result, Step, StepState
+from .state import Frame, Kept, Loss, Recompute, Result, Step, StepState
 from .movement import accumulate_op, free_op, gather_op, reduce_op, wait_op, wait_reduce_op
 from .unit_io import (add_gradients, apart, aux_cotangents, aux_units, detached, frame_of,
                       joined, layer_engine, or_zeros, stacked_aux, stage_engine, stage_pieces)
@@ -44,28 +43,23 @@ from .unit_io import (add_gradients, apart, aux_cotangents, aux_units, detached,
 
 class Program(NamedTuple):
     """A schedule lowered for one model (``lower``): one step per op, in the schedule's order
-    (``steps[i]`` runs ``schedule.ops[i]``)."""
+    (``steps[i]`` runs ``schedule.ops[i]``), and each unit's memory, kept between steps."""
 
     schedule: Schedule
     steps: tuple[Step, ...]
-    # kept between steps: the parameter shards' rows, and by unit its released buffers
-    shard_rows: shapes.ShardRows
-    released: dict[int, Released] | None  # (``movement.free_op``; None: ``handed_out``)
+    memory: tuple[UnitMemory, ...]  # by unit (``fz3.step.memory``)
 
 
-def lower(model: ShardedModel, schedule: Schedule, arena: Arena | None = None, *,
-          handed_out: bool = False) -> Program:
+def lower(model: ShardedModel, schedule: Schedule, *, handed_out: bool = False) -> Program:
     """``schedule`` (validated) as steps made once for ``model``: each op's unit, shapes,
-    dtypes, engine and collective decided here, so a step runs its ops without reading op
-    kinds or the schedule. ``arena``: where its gathers and reduces find fixed buffers, the
-    same every step (``fz3.step.arena``; None: new ones each step). Local; the same program
-    runs any batch. ``handed_out``: its buffers and rows may outlive the step
-    (``step_through``'s frames): no ``released``, each step's are its own, the rows own
-    their memory."""
-    fixed = {} if arena is None else arena.plan(schedule)
-    return Program(schedule, tuple(STEPS[op.kind](model, schedule, op, index, fixed.get(index))
-                                   for index, op in enumerate(schedule.ops)),
-                   shapes.ShardRows(owning=handed_out), None if handed_out else {})
+    dtypes, engine, collective and memory decided here, so a step runs its ops without
+    reading op kinds or the schedule. Local; the same program runs any batch.
+    ``handed_out``: its buffers may outlive the step (``step_through``'s frames:
+    ``UnitMemory.free``)."""
+    memory = memories(model, schedule.units, by_layer=schedule.reduce == "all_reduce",
+                      handed_out=handed_out)
+    return Program(schedule, tuple(STEPS[op.kind](model, schedule, op, index, memory[op.unit])
+                                   for index, op in enumerate(schedule.ops)), memory)
 
 
 def execute(model: ShardedModel, program: Program, params: Params, batch: Any, recorder=None,
@@ -82,10 +76,8 @@ def execute(model: ShardedModel, program: Program, params: Params, batch: Any, r
     layers (without the autograd engine), or None (autograd). ``frames=False``: no ``Frame``
     is made or yielded (a caller that only drains the step)."""
     schedule = program.schedule
-    kept = program.released
     state = StepState(model, schedule, params, batch, loss or Loss(model.post), loss_scale, carry,
-                      reduce_replicas, traced, frames, released={} if kept is None else kept,
-                      reuse=kept is not None, shard_rows=program.shard_rows)
+                      reduce_replicas, traced, frames)
     # With a profiler running, each op is a named range in its trace; else a check per step.
     profiling = torch.autograd._profiler_enabled()
     try:
@@ -99,8 +91,7 @@ def execute(model: ShardedModel, program: Program, params: Params, batch: Any, r
             else:
                 yield from observed(state, schedule, program.steps, recorder, profiling)
             return _finish(state)
-    except BaseException as e:  # kept buffers may be mid-gather: the next step makes new ones
-        state.released.clear()
+    except BaseException as e:
         if isinstance(e, CollectiveMismatchError):  # ranks are absent: waiting would hang
             state.abandon(state.model.comm.abandoned)
         raise
@@ -108,30 +99,31 @@ def execute(model: ShardedModel, program: Program, params: Params, batch: Any, r
         state.drain(wait)
 
 
-# The compute steps, in the order a step meets them: (model, schedule, op, index, fixed) ->
+# The compute steps, in the order a step meets them: (model, schedule, op, index, memory) ->
 # step; those that move memory are fz3.step.movement's.
 
 
 def _forward_stage(model: ShardedModel, schedule: Schedule, op: Op, index: int,
-                   fixed: OpFixed | None) -> Step:
+                   memory: UnitMemory) -> Step:
     """pre, or a between function, through ``Stage`` (``fz3.step.engine``): its graph kept
     whenever gradients are wanted."""
-    u, grad = op.unit, schedule.grad
+    u, grad, reads = op.unit, schedule.grad, (op.unit, *schedule.units[op.unit].reads)
     engine, pre = stage_engine(model, schedule.units[u]), schedule.units[u].role is Role.PRE
 
     def forward_stage(s: StepState) -> Frame:
-        stage, memory = engine(s.loss_fn), stage_pieces(s, u)
+        stage, pieces = engine(s.loss_fn), stage_pieces(s, u)
         x = None if pre else s.h
         if grad:
-            (h, extras), graph = stage.forward(memory, x, s.batch)
+            (h, extras), graph = stage.forward(pieces, x, s.batch)
             s.saved[u] = Kept(x=graph.x, engine=stage, residuals=graph)
             x = graph.x
         else:
-            h, extras = stage.inference(memory, x, s.batch)
+            h, extras = stage.inference(pieces, x, s.batch)
         positions = compute.differentiable(extras)
-        s.h = h.detach()
-        produced = s.produced[u] = Produced(compute.detach_extras(extras, positions,
-                                                                  grad=False), positions)
+        h, extras = apart((h.detach(), compute.detach_extras(extras, positions, grad=False)), s,
+                          reads)
+        s.h, produced = h, Produced(extras, positions)
+        s.produced[u] = produced
         return frame_of(s, op, index, s.batch if x is None else x, (s.h, *produced.extras),
                         None)
 
@@ -139,7 +131,7 @@ def _forward_stage(model: ShardedModel, schedule: Schedule, op: Op, index: int,
 
 
 def _forward_layers(model: ShardedModel, schedule: Schedule, op: Op, index: int,
-                    fixed: OpFixed | None) -> Step:
+                    memory: UnitMemory) -> Step:
     """A layer unit through the layer protocol (``fz3.step.engine``), keeping what the op's
     predicate saves (``Op.saves``, ``fz3.schedule.saveable``): the residuals of programs cut
     by it (``save``'s: autograd's); ``recompute`` keeps its input and RNG state, to run
@@ -163,38 +155,39 @@ def _forward_layers(model: ShardedModel, schedule: Schedule, op: Op, index: int,
                 s.saved[u] = Recompute(x=x, engine=engine, rng=before)
         if aux is None:
             return frame_of(s, op, index, x, s.h, None)
-        s.layer_aux[u] = aux = apart(aux, s.gathered[u])  # it waits for the loss
+        s.layer_aux[u] = aux = apart(aux, s, (u,))  # it waits for the loss
         return frame_of(s, op, index, x, (s.h, aux), None)
 
     return forward_layers
 
 
 def _loss(model: ShardedModel, schedule: Schedule, op: Op, index: int,
-          fixed: OpFixed | None) -> Step:
+          memory: UnitMemory) -> Step:
     """post, or the given loss function, through ``Stage``: with gradients its backward runs
     at once, seeded 1/ranks (the reduces are sums over ranks, the loss a mean). The layers'
     aux outputs (``layer_aux``, one tensor per stack) are its fourth argument."""
     u, grad, ranks = op.unit, schedule.grad, _ranks(model)
     engine, comm = stage_engine(model, schedule.units[u]), model.comm
+    reads = (u, *schedule.units[u].reads)
 
     def loss_(s: StepState) -> Frame:
-        stage, memory = engine(s.loss_fn), stage_pieces(s, u)
+        stage, pieces = engine(s.loss_fn), stage_pieces(s, u)
         g, read_grads, h_in = None, None, s.h
         stacks = aux_units(s) if model.layer_aux else None
         layer_aux = None if stacks is None else stacked_aux(s, stacks)
         if grad:
-            (loss, aux), graph = stage.forward(memory, s.h, s.batch, layer_aux)
+            (loss, aux), graph = stage.forward(pieces, s.h, s.batch, layer_aux)
             s.h = None  # the last layer's output: no op after the loss reads it (its frame's)
             seed = torch.full_like(loss, 1.0 / ranks) * s.loss_scale
-            g_trained, g_h, g_aux = stage.backward(memory, graph, seed, None)
+            g_trained, g_h, g_aux = stage.backward(pieces, graph, seed, None)
             s.grad_h = or_zeros(g_h, graph.x)
             if stacks is not None:
                 aux_cotangents(s, stacks, g_aux)
             g, read_grads = add_gradients(s, u, g_trained, graph.leaves)
             s.rng_after = rng.capture(model.device)
         else:
-            loss, aux = stage.inference(memory, s.h, s.batch, layer_aux)
-        s.loss, s.aux = loss.detach(), detached(aux)
+            loss, aux = stage.inference(pieces, s.h, s.batch, layer_aux)
+        s.loss, s.aux = loss.detach(), apart(detached(aux), s, reads)
         s.loss_mean = all_reduce(comm, s.loss.float() / ranks, group=comm.group,
                                  label="the loss's mean")
         return frame_of(s, op, index, h_in if layer_aux is None else (h_in, layer_aux), loss, g,
@@ -204,32 +197,29 @@ def _loss(model: ShardedModel, schedule: Schedule, op: Op, index: int,
 
 
 def _backward_layers(model: ShardedModel, schedule: Schedule, op: Op, index: int,
-                     fixed: OpFixed | None) -> Step:
-    u, producer, unit = op.unit, schedule.producers[op.unit], schedule.units[op.unit]
-    device, world, by_layer = model.device, model.world_size, schedule.reduce == "all_reduce"
-    reduce, layer_aux = model.precision.reduce, model.layer_aux
-    into = None if fixed is None else fixed.grad  # its gradient's, where the engine can
+                     memory: UnitMemory) -> Step:
+    u, producer, device, layer_aux = op.unit, schedule.producers[op.unit], model.device, \
+        model.layer_aux
 
     def backward_layers(s: StepState) -> Frame | None:
         saved = s.saved.pop(u)
-        engine, memory, extras = saved.engine, s.gathered[u], s.produced[producer]
+        engine, pieces, extras = saved.engine, s.gathered[u], s.produced[producer]
         g_aux = s.grad_aux.pop(u, None) if s.grad_aux else None
+        into = memory.grad_into()
         if isinstance(saved, Kept):
-            g_buffer, g_x, g_extras = engine.backward(memory, saved.residuals, s.grad_h, g_aux,
+            g_buffer, g_x, g_extras = engine.backward(pieces, saved.residuals, s.grad_h, g_aux,
                                                       extras, into)
         else:  # recompute, replaying the forward's RNG
             # Nothing after the loss draws but recompute, which sets its own state; _finish
             # leaves the RNG as plain autograd would (rng_after), so none is kept here.
             rng.restore(saved.rng, device)
-            g_buffer, g_x, g_extras = engine.recompute(memory, saved.x, s.grad_h, g_aux, extras,
+            g_buffer, g_x, g_extras = engine.recompute(pieces, saved.x, s.grad_h, g_aux, extras,
                                                        into)
         grad_out, s.grad_h = s.grad_h, or_zeros(g_x, saved.x)
         for j, ge in zip(extras.positions, g_extras):
             if ge is not None:
                 extras.grads[j] = ge if j not in extras.grads else extras.grads[j] + ge
-        flat = shapes.flat_grad(unit, or_zeros(g_buffer, memory.buffer), world,
-                                by_layer=by_layer)
-        s.unreduced[u] = flat if flat.dtype == reduce else flat.to(reduce)
+        s.unreduced[u] = memory.unreduced(g_buffer)
         return frame_of(s, op, index, (grad_out, g_aux) if layer_aux else grad_out, s.grad_h,
                         s.unreduced[u])
 
@@ -237,7 +227,7 @@ def _backward_layers(model: ShardedModel, schedule: Schedule, op: Op, index: int
 
 
 def _backward_stage(model: ShardedModel, schedule: Schedule, op: Op, index: int,
-                    fixed: OpFixed | None) -> Step:
+                    memory: UnitMemory) -> Step:
     u = op.unit
     between = schedule.units[u].role is Role.BETWEEN
 
@@ -258,9 +248,9 @@ def _backward_stage(model: ShardedModel, schedule: Schedule, op: Op, index: int,
 def _by_role(layers: Callable, stage: Callable) -> Callable:
     """A compute op's step maker: ``layers`` for a stack unit, ``stage`` for the others."""
     def make(model: ShardedModel, schedule: Schedule, op: Op, index: int,
-             fixed: OpFixed | None) -> Step:
+             memory: UnitMemory) -> Step:
         stack = schedule.units[op.unit].role is Role.STACK
-        return (layers if stack else stage)(model, schedule, op, index, fixed)
+        return (layers if stack else stage)(model, schedule, op, index, memory)
 
     return make
 

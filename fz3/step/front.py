@@ -238,3 +238,10 @@ def say_untraced_selective(schedule: Schedule, traced: TracedLayers | None) -> N
         once(log, WARNING, "fz3: trace=False: forward units keeping by %s run as recompute "
              "(a predicate keeps what traced programs compute; pass trace=True)",
              ", ".join(cut))
+
+
+def refuse_fixed_buffers(value: object, entry: str) -> None:
+    """``fixed_buffers=`` was an option until every step wrote into the same memory."""
+    if value is not None:
+        raise TypeError(f"{entry}(fixed_buffers={value!r}): buffers are fixed by design now "
+                        f"(each unit's memory is made once, fz3.step.memory); drop the argument")

@@ -1,8 +1,7 @@
-"""A traced backward that writes its flat gradient into a given buffer (a fixed one,
-``fz3.step.arena``) instead of a new one: the ``flatten_dense_tensors`` that makes it is
+"""A traced backward that writes its flat gradient into a given buffer (its unit's gradient
+memory, ``fz3.step.memory``) instead of a new one: the ``flatten_dense_tensors`` that makes it is
 replaced by one ``_foreach_copy_`` of the same sources, in the same order, into views of the
-buffer (the same values, padding zeros included). Generated at its first call: a program
-that no arena hands a buffer keeps only its backward's graph for it.
+buffer (the same values, padding zeros included). Generated at its first call.
 """
 
 from __future__ import annotations
@@ -17,8 +16,8 @@ from .views import Views
 
 
 class BackwardInto:
-    """``backward_into(box, fixed)``: what ``backward(box)`` returns, its flat gradient
-    written into ``fixed`` (``fz3.step.arena.Fixed``), views of it made once per buffer."""
+    """``backward_into(box, row)``: what ``backward(box)`` returns, its flat gradient
+    written into ``row`` (``fz3.step.memory.GradRow``), views of it made once per row."""
 
     __slots__ = ("graph", "slow", "run", "views")
 

@@ -54,13 +54,10 @@ class Programs(NamedTuple):
     inference: Callable[..., torch.Tensor]
     graphs: tuple  # forward, backward, inference, recompute (None: cut by another predicate)
     source: str
-    # a residual may share storage with a parameter row (then the executor keeps the row's
-    # storage object across free and re-gather, as for an autograd graph)
-    aliases_params: bool = True
     aux: tuple | None = None  # (shape, dtype) of the layer's aux output; None: it has none
-    # ``backward`` writing its flat gradient into a fixed buffer (``fz3.step.arena``), made
-    # at its first call; None: it has no such form (inductor's programs, a gradient not made
-    # by one flatten)
+    # ``backward`` writing its flat gradient into the unit's gradient memory
+    # (``fz3.step.memory``), made at its first call; None: it has no such form (inductor's
+    # programs, a gradient not made by one flatten)
     backward_into: BackwardInto | None = None
     recompute: Callable[..., tuple] | None = None  # None: forward, then backward
     recompute_into: BackwardInto | None = None  # ``backward_into``'s, for ``recompute``
@@ -174,7 +171,6 @@ def programs(joint: Joint, saves: Saveable = save) -> Programs:
     _fold_transposes(joint.graph)
     fwd, bwd = partition(joint.graph, params=range(first), grads=joint.grads, saves=saves,
                          outputs=n)
-    aliases = _residuals_alias_params(fwd, params=first, outputs=n)
     # Forwards without gradient run the forward's ops, residuals not returned: the same
     # kernels as the recompute that follows them (eager may pick others without grad mode);
     # programs cut by another predicate never recompute (they keep residuals): no joined one
@@ -202,26 +198,8 @@ def programs(joint: Joint, saves: Saveable = save) -> Programs:
     if rec is not None:
         recompute, s4 = codegen(rec, "recompute", boxed=True, slow=slow_r)
         into = BackwardInto.of(rec, slow_r)
-    return Programs(forward, backward, infer, graphs, s1 + s2 + s3 + s4, aliases, joint.aux,
+    return Programs(forward, backward, infer, graphs, s1 + s2 + s3 + s4, joint.aux,
                     BackwardInto.of(bwd, slow_b), recompute, into)
-
-
-def _residuals_alias_params(forward: fx.Graph, params: int, outputs: int = 1) -> bool:
-    """Whether a residual of ``forward`` may share storage with a parameter row (its fake
-    values know their storages; unknown counts as yes)."""
-    def storage(node: fx.Node):
-        val = node.meta.get("val")
-        return val.untyped_storage() if isinstance(val, torch.Tensor) else None
-
-    try:
-        rows = [storage(n) for n in forward.nodes if n.op == "placeholder"][:params]
-        out = next(n for n in forward.nodes if n.op == "output")
-        saved = [storage(n) for n in out.args[0][outputs:]]
-    except Exception:  # noqa: BLE001 - no storage information: assume the worst
-        return True
-    if any(r is None for r in rows) or any(t is None for t in saved):
-        return True
-    return any(t is r for t in saved for r in rows)
 
 
 def _fold_input_copy(graph: fx.Graph, first: int) -> None:

@@ -39,8 +39,6 @@ class Layers(NamedTuple):
     extras, none of which requires grad, so nothing records a graph."""
 
     programs: tuple[Programs, ...]  # one per layer of the unit
-    # a residual may view the gathered buffer: ``free`` keeps its storage object (released)
-    holds_buffer: bool
     # the predicate its programs were cut by (``fz3.schedule.saveable``, ``fz3.step.partition``)
     saves: Saveable = save
     aux: bool = False  # each layer returns (h, aux) (``ShardedModel.layer_aux``)
@@ -93,8 +91,9 @@ class Layers(NamedTuple):
         """Last layer first; the buffer's gradient is ``(padded,)`` for one layer, ``(k,
         padded)`` for k. Empties ``residuals``: each is freed inside its program after its
         last use. A layer's aux cotangent is ``g_aux``'s row (zeros where the loss gave
-        none). ``into`` (one layer): the fixed buffer (``fz3.step.arena.Fixed``) its
-        gradient is written into where its program can (``Programs.backward_into``).
+        none). ``into``: ``(rows, each row)`` of the unit's gradient memory
+        (``UnitMemory.grad_into``), each layer's gradient written into its row where its
+        program can (``Programs.backward_into``): then ``rows`` is the buffer's gradient.
         ``joined`` (``recompute``'s): the last layer's entry in ``residuals`` is its inputs,
         for its ``Programs.recompute``."""
         with below_autograd():
@@ -106,6 +105,7 @@ class Layers(NamedTuple):
                 g_aux = g_aux.contiguous()
             grads: list = [None] * k
             summed: list = []
+            written = 0
             want = self.g_strides
             for j in reversed(range(k)):
                 if want is not None and g.stride() != want:
@@ -119,10 +119,14 @@ class Layers(NamedTuple):
                     run, run_into = programs.recompute, programs.recompute_into
                 else:
                     run, run_into = programs.backward, programs.backward_into
-                out = run(box) if into is None or run_into is None else run_into(box, into)
+                if into is None or run_into is None:
+                    out = run(box)
+                else:
+                    out = run_into(box, into[1][j])
+                    written += 1
                 grads[j], g = out[0], out[1]
                 summed = list(out[2:]) if not summed else [a + b for a, b in zip(summed, out[2:])]
-            return shapes.buffer_grad(grads), g, summed
+            return into[0] if written == k else shapes.buffer_grad(grads), g, summed
 
     def recompute(self, pieces: Pieces, h: torch.Tensor, g: torch.Tensor,
                   g_aux: torch.Tensor | None, extras: Produced, into=None) -> tuple:

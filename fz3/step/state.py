@@ -5,35 +5,17 @@ functions they call) read and write it; nothing else does. It answers the two qu
 others ask about a running step: which bytes it owns and moves (for ``Recorder``) and which
 collectives are still in flight (to drain them when a step ends early).
 
-[Note: buffer lifetimes, per unit]
-Where a buffer below is fixed (``fz3.step.arena``: made once, reused every step at the same
-address), its lifetime is the same; only its memory outlives the step.
-- gather: a ``(world*k*n,)`` buffer in the compute dtype, alive until ``free``; a unit of k>1
-  layers is copied once into ``(k, full)`` layer order (rank-major gather order otherwise).
-  At world size 1 it is the shard itself (or its cast to the compute dtype): nothing is
-  copied, and ``free`` never releases the parameters' own storage (``Pieces.owned``, from the
-  collective's result: ``Pending.is_input``).
+Each buffer's lifetime: ``fz3.step.memory``'s [Note: a unit's memory]. The rest, per unit:
 - forward: keeps the unit's input (``forward``: recompute in backward, with the RNG state
   it started from) or its autograd graph (``forward_save``); traced layers
-  (``fz3.step.traced``) keep their programs' residuals instead of a graph, as a rule none
-  of them a view of the gathered buffer (their backward re-reads the re-gathered one; one
-  that does is held like a graph). A unit freed while its graph is alive keeps its buffer
-  object with zero-sized storage (``Released``) and is re-gathered
-  into that same storage before its backward, as FSDP2 does with ``untyped_storage().resize_()``:
-  the graph's saved views then see the re-gathered values. Without fixed buffers a one-layer
-  unit of a stack, gathered across ranks, is released so at every ``free``, held or not, and
-  the lowered program keeps the record between steps (``Program.released``): every gather
-  writes into the same objects, whose parameter views the programs keep; a step that ends in
-  an error forgets them all.
-- backward (and loss, for the post unit): one flat gradient ``(world, k, n)`` in rank-major
-  order (one layer's kept ``(world*n,)``, the same memory), alive until its reduce is
-  waited. A unit of tied parameters (a shared part) gets its flat gradient from its first
-  reader's loss or backward; later readers add into it; it is reduced after the last one.
+  (``fz3.step.traced``) keep their programs' residuals instead of a graph.
 - reduce: writes this rank's fp32 shard straight into the step's result: the part's whole
   gradient shard is allocated at the first reduce of any of its units (as activations are
   freed, like autograd's own ``.grad``), and nothing is copied at the end of the step. A
   part in ``Schedule.join_grads`` has each unit's rows reduced into a buffer of its own
-  instead, joined into its shard (one copy) once every reduce is waited.
+  instead, joined into its shard (one copy) once every reduce is waited. A unit of tied
+  parameters (a shared part) gets its flat gradient from its first reader's loss or
+  backward; later readers add into it; it is reduced after the last one.
 - loss: the mean over ranks is all-reduced as soon as it exists and waited at the end.
 """
 
@@ -51,7 +33,6 @@ from ..schedule.schedule import Schedule
 from ..sharding.binding import Binding
 from ..sharding.model import Params, ShardedModel
 from .engine import Pieces, Produced
-from .shapes import ShardRows
 
 
 class Frame(NamedTuple):
@@ -59,8 +40,7 @@ class Frame(NamedTuple):
 
     index: int  # position of the op in the schedule
     op: Op
-    # the unit's gathered parameters: (padded,), or (k, padded) for k layers; read-only (at
-    # world size 1 the parameter shard itself)
+    # the unit's gathered parameters: (padded,), or (k, padded) for k layers; read-only
     params: torch.Tensor
     inputs: Any  # forward: the unit's input (the batch for pre); backward: grad w.r.t. its output
     # forward: its output (h, or (h, *extra) for pre and between; the loss for `loss`; a
@@ -119,21 +99,9 @@ class Gathering(NamedTuple):
 
     trained: Pending
     frozen: Pending | None  # its frozen parameters', gathered apart; None: it has none
-    owned: tuple[bool, bool]  # as ``Pieces.owned``: whether each result is the step's memory
-    written: bool  # as ``Pieces.written``
 
     def pending(self) -> tuple[Pending, ...]:
         return (self.trained,) if self.frozen is None else (self.trained, self.frozen)
-
-
-class Released(NamedTuple):
-    """A unit freed while its forward graph holds views of its buffers: the buffer objects with
-    zero-sized storage, regrown in place by its next gather (FSDP2's ``resize_`` trick)."""
-
-    trained: torch.Tensor | None  # None: not released (the parameters' own memory)
-    frozen: torch.Tensor | None
-    # restore each released buffer's autograd version counter after the re-gather
-    versions: tuple
 
 
 class Reducing(NamedTuple):
@@ -155,16 +123,10 @@ class StepState:
     traced: Any = None  # fz3.step.traced.TracedLayers: layers run as traced programs; None: not
     frames: bool = True  # False: compute ops make no Frame (nobody looks at them)
 
-    # parameters, by unit: in flight, gathered (its memory as one record), released (kept
-    # across steps by the lowered program where ``reuse``: ``fz3.step.movement.free_op``)
+    # parameters, by unit: in flight, gathered (its memory: ``fz3.step.memory``)
     gathering: dict[int, Gathering] = field(default_factory=dict)
     gathered: dict[int, Pieces] = field(default_factory=dict)
-    released: dict[int, Released] = field(default_factory=dict)
-    reuse: bool = False
-    # by part: its trained shard's rows (a stack's one-layer units gather them; kept by the
-    # lowered program while the shard lives), and its gradient shard with its rows, where
-    # its units' reduces land
-    shard_rows: ShardRows = field(default_factory=ShardRows)
+    # by part: its gradient shard with its rows, where its units' reduces land
     grad_rows: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = field(
         default_factory=dict)
     # by part in ``Schedule.join_grads``: its units' reduced (k, shard) rows, by first layer,
@@ -172,7 +134,7 @@ class StepState:
     joining: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
     saved: dict[int, Saved] = field(default_factory=dict)
     # gradients, by unit: flat (world, k, n); (world*n,) for a one-layer unit whose reduce is a
-    # reduce-scatter (the same memory, no views made), (padded,) for a part that is not a stack
+    # reduce-scatter, (padded,) for a part that is not a stack
     unreduced: dict[int, torch.Tensor] = field(default_factory=dict)
     reducing: dict[int, Reducing] = field(default_factory=dict)
     replicating: list[Pending] = field(default_factory=list)
@@ -200,10 +162,9 @@ class StepState:
     def owned_bytes(self) -> tuple[int, int, int]:
         """Bytes of the buffers the step holds: gathered parameters, unreduced gradients,
         inputs kept for recompute (the memory plan predicts the same three, op by op)."""
-        params = sum(nbytes(p.out) for g in self.gathering.values()
-                     for p, own in zip(g.pending(), g.owned) if own) + \
+        params = sum(nbytes(p.out) for g in self.gathering.values() for p in g.pending()) + \
             sum(nbytes(b) for p in self.gathered.values()
-                for b, own in zip((p.buffer, p.frozen), p.owned) if own and b is not None)
+                for b in (p.buffer, p.frozen) if b is not None)
         grads = sum(nbytes(g) for g in self.unreduced.values()) + \
             sum(pending_bytes(r.pending) for r in self.reducing.values())
         inputs = sum(nbytes(s.x) for s in self.saved.values()
@@ -249,14 +210,3 @@ def nbytes(t: torch.Tensor) -> int:
 def pending_bytes(p: Pending) -> int:
     """A reduce's full gradient: the reduce-scatter's input, or the all-reduce's buffer."""
     return nbytes(p.keep if p.keep is not None else p.out)
-
-
-def release(buffers: tuple[torch.Tensor | None, torch.Tensor | None]) -> Released:
-    """Free each buffer's storage, keeping the tensor objects (and the views a graph saved of
-    them); None stays None."""
-    versions = tuple(torch.autograd._unsafe_preserve_version_counter(b)
-                     for b in buffers if b is not None)
-    for b in buffers:
-        if b is not None:
-            b.untyped_storage().resize_(0)
-    return Released(*buffers, versions)

@@ -173,7 +173,7 @@ class TracedLayers:
         dense = torch.empty_like(h, device="meta").stride() == h.stride()  # a copy can take it
         buffers = tuple(layer_buffers.values(self.model.functions[part_index][layer])
                         for layer in range(first, stop))
-        return Layers(tuple(programs), any(p.aliases_params for p in programs), signature.saves,
+        return Layers(tuple(programs), signature.saves,
                       self.model.layer_aux, torch.empty(h.shape, device="meta").stride(),
                       h.stride() if dense else None, buffers)
 

@@ -19,7 +19,7 @@ from ..schedule.schedule import Schedule, Unit
 from ..schedule.structure import Role
 from ..sharding.model import ShardedModel
 from . import shapes
-from .engine import AutogradLayers, Pieces, Produced, Stage, StagePieces
+from .engine import AutogradLayers, Produced, Stage, StagePieces
 from .state import Frame, Loss, StepState
 
 
@@ -105,15 +105,15 @@ def stacked_aux(s: StepState, stacks: list[list[int]]) -> tuple[torch.Tensor, ..
     return tuple(out)
 
 
-def apart(aux: torch.Tensor, memory: Pieces) -> torch.Tensor:
-    """A layer unit's aux outputs, copied where they view its gathered memory (a layer that
-    returns a parameter's view, ``layer_aux``): ``free`` may release that memory before the
-    loss reads them."""
-    held = aux.untyped_storage().data_ptr()
-    if any(b is not None and b.untyped_storage().data_ptr() == held
-           for b in (memory.buffer, memory.frozen)):
-        return aux.clone()
-    return aux
+def apart(tree: Any, s: StepState, units: Sequence[int]) -> Any:
+    """``tree``'s tensors, each copied where it views the gathered memory of one of ``units``
+    (a layer's aux output or an extra that is a parameter's view, a loss's aux): ``free``
+    releases that memory (``fz3.step.memory``) before the loss, the layers or the caller
+    read them."""
+    held = {b.untyped_storage().data_ptr() for v in units
+            for b in (s.gathered[v].buffer, s.gathered[v].frozen) if b is not None}
+    return optree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and
+                           t.untyped_storage().data_ptr() in held else t, tree, none_is_leaf=True)
 
 
 def aux_cotangents(s: StepState, stacks: list[list[int]],

@@ -10,27 +10,24 @@ import torch
 from ..schedule.planner import Policy
 from ..schedule.schedule import Schedule
 from ..sharding.model import Params, ShardedModel
-from .arena import Arena
 from .traced import TracedLayers
 from .executor import execute, lower
 from .finite import drain_checking_finite
 from .front import (check_call, check_in_sync, drain, layer_runner, loss_of, prepare,
-                    say_untraced_selective)
+                    refuse_fixed_buffers, say_untraced_selective)
 
 
 class ValueAndGrad:
     """``f(params, batch) -> (loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``);
-    ``f.schedule`` is the schedule it runs, ``f.arena`` the fixed buffers its gathers reuse
-    every step (``fz3.step.arena``: ``f.arena.nbytes()`` they hold between steps), or None."""
+    ``f.schedule`` is the schedule it runs."""
 
     def __init__(self, model: ShardedModel, schedule: Schedule, *,
                  loss: Callable[..., Any] | None = None, has_aux: bool = False, recorder=None,
                  check_finite: bool = False, check_sync: bool | None = None,
-                 traced: TracedLayers | None = None, fixed_buffers: bool = False):
+                 traced: TracedLayers | None = None):
         self.model, self.schedule, self.recorder = model, schedule, recorder
-        # once: every call runs its steps (gathering into the same fixed buffers, if asked)
-        self.arena = Arena(model) if fixed_buffers else None
-        self.program = lower(model, schedule, self.arena)
+        # once: every call runs its steps, into the same memory (``fz3.step.memory``)
+        self.program = lower(model, schedule)
         self.traced = traced
         self.loss = loss_of(model, loss, has_aux)
         self.check_finite = check_finite
@@ -55,7 +52,7 @@ def value_and_grad(model: ShardedModel, schedule: Schedule | Policy | None = Non
                    loss: Callable[..., Any] | None = None, has_aux: bool = False, recorder=None,
                    check_finite: bool = False, check_sync: bool | None = None,
                    compile: bool = False, strict: bool = False, cuda_graphs: bool = False,
-                   trace: bool = True, fixed_buffers: bool = False) -> ValueAndGrad:
+                   trace: bool = True, fixed_buffers: object = None) -> ValueAndGrad:
     """``f(params, batch) -> (loss, grads)``: the mean loss over ranks and this rank's shards
     of its gradient, same pytree structure as ``params``.
 
@@ -89,14 +86,12 @@ def value_and_grad(model: ShardedModel, schedule: Schedule | Policy | None = Non
     that shares them; a layer that cannot be traced runs through autograd (one warning), and
     a program inductor fails on runs as Python with a warning, or raises
     ``fz3.CompileError`` with ``strict``. ``compile`` needs ``trace``.
-    ``fixed_buffers=True`` (more than one rank): gathers, k-layer copies, one-layer traced
-    units' unreduced gradients and low-precision reduces write into buffers made at the first
-    step and reused at the same addresses every step (``fz3.step.arena``; the graph capture a
-    GPU would need): a steady step allocates none of them, and ``f.arena.nbytes()`` stay
-    allocated between steps (``fz3.memory_plan`` does not count them then). ``cuda_graphs=True``
+    ``fixed_buffers=``: refused with a ``TypeError`` (every step writes into the same memory
+    now, ``fz3.step.memory``). ``cuda_graphs=True``
     raises ``NotImplementedError``: graph capture awaits a GPU measurement of the traced
     engine.
     """
+    refuse_fixed_buffers(fixed_buffers, "fz3.value_and_grad")
     if cuda_graphs:
         raise NotImplementedError(
             "cuda_graphs=True: capturing the layers as CUDA graphs awaits a GPU measurement of "
@@ -106,8 +101,7 @@ def value_and_grad(model: ShardedModel, schedule: Schedule | Policy | None = Non
     sched = prepare(model, schedule, grad=True, entry="value_and_grad")
     say_untraced_selective(sched, traced)
     return ValueAndGrad(model, sched, loss=loss, has_aux=has_aux, recorder=recorder,
-                        check_finite=check_finite, check_sync=check_sync, traced=traced,
-                        fixed_buffers=fixed_buffers)
+                        check_finite=check_finite, check_sync=check_sync, traced=traced)
 
 
 def apply(model: ShardedModel, params: Params, batch: Any, *,

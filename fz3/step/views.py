@@ -34,12 +34,11 @@ class Views(functools.partial):
 class RowViews(Views):
     """A parameter row's ``Views``, made once per row tensor while it lives: a layer's
     programs (its forward, a recompute, its backward: ``codegen.one_call_views`` shares one
-    between them) read the same row within a step, and a one-layer unit's fixed buffer
-    (``fz3.step.arena``) is the same tensor every step (a k-layer unit's rows are new each
-    wait: made once per gather). The views are of a detached alias of the row, so they keep
-    neither the row alive nor, once it is gone (``forget``), its memory. A fake row (a
-    trace's) is not kept. After the views come the ``derived`` ones, views of them made with
-    them (``derive``)."""
+    between them) read the same row within a step, and a unit's rows are the same tensors
+    every step (its memory, ``fz3.step.memory``). The views are of a detached alias of the
+    row, so they keep neither the row alive nor, once it is gone (``forget``), its memory. A
+    fake row (a trace's) is not kept. After the views come the ``derived`` ones, views of them
+    made with them (``derive``)."""
 
     def __new__(cls, shapes: Sequence[tuple[int, ...]]):
         self = super().__new__(cls, shapes)
