@@ -102,9 +102,9 @@ class Pending(NamedTuple):
 # It is done here, in the same stream order a collective would be, without the process
 # group's own host work per call (about 50-80 us on gloo, tens of us on NCCL): a one-GPU run
 # of fz3 pays for no communication. An all-gather into no given buffer is not even a copy:
-# the shard is the whole buffer (the executor gathers its parameters so: a one-rank run
-# computes on its parameter shards themselves, or their cast to the compute dtype). The
-# executor above runs the same code at any size.
+# the shard is the whole buffer. The executor always gives one (each unit's memory,
+# ``fz3.step.memory``): a one-rank run copies its shards, as FSDP2 does. The executor above
+# runs the same code at any size.
 
 
 def all_gather(comm: Comm, out: torch.Tensor | None, shard: torch.Tensor,

@@ -29,8 +29,8 @@ class StepFrame(NamedTuple):
     name: str  # the unit's name ("pre", "blocks.3", "post"); "" for the final frame
     op: Op | None
     index: int  # the op's position in the schedule (-1 for the final frame)
-    # gathered parameters by original module name (views: clone to keep; read-only: at world
-    # size 1 they are the parameter shards themselves)
+    # gathered parameters by original module name (views of the unit's gathered memory, a copy
+    # of the shards at world size 1 too; each frame's its own: kept frames stay valid)
     params: dict[str, torch.Tensor]
     # forward: the unit's input (the batch for outer); backward: gradient w.r.t. its output
     inputs: Any

@@ -145,7 +145,9 @@ def _forward_layers(model: ShardedModel, schedule: Schedule, op: Op, index: int,
     def forward_layers(s: StepState) -> Frame | None:
         x, extras = s.h, s.produced[producer]
         engine = find(s.traced, x, extras)
-        if engine.saves == saves:  # (a predicate equal by value: fz3.keep(ops=) twice)
+        # its programs were cut by this predicate (``unit_io.layer_engine``): they keep what it
+        # saves; else (recompute, or autograd given a predicate it cannot cut) recompute
+        if engine.saves == saves:
             s.h, aux, residuals = engine.forward(s.gathered[u], x, extras)
             s.saved[u] = Kept(x=x, engine=engine, residuals=residuals)
         else:

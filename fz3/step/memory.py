@@ -1,5 +1,6 @@
 """``UnitMemory``: one owner for each unit's memory, made when a schedule is lowered
-(``fz3.step.executor.lower``) and kept by the lowered program for the life of the step function.
+(``fz3.step.executor.lower``) and kept by the lowered program for the life of the step function
+(``fz3.apply`` lowers at each call: its memory is made per call).
 
 [Note: a unit's memory]
 Each unit has one ``UnitMemory``: its gathered trained and frozen flat buffers in the compute
@@ -7,20 +8,25 @@ dtype, their ``(k, padded)`` layer-major form and layer rows (``Pieces``, the sa
 objects every step, so the parameter views a program makes of a row are made once), the
 rank-major staging a unit of k > 1 layers gathers into at more than one rank, and a stack unit's
 flat unreduced gradient (with its layer-major staging where the reduce wants rank-major rows or
-another dtype). The tensors never change; only their storage comes and goes:
+another dtype; pre's, between's and post's gradients are autograd's, made by their backward or
+the loss). The tensors never change (but for ``handed_out`` and ``hand_over_grad``, below); only
+their storage comes and goes:
 - ``gather`` writes into the buffers (their storage regrown first): across ranks the
   collective, at one rank a copy of the shard (as FSDP2 does; with bf16 compute the cast is
-  that copy). ``wait`` copies a k-layer unit's staging into layer order and releases it, and
-  restores the buffers' autograd version counters: a graph that saved views of them (pre's,
-  a saved layer's, a shared unit's reader) sees the re-gathered values as unchanged.
+  that copy). ``wait`` copies a k-layer unit's staging into layer order and releases it (at
+  more than one rank), and sets the buffers' autograd version counters back to those they had
+  when made (the collective's or the copy's write bumped them): a graph that saved views of
+  them (pre's, a saved layer's, a shared unit's reader) sees the re-gathered values as
+  unchanged.
 - ``free`` releases the storage (``untyped_storage().resize_(0)``): that is the memory's whole
   lifetime, whoever else views it. So a unit that stays gathered (``resident`` parts,
   ``reshard_after_forward=False``) is one whose schedule frees it later, and a graph kept
   until backward holds no memory between ``free`` and the re-gather.
 - ``backward`` writes the gradient into the gradient buffer (a traced program's flatten is a
   copy into its rows' views, ``fz3.step.into``; autograd's result is copied); its reduce reads
-  it, and ``wait_reduce`` releases it. ``join_grads`` and hybrid replicas reduce into the
-  step's result, not here. ``accumulate``'s carry takes the gradient's tensor over
+  it, and ``wait_reduce`` releases it. Every reduce lands in the step's result (the part's
+  gradient shard, ``unit_io.result_lander``; with ``join_grads`` a buffer per unit joined into
+  it at the end), never here. ``accumulate``'s carry takes the gradient's tensor over
   (``hand_over_grad``): the memory makes a new one at its next backward.
 - What must outlive ``free`` is copied first or handed over: a layer's aux output or an
   extra that views the parameters is copied (``unit_io.apart``); ``step_through``'s program

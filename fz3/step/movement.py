@@ -83,7 +83,7 @@ def reduce_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
 
         def reduce_all(s: StepState) -> None:
             g = _with_carry(s, u)
-            # (k, world, n) -> (world, k, n): no copy
+            # a (world, k, n) view of layer-major memory -> that (k, world, n) memory: no copy
             g = g.transpose(0, 1).contiguous() if stack else g
             s.reducing[u] = Reducing(all_reduce(comm, g, label=label), land(s))
 

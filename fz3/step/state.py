@@ -6,9 +6,9 @@ others ask about a running step: which bytes it owns and moves (for ``Recorder``
 collectives are still in flight (to drain them when a step ends early).
 
 Each buffer's lifetime: ``fz3.step.memory``'s [Note: a unit's memory]. The rest, per unit:
-- forward: keeps the unit's input (``forward``: recompute in backward, with the RNG state
-  it started from) or its autograd graph (``forward_save``); traced layers
-  (``fz3.step.traced``) keep their programs' residuals instead of a graph.
+- forward: keeps what its op's predicate saves (``Op.saves``): the unit's input and the RNG
+  state it started from (``recompute``: run again in backward), or its residuals (``save``'s
+  autograd graph, or the traced programs' tensors a predicate keeps, ``fz3.step.traced``).
 - reduce: writes this rank's fp32 shard straight into the step's result: the part's whole
   gradient shard is allocated at the first reduce of any of its units (as activations are
   freed, like autograd's own ``.grad``), and nothing is copied at the end of the step. A
@@ -71,7 +71,8 @@ class Loss(NamedTuple):
 
 class Kept(NamedTuple):
     """What a unit's forward kept for its backward: pre's and between's graphs, a layer unit's
-    residuals under ``forward_save`` (an autograd graph, or traced programs' tensors)."""
+    residuals under a predicate other than ``recompute`` (an autograd graph, or traced
+    programs' tensors)."""
 
     x: Any  # the unit's input (h; None for pre)
     engine: Any  # what runs it (``fz3.step.engine``'s protocol)
