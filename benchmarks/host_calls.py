@@ -35,7 +35,10 @@ per layer, ``save``/``recompute`` at world size 1, then at world size 2:
   6 calls a layer, ~1 us, where each gather had made a dozen views, ~25 us) and no ``forget``;
 - the suite's last bounds (``5aefd37``): 39/42 at world size 1, 48/51 at world size 2, and
   so this script's counts at ``5aefd37``, in a clone at ``/tmp/hc/fz3/`` with its ``.venv``
-  inside too (matching ``/fz3/`` instead counted 44 and 53 for recompute there).
+  inside too (matching ``/fz3/`` instead counted 44 and 53 for recompute there);
+- each unit's memory made once (issue 52, item 1, ``fz3.step.memory``): every gather, wait
+  and free calls it, and one rank gathers a copy too: 43/46 at world size 1, 46/49 at world
+  size 2 (the regrow and release now one call each).
 """
 
 from __future__ import annotations
