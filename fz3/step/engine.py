@@ -38,7 +38,6 @@ gradients of the layers' aux outputs it was given (one per stack).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
@@ -52,7 +51,7 @@ from . import shapes
 
 
 class Pieces(NamedTuple):
-    """A unit's gathered memory (``StepState.gathered``): ``fz3.step.memory.UnitMemory``'s
+    """A unit's gathered memory (its ``StepState.params`` record): ``UnitMemory``'s
     tensors, the same every step."""
 
     # its trained buffer: a layer unit's (1, padded) for one layer, (k, padded) for k; any
@@ -63,14 +62,13 @@ class Pieces(NamedTuple):
     frozen_rows: tuple[torch.Tensor, ...] = ()  # a layer unit's: each layer's frozen row, 1-D
 
 
-@dataclass(eq=False)
-class Produced:
-    """A pre or between unit's extra outputs, as the layers after it take them."""
+class Produced(NamedTuple):
+    """A pre or between unit's extra outputs, as the layers after it take them (their gradient
+    sums: the unit's ``StepState.grad`` record until its backward)."""
 
     extras: tuple  # detached (rotary tables, masks, ...)
     positions: list[int]  # those that carry gradient
     traced: Any = None  # as traced programs take them (``fz3.step.programs.Extras``), made once
-    grads: dict[int, torch.Tensor] = field(default_factory=dict)  # their gradients, summed
 
 
 class Graph(NamedTuple):
@@ -177,17 +175,17 @@ class Stage:
             return self._run(pieces.views(None), h, batch, layer_aux)
 
     def backward(self, pieces: StagePieces, graph: StageGraph, g: torch.Tensor,
-                 extras: Produced | None) -> tuple:
+                 extras: Produced | None = None, sums: dict | None = None) -> tuple:
         """``(one gradient per trained buffer, h's, the layer aux outputs')``: through its
-        outputs that require grad and have a cotangent (``g`` for h or the loss;
-        ``extras.grads`` for extras)."""
+        outputs that require grad and have a cotangent (``g`` for h or the loss; ``sums``,
+        by position, for its ``extras``)."""
         first, rest = graph.out
         if self.role is Role.POST and not first.requires_grad:
             raise RuntimeError(f"{self.name} returned a loss that does not require grad (it was "
                                f"detached, or computed from no parameter and not from h): "
                                f"there is nothing to differentiate")
-        cotangents = [(first, g)] + ([] if extras is None else
-                                     [(rest[j], extras.grads.get(j)) for j in extras.positions])
+        cotangents = [(first, g)] + ([] if not sums else
+                                     [(rest[j], sums.get(j)) for j in extras.positions])
         outputs = [(t, c) for t, c in cotangents if t.requires_grad and c is not None]
         wrt = [*graph.leaves, *(() if graph.x is None else (graph.x,)), *graph.layer_aux]
         grads = (torch.autograd.grad([t for t, _ in outputs], wrt, [c for _, c in outputs],

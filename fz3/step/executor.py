@@ -35,7 +35,7 @@ from ..sharding.model import Params, ShardedModel
 from .engine import Produced
 from .memory import UnitMemory, memories
 from .record import observed
-from .state import Frame, Kept, Loss, Recompute, Result, Step, StepState
+from .state import Call, Frame, Kept, Loss, Result, Step, StepState
 from .movement import accumulate_op, free_op, gather_op, reduce_op, wait_op, wait_reduce_op
 from .unit_io import (add_gradients, apart, aux_cotangents, aux_units, detached, frame_of,
                       joined, layer_engine, or_zeros, stacked_aux, stage_engine, stage_pieces)
@@ -56,7 +56,7 @@ def lower(model: ShardedModel, schedule: Schedule, *, handed_out: bool = False) 
     reading op kinds or the schedule. Local; the same program runs any batch.
     ``handed_out``: its buffers may outlive the step (``step_through``'s frames:
     ``UnitMemory.free``)."""
-    memory = memories(model, schedule.units, by_layer=schedule.reduce == "all_reduce",
+    memory = memories(model, schedule.units, all_reduce=schedule.reduce == "all_reduce",
                       handed_out=handed_out)
     return Program(schedule, tuple(STEPS[op.kind](model, schedule, op, index, memory[op.unit])
                                    for index, op in enumerate(schedule.ops)), memory)
@@ -76,8 +76,8 @@ def execute(model: ShardedModel, program: Program, params: Params, batch: Any, r
     layers (without the autograd engine), or None (autograd). ``frames=False``: no ``Frame``
     is made or yielded (a caller that only drains the step)."""
     schedule = program.schedule
-    state = StepState(model, schedule, params, batch, loss or Loss(model.post), loss_scale, carry,
-                      reduce_replicas, traced, frames)
+    state = StepState(Call(model, schedule, params, batch, loss or Loss(model.post), loss_scale,
+                           carry, reduce_replicas, traced, frames))
     # With a profiler running, each op is a named range in its trace; else a check per step.
     profiling = torch.autograd._profiler_enabled()
     try:
@@ -93,7 +93,7 @@ def execute(model: ShardedModel, program: Program, params: Params, batch: Any, r
             return _finish(state)
     except BaseException as e:
         if isinstance(e, CollectiveMismatchError):  # ranks are absent: waiting would hang
-            state.abandon(state.model.comm.abandoned)
+            state.abandon(model.comm.abandoned)
         raise
     finally:
         state.drain(wait)
@@ -111,21 +111,21 @@ def _forward_stage(model: ShardedModel, schedule: Schedule, op: Op, index: int,
     engine, pre = stage_engine(model, schedule.units[u]), schedule.units[u].role is Role.PRE
 
     def forward_stage(s: StepState) -> Frame:
-        stage, pieces = engine(s.loss_fn), stage_pieces(s, u)
+        call = s.call
+        stage, pieces = engine(call.loss_fn), stage_pieces(s, u)
         x = None if pre else s.h
         if grad:
-            (h, extras), graph = stage.forward(pieces, x, s.batch)
-            s.saved[u] = Kept(x=graph.x, engine=stage, residuals=graph)
+            (h, extras), graph = stage.forward(pieces, x, call.batch)
+            s.activation[u] = Kept(x=graph.x, engine=stage, residuals=graph)
             x = graph.x
         else:
-            h, extras = stage.inference(pieces, x, s.batch)
+            h, extras = stage.inference(pieces, x, call.batch)
         positions = compute.differentiable(extras)
-        h, extras = apart((h.detach(), compute.detach_extras(extras, positions, grad=False)), s,
-                          reads)
-        s.h, produced = h, Produced(extras, positions)
-        s.produced[u] = produced
-        return frame_of(s, op, index, s.batch if x is None else x, (s.h, *produced.extras),
-                        None)
+        s.h, extras = apart((h.detach(), compute.detach_extras(extras, positions, grad=False)),
+                            s, reads)
+        traced = None if call.traced is None else call.traced.extras(extras, positions)
+        s.extras[u] = Produced(extras, positions, traced)
+        return frame_of(s, op, index, call.batch if x is None else x, (s.h, *extras), None)
 
     return forward_stage
 
@@ -143,22 +143,21 @@ def _forward_layers(model: ShardedModel, schedule: Schedule, op: Op, index: int,
     find = layer_engine(model, schedule.units[u], saves)
 
     def forward_layers(s: StepState) -> Frame | None:
-        x, extras = s.h, s.produced[producer]
-        engine = find(s.traced, x, extras)
+        x, extras = s.h, s.extras[producer]
+        engine = find(s.call.traced, x, extras)
         # its programs were cut by this predicate (``unit_io.layer_engine``): they keep what it
         # saves; else (recompute, or autograd given a predicate it cannot cut) recompute
         if engine.saves == saves:
-            s.h, aux, residuals = engine.forward(s.gathered[u], x, extras)
-            s.saved[u] = Kept(x=x, engine=engine, residuals=residuals)
+            s.h, aux, residuals = engine.forward(s.params[u], x, extras)
+            aux = aux if aux is None else apart(aux, s, (u,))
+            s.activation[u] = Kept(x, engine, residuals, None, aux)
         else:
             before = rng.capture(device) if grad else None
-            s.h, aux = engine.inference(s.gathered[u], x, extras)
-            if grad:
-                s.saved[u] = Recompute(x=x, engine=engine, rng=before)
-        if aux is None:
-            return frame_of(s, op, index, x, s.h, None)
-        s.layer_aux[u] = aux = apart(aux, s, (u,))  # it waits for the loss
-        return frame_of(s, op, index, x, (s.h, aux), None)
+            s.h, aux = engine.inference(s.params[u], x, extras)
+            aux = aux if aux is None else apart(aux, s, (u,))
+            if grad or aux is not None:  # forward-only: its aux outputs alone
+                s.activation[u] = Kept(x if grad else None, engine, None, before, aux)
+        return frame_of(s, op, index, x, s.h if aux is None else (s.h, aux), None)
 
     return forward_layers
 
@@ -171,16 +170,17 @@ def _loss(model: ShardedModel, schedule: Schedule, op: Op, index: int,
     u, grad, ranks = op.unit, schedule.grad, _ranks(model)
     engine, comm = stage_engine(model, schedule.units[u]), model.comm
     reads = (u, *schedule.units[u].reads)
+    stacks = aux_units(schedule) if model.layer_aux else None
 
     def loss_(s: StepState) -> Frame:
-        stage, pieces = engine(s.loss_fn), stage_pieces(s, u)
+        call = s.call
+        stage, pieces = engine(call.loss_fn), stage_pieces(s, u)
         g, read_grads, h_in = None, None, s.h
-        stacks = aux_units(s) if model.layer_aux else None
         layer_aux = None if stacks is None else stacked_aux(s, stacks)
         if grad:
-            (loss, aux), graph = stage.forward(pieces, s.h, s.batch, layer_aux)
+            (loss, aux), graph = stage.forward(pieces, s.h, call.batch, layer_aux)
             s.h = None  # the last layer's output: no op after the loss reads it (its frame's)
-            seed = torch.full_like(loss, 1.0 / ranks) * s.loss_scale
+            seed = torch.full_like(loss, 1.0 / ranks) * call.loss_scale
             g_trained, g_h, g_aux = stage.backward(pieces, graph, seed, None)
             s.grad_h = or_zeros(g_h, graph.x)
             if stacks is not None:
@@ -188,7 +188,7 @@ def _loss(model: ShardedModel, schedule: Schedule, op: Op, index: int,
             g, read_grads = add_gradients(s, u, g_trained, graph.leaves)
             s.rng_after = rng.capture(model.device)
         else:
-            loss, aux = stage.inference(pieces, s.h, s.batch, layer_aux)
+            loss, aux = stage.inference(pieces, s.h, call.batch, layer_aux)
         s.loss, s.aux = loss.detach(), apart(detached(aux), s, reads)
         s.loss_mean = all_reduce(comm, s.loss.float() / ranks, group=comm.group,
                                  label="the loss's mean")
@@ -204,11 +204,11 @@ def _backward_layers(model: ShardedModel, schedule: Schedule, op: Op, index: int
         model.layer_aux
 
     def backward_layers(s: StepState) -> Frame | None:
-        saved = s.saved.pop(u)
-        engine, pieces, extras = saved.engine, s.gathered[u], s.produced[producer]
-        g_aux = s.grad_aux.pop(u, None) if s.grad_aux else None
+        saved = s.activation.pop(u)
+        engine, pieces, extras = saved.engine, s.params[u], s.extras[producer]
+        g_aux = getattr(s.grad.pop(u, None), "g", None)  # its grad record: an AuxCotangent?
         into = memory.grad_into()
-        if isinstance(saved, Kept):
+        if saved.residuals is not None:
             g_buffer, g_x, g_extras = engine.backward(pieces, saved.residuals, s.grad_h, g_aux,
                                                       extras, into)
         else:  # recompute, replaying the forward's RNG
@@ -219,11 +219,12 @@ def _backward_layers(model: ShardedModel, schedule: Schedule, op: Op, index: int
                                                        into)
         grad_out, s.grad_h = s.grad_h, or_zeros(g_x, saved.x)
         for j, ge in zip(extras.positions, g_extras):
-            if ge is not None:
-                extras.grads[j] = ge if j not in extras.grads else extras.grads[j] + ge
-        s.unreduced[u] = memory.unreduced(g_buffer)
+            if ge is not None:  # summed in the producer's grad record until its backward
+                sums = s.grad.setdefault(producer, {})
+                sums[j] = ge if j not in sums else sums[j] + ge
+        s.grad[u] = unreduced = memory.unreduced(g_buffer)
         return frame_of(s, op, index, (grad_out, g_aux) if layer_aux else grad_out, s.grad_h,
-                        s.unreduced[u])
+                        unreduced)
 
     return backward_layers
 
@@ -234,10 +235,11 @@ def _backward_stage(model: ShardedModel, schedule: Schedule, op: Op, index: int,
     between = schedule.units[u].role is Role.BETWEEN
 
     def backward_stage(s: StepState) -> Frame | None:
-        saved = s.saved.pop(u)
-        # its extras' summed cotangents go with their record: nothing after it reads them
+        saved = s.activation.pop(u)
+        # its extras and their summed cotangents (its grad record) go: nothing else reads them
         g_trained, g_x, _ = saved.engine.backward(stage_pieces(s, u), saved.residuals,
-                                                  s.grad_h, s.produced.pop(u))
+                                                  s.grad_h, s.extras.pop(u),
+                                                  s.grad.pop(u, None))
         grad_out = s.grad_h
         if between:
             s.grad_h = or_zeros(g_x, saved.x)
@@ -269,21 +271,19 @@ STEPS: dict[OpKind, Callable[[ShardedModel, Schedule, Op, int, Any], Step]] = {
 
 
 def _finish(s: StepState) -> Result:
-    comm = s.model.comm
+    model, comm = s.call.model, s.call.model.comm
     loss = wait(s.loss_mean)
     s.loss_mean = None
     if comm.replicas > 1:
         loss = wait(all_reduce(comm, loss, group=comm.replicate_group, label="the loss's mean"))
     while s.replicating:
         wait(s.replicating.pop())
-    if s.joining:
-        joined(s)
-    if s.schedule.grad:
+    if s.call.schedule.grad:
         # as after plain autograd: forward drew, backward none
-        rng.restore(s.rng_after, s.model.device)
-    if not s.grads:  # forward-only, or a deferred micro-batch
+        rng.restore(s.rng_after, model.device)
+    if not s.results:  # forward-only, or a deferred micro-batch
         return Result(loss, None, s.aux)
-    return Result(loss, Params(tuple(s.grads[p] for p in range(len(s.model.parts)))), s.aux)
+    return Result(loss, Params(joined(s, len(model.parts))), s.aux)
 
 
 def _ranks(model: ShardedModel) -> int:

@@ -85,12 +85,12 @@ class GradRow:
 class UnitMemory:
     """One unit's memory (the module's Note)."""
 
-    def __init__(self, model: ShardedModel, unit: Unit, *, by_layer: bool, handed_out: bool):
+    def __init__(self, model: ShardedModel, unit: Unit, *, all_reduce: bool, handed_out: bool):
         part = model.parts[unit.part]
         self.k, self.world, self.device = len(unit.layers), model.world_size, model.device
         self.stack, self.handed_out = unit.role is Role.STACK, handed_out
-        self.compute, self.reduce, self.by_layer = (model.precision.compute,
-                                                    model.precision.reduce, by_layer)
+        self.compute_dtype, self.reduce_dtype = model.precision.compute, model.precision.reduce
+        self.all_reduce = all_reduce  # the schedule reduces by all-reduce, not reduce-scatter
         frozen = model.frozen[unit.part]
         self.numel = self.world * self.k * part.layout.shard_numel
         self.frozen_numel = None if frozen is None else \
@@ -105,25 +105,25 @@ class UnitMemory:
     # parameters
 
     def _make(self) -> None:
-        trained, layered, rows = self._buffers(self.numel, self.compute)
+        trained, layered, rows = self._buffers(self.numel, self.compute_dtype)
         frozen = frozen_layered = None
         frozen_rows: tuple = ()
         if self.frozen_numel is not None:
             frozen, frozen_layered, frozen_rows = self._buffers(self.frozen_numel,
                                                                 self.frozen_dtype)
-        self.gathered = (trained, frozen)  # what gathers write into
+        self.flat = (trained, frozen)  # the flat buffers gathers write into
         self.pieces = Pieces(layered, rows, frozen_layered, frozen_rows)
         self.staged = self.stack and self.k > 1 and self.world > 1
         self.versioned = tuple(b for b in (layered, frozen_layered) if b is not None)
         # (storage, its bytes) of what gathers write, and of every buffer (``free``'s)
         self.written = _storages(b for b in (trained, frozen) if b is not None)
-        self.held = _storages((trained, *self.versioned, *(() if frozen is None else (frozen,))))
-        for storage, _ in self.held:
+        self.storages = _storages(b for b in (trained, *self.versioned, frozen) if b is not None)
+        for storage, _ in self.storages:
             storage.resize_(0)
         self.versions = tuple(t._version for t in self.versioned)
 
     def _buffers(self, numel: int, dtype: torch.dtype) -> tuple:
-        """``(gathered, layered, rows)``: the flat buffer gathers write into, the unit's buffer
+        """``(flat, layered, rows)``: the flat buffer gathers write into, the unit's buffer
         as ``Pieces`` holds it, its layer rows."""
         flat = torch.empty(numel, dtype=dtype, device=self.device)
         if not self.stack:
@@ -141,10 +141,10 @@ class UnitMemory:
         for storage, size in self.written:
             if storage.nbytes() != size:
                 storage.resize_(size)
-        return self.gathered
+        return self.flat
 
     def arrange(self, trained: torch.Tensor, frozen: torch.Tensor | None) -> Pieces:
-        """The waited gathers (``gathered``'s buffers) as ``Pieces``: a k-layer unit's
+        """The waited gathers (``flat``'s buffers) as ``Pieces``: a k-layer unit's
         staging copied into layer order and released; version counters as before."""
         pieces = self.pieces
         if self.staged:
@@ -163,51 +163,51 @@ class UnitMemory:
         if self.handed_out:
             self.pieces = None
             return
-        for storage, _ in self.held:
+        for storage, _ in self.storages:
             storage.resize_(0)
 
     # gradients (a stack unit's)
 
     def _make_grad(self) -> None:
-        """The flat gradient ``(world*k*n,)`` in the reduce dtype; ``grad_rows``, its
+        """The flat gradient ``(world*k*n,)`` in the reduce dtype; ``grad_layered``, its
         layer-major ``(k, padded)`` form in the compute dtype that backward writes: the same
         memory unless the reduce wants rank-major rows of k > 1 layers or another dtype."""
-        k, world = self.k, self.world
-        self.grad = torch.empty(self.numel, dtype=self.reduce, device=self.device)
-        self.grad_apart = self.reduce != self.compute or (k > 1 and world > 1 and not self.by_layer)
-        self.grad_rows = (torch.empty(k, self.numel // k, dtype=self.compute, device=self.device)
-                          if self.grad_apart else self.grad.view(k, -1))
-        self.grad_each = tuple(GradRow(r) for r in self.grad_rows.unbind(0))
-        self.grad_held = _storages((self.grad, self.grad_rows))
-        for storage, _ in self.grad_held:
+        k, world, dtype, rdt = self.k, self.world, self.compute_dtype, self.reduce_dtype
+        self.grad = torch.empty(self.numel, dtype=rdt, device=self.device)
+        self.grad_apart = rdt != dtype or (k > 1 and world > 1 and not self.all_reduce)
+        self.grad_layered = (torch.empty(k, self.numel // k, dtype=dtype, device=self.device)
+                             if self.grad_apart else self.grad.view(k, -1))
+        self.grad_each = tuple(GradRow(r) for r in self.grad_layered.unbind(0))
+        self.grad_storages = _storages((self.grad, self.grad_layered))
+        for storage, _ in self.grad_storages:
             storage.resize_(0)
 
     def grad_into(self) -> tuple[torch.Tensor, tuple[GradRow, ...]]:
         """``(rows, each row)``: the ``(k, padded)`` gradient backward writes, storage regrown."""
         if self.grad is None:
             self._make_grad()
-        for storage, size in self.grad_held:
+        for storage, size in self.grad_storages:
             if storage.nbytes() != size:
                 storage.resize_(size)
-        return self.grad_rows, self.grad_each
+        return self.grad_layered, self.grad_each
 
     def unreduced(self, g: torch.Tensor | None) -> torch.Tensor:
         """The flat gradient as the reduce takes it, from backward's ``(k, padded)`` (or
         ``(padded,)``) gradient ``g`` (copied unless written in place; None: zeros):
         ``(world, k, n)`` rank-major, one layer's ``(world*n,)``, or with an all-reduce a
         ``(world, k, n)`` view of layer-major memory."""
-        rows, grad, k, world = self.grad_rows, self.grad, self.k, self.world
+        rows, grad, k, world = self.grad_layered, self.grad, self.k, self.world
         if g is None:
             rows.zero_()
         elif g.data_ptr() != rows.data_ptr():  # (written in place by a traced backward)
             rows.copy_(g.view(rows.shape))
         if self.grad_apart:
-            if self.by_layer or k == 1:
+            if self.all_reduce or k == 1:
                 grad.copy_(rows.view(-1))
             else:
                 grad.view(world, k, -1).copy_(rows.view(k, world, -1).transpose(0, 1))
             rows.untyped_storage().resize_(0)
-        if self.by_layer:
+        if self.all_reduce:
             return grad.view(k, world, -1).transpose(0, 1)
         return grad if k == 1 else grad.view(world, k, -1)
 
@@ -216,7 +216,7 @@ class UnitMemory:
         if self.handed_out:
             self.grad = None
             return
-        for storage, _ in self.grad_held:
+        for storage, _ in self.grad_storages:
             storage.resize_(0)
 
     def hand_over_grad(self) -> None:
@@ -224,8 +224,8 @@ class UnitMemory:
         self.grad = None
 
 
-def memories(model: ShardedModel, units, *, by_layer: bool, handed_out: bool
+def memories(model: ShardedModel, units, *, all_reduce: bool, handed_out: bool
              ) -> tuple[UnitMemory, ...]:
     """Each unit's memory, in unit order."""
-    return tuple(UnitMemory(model, unit, by_layer=by_layer, handed_out=handed_out)
+    return tuple(UnitMemory(model, unit, all_reduce=all_reduce, handed_out=handed_out)
                  for unit in units)

@@ -36,13 +36,13 @@ def gather_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
     cast = not comm.local and dtype != torch.float32
 
     def gather(s: StepState) -> None:
-        trained, frozen = pick(s.params.parts[part])
+        trained, frozen = pick(s.call.params.parts[part])
         if cast and trained.dtype != dtype:
             trained = trained.to(dtype)
         out_t, out_f = memory.outputs()
         t = all_gather(comm, out_t, trained, label)
         f = None if frozen is None else all_gather(comm, out_f, frozen, label)
-        s.gathering[u] = Gathering(t, f)
+        s.params[u] = Gathering(t, f)
 
     return gather
 
@@ -53,10 +53,10 @@ def wait_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
     u = op.unit
 
     def wait_(s: StepState) -> None:
-        gathering = s.gathering.pop(u)
+        gathering = s.params[u]
         trained = wait(gathering.trained)
         frozen = None if gathering.frozen is None else wait(gathering.frozen)
-        s.gathered[u] = memory.arrange(trained, frozen)
+        s.params[u] = memory.arrange(trained, frozen)
 
     return wait_
 
@@ -66,7 +66,7 @@ def free_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
     u = op.unit
 
     def free(s: StepState) -> None:
-        if s.gathered.pop(u, None) is not None:
+        if s.params.pop(u, None) is not None:
             memory.free()
 
     return free
@@ -85,7 +85,7 @@ def reduce_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
             g = _with_carry(s, u)
             # a (world, k, n) view of layer-major memory -> that (k, world, n) memory: no copy
             g = g.transpose(0, 1).contiguous() if stack else g
-            s.reducing[u] = Reducing(all_reduce(comm, g, label=label), land(s))
+            s.grad[u] = Reducing(all_reduce(comm, g, label=label), land(s))
 
         return reduce_all
     rdt, device = model.precision.reduce, model.device
@@ -95,17 +95,17 @@ def reduce_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
         g = _with_carry(s, u)
         shard = land(s)  # fully written by the reduce
         out = shard if fp32 else torch.empty(shard.numel(), dtype=rdt, device=device)
-        s.reducing[u] = Reducing(reduce_scatter(comm, out, g if g.dim() == 1 else g.reshape(-1),
-                                                label), shard)
+        s.grad[u] = Reducing(reduce_scatter(comm, out, g if g.dim() == 1 else g.reshape(-1),
+                                            label), shard)
 
     return reduce
 
 
 def _with_carry(s: StepState, u: int) -> torch.Tensor:
     """The unit's unreduced gradient, plus what earlier micro-batches deferred (``carry``)."""
-    g = s.unreduced.pop(u)
-    if s.carry and u in s.carry:
-        g = s.carry.pop(u).add_(g)
+    g, carry = s.grad.pop(u), s.call.carry
+    if carry and u in carry:
+        g = carry.pop(u).add_(g)
     return g
 
 
@@ -117,7 +117,7 @@ def wait_reduce_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
     stack = schedule.units[u].role is Role.STACK
 
     def wait_reduce(s: StepState) -> None:
-        pending, shard = s.reducing.pop(u)
+        pending, shard = s.grad.pop(u)
         out = wait(pending)
         if every:  # this rank's chunk of each layer
             mine = out[:, comm.rank] if stack else out.view(comm.world_size, -1)[comm.rank]
@@ -127,7 +127,7 @@ def wait_reduce_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
         if stack:
             memory.free_grad()
         # hybrid: sum the shard across replicas, waited at the end
-        if replicate and s.reduces_replicas:
+        if replicate and s.call.reduces_replicas:
             s.replicating.append(all_reduce(comm, shard, group=comm.replicate_group,
                                             label=label))
 
@@ -141,13 +141,13 @@ def accumulate_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
     u, stack = op.unit, schedule.units[op.unit].role is Role.STACK
 
     def accumulate(s: StepState) -> None:
-        g = s.unreduced.pop(u)
-        if u in s.carry:
-            s.carry[u].add_(g)
+        g, carry = s.grad.pop(u), s.call.carry
+        if u in carry:
+            carry[u].add_(g)
             if stack:
                 memory.free_grad()
         else:
-            s.carry[u] = g
+            carry[u] = g
             if stack:
                 memory.hand_over_grad()
 

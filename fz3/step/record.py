@@ -92,11 +92,11 @@ def observed(s, schedule: Schedule, steps: tuple, recorder, profiling: bool) -> 
     """``fz3.step.executor.execute``'s loop over a lowered schedule's ``steps`` with a
     recorder (each op's time, bytes and live units) or a profiler running (each op a named
     range): it yields each step's frame, as that loop does. ``s``: the step's ``StepState``."""
-    traced = s.traced
+    traced = s.call.traced
     # what the layers' traces and compilations were before: a step that made more is marked
     made = None
     if recorder is not None:
-        recorder.begin_step(schedule, s.model.device)
+        recorder.begin_step(schedule, s.call.model.device)
         made = None if traced is None else traced.made
     for index, (op, step) in enumerate(zip(schedule.ops, steps)):
         start = recorder.start() if recorder is not None else None
@@ -106,7 +106,7 @@ def observed(s, schedule: Schedule, steps: tuple, recorder, profiling: bool) -> 
         else:
             frame = step(s)
         if recorder is not None:
-            recorder.record(index, start, s.live_units(), s.moved_bytes(op), s.owned_bytes())
+            recorder.record(index, start, len(s.params), s.moved_bytes(op), s.owned_bytes())
         if frame is not None:
             yield frame
             frame = None

@@ -70,25 +70,17 @@ class Loss(NamedTuple):
 
 
 class Kept(NamedTuple):
-    """What a unit's forward kept for its backward: pre's and between's graphs, a layer unit's
-    residuals under a predicate other than ``recompute`` (an autograd graph, or traced
-    programs' tensors)."""
+    """What a unit's forward kept (its ``StepState.activation`` record): its residuals (pre's
+    and between's graphs, a layer unit's under a predicate other than ``recompute``: an
+    autograd graph, or traced programs' tensors), or none (``recompute``: its backward runs
+    its forward again from its input and the RNG state it started from)."""
 
-    x: Any  # the unit's input (h; None for pre)
+    x: Any  # the unit's input (h; None for pre, and in a forward-only step)
     engine: Any  # what runs it (``fz3.step.engine``'s protocol)
-    residuals: Any
+    residuals: Any  # None: recompute
+    rng: RngState | None = None  # recompute's: the RNG state before (dropout draws the same)
+    aux: torch.Tensor | None = None  # a layer unit's aux outputs (k, *shape), until the loss
 
-
-class Recompute(NamedTuple):
-    """A layer unit's forward under ``forward``: only its input and the RNG state it started
-    from are kept; its backward runs its forward again from them."""
-
-    x: torch.Tensor
-    engine: Any
-    rng: RngState | None  # the RNG state before the forward (dropout draws the same again)
-
-
-Saved = Union[Kept, Recompute]  # a tagged union: the record type says which
 
 # One op of a lowered schedule (``fz3.step.executor.lower``): everything about the op that
 # does not change between steps decided when it was made; run on the step's state.
@@ -96,7 +88,7 @@ Step = Callable[["StepState"], Union[Frame, None]]
 
 
 class Gathering(NamedTuple):
-    """A unit's gathers, issued and not yet waited (``StepState.gathering``)."""
+    """A unit's gathers, issued and not yet waited (its ``StepState.params`` record)."""
 
     trained: Pending
     frozen: Pending | None  # its frozen parameters', gathered apart; None: it has none
@@ -106,85 +98,94 @@ class Gathering(NamedTuple):
 
 
 class Reducing(NamedTuple):
+    """A unit's reduce, issued and not yet waited (its ``StepState.grad`` record)."""
+
     pending: Pending
-    # (k * shard,) fp32: where this rank's reduced gradient lands (in the result)
-    shard: torch.Tensor
+    shard: torch.Tensor  # (k * shard,) fp32, in the result: where this rank's gradient lands
+
+
+class Call(NamedTuple):
+    """The call's inputs (``fz3.step.executor.execute``'s arguments), fixed for the step."""
+
+    model: ShardedModel
+    schedule: Schedule
+    params: Params  # the sharded parameters
+    batch: Any
+    loss_fn: Loss
+    loss_scale: float | torch.Tensor  # multiplies the backward's seed (fp16 scaling, 1/k)
+    carry: dict[int, torch.Tensor] | None  # flat gradients accumulated across micro-batches
+    reduces_replicas: bool  # hybrid: sum the shard across replicas at each wait_reduce
+    traced: Any  # fz3.step.traced.TracedLayers: layers run as traced programs; None: not
+    frames: bool  # False: compute ops make no Frame (nobody looks at them)
+
+
+class Shard(NamedTuple):
+    """A part's gradient shard in the step's result, where its units' reduces land."""
+
+    grad: torch.Tensor  # (rows, shard) fp32 for a stack part, (shard,) for the others
+    rows: tuple[torch.Tensor, ...]  # a stack part's: each layer's row of ``grad``
+
+
+class AuxCotangent(NamedTuple):
+    """A layer unit's grad record before its backward: its aux outputs' cotangent."""
+
+    g: torch.Tensor  # (k, *shape), from the loss (``ShardedModel.layer_aux``)
 
 
 @dataclass(eq=False)
 class StepState:
-    model: ShardedModel
-    schedule: Schedule
-    params: Params
-    batch: Any
-    loss_fn: Loss
-    loss_scale: float | torch.Tensor = 1.0  # multiplies the backward's seed (fp16 scaling, 1/k)
-    carry: dict[int, torch.Tensor] | None = None  # flat gradients accumulated across micro-batches
-    reduces_replicas: bool = True  # hybrid: sum the shard across replicas at each wait_reduce
-    traced: Any = None  # fz3.step.traced.TracedLayers: layers run as traced programs; None: not
-    frames: bool = True  # False: compute ops make no Frame (nobody looks at them)
+    """By unit, a record for each state ``fz3.schedule.ops.UnitState`` names:
+    ``params``: ``Gathering``, then ``Pieces`` (its memory); ``activation``: what its forward
+    kept (``Kept``, with a layer unit's aux outputs until the loss); ``grad``: its flat
+    unreduced gradient ((world, k, n); (world*n,) for a one-layer unit whose reduce is a
+    reduce-scatter, (padded,) for a part that is not a stack), then ``Reducing``; before its
+    backward, a layer unit's ``AuxCotangent``, a pre or between unit's extras' gradient sums
+    (by position: the layers add them)."""
 
-    # parameters, by unit: in flight, gathered (its memory: ``fz3.step.memory``)
-    gathering: dict[int, Gathering] = field(default_factory=dict)
-    gathered: dict[int, Pieces] = field(default_factory=dict)
-    # by part: its gradient shard with its rows, where its units' reduces land
-    grad_rows: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = field(
-        default_factory=dict)
-    # by part in ``Schedule.join_grads``: its units' reduced (k, shard) rows, by first layer,
-    # until the step's end joins them into its gradient shard
-    joining: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
-    saved: dict[int, Saved] = field(default_factory=dict)
-    # gradients, by unit: flat (world, k, n); (world*n,) for a one-layer unit whose reduce is a
-    # reduce-scatter, (padded,) for a part that is not a stack
-    unreduced: dict[int, torch.Tensor] = field(default_factory=dict)
-    reducing: dict[int, Reducing] = field(default_factory=dict)
-    replicating: list[Pending] = field(default_factory=list)
-    # by part: the step's gradient shards
-    grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    call: Call
+    params: dict[int, Gathering | Pieces] = field(default_factory=dict)
+    activation: dict[int, Kept] = field(default_factory=dict)
+    grad: dict[int, Any] = field(default_factory=dict)
+    # by pre or between unit: its extras, as the layers after it take them
+    extras: dict[int, Produced] = field(default_factory=dict)
+    # by part, the step's result: its gradient ``Shard``, or (``Schedule.join_grads``) its units'
+    # reduced (k, shard) rows by first layer, joined at the step's end (``unit_io.joined``)
+    results: dict[int, Shard | dict[int, torch.Tensor]] = field(default_factory=dict)
+    replicating: list[Pending] = field(default_factory=list)  # hybrid: the shards' all-reduces
     # the activation flowing forward, and its gradient flowing back
     h: torch.Tensor | None = None
-    # by pre or between unit: its extras, as the layers after it take them
-    produced: dict[int, Produced] = field(default_factory=dict)
     grad_h: torch.Tensor | None = None
-    # by layer unit (``ShardedModel.layer_aux``): its layers' aux outputs, until the loss
-    # stacks them, and their cotangents from the loss, until its backward
-    layer_aux: dict[int, torch.Tensor] = field(default_factory=dict)
-    grad_aux: dict[int, torch.Tensor] = field(default_factory=dict)
-    # the loss
-    loss: torch.Tensor | None = None  # this rank's
+    loss: torch.Tensor | None = None  # this rank's loss
     aux: Any = None
     loss_mean: Pending | None = None
     rng_after: RngState | None = None  # the RNG as plain autograd would leave it
 
-    def live_units(self) -> int:
-        """Units gathered or in flight."""
-        return len(self.gathering.keys() | self.gathered.keys())
-
     def owned_bytes(self) -> tuple[int, int, int]:
         """Bytes of the buffers the step holds: gathered parameters, unreduced gradients,
         inputs kept for recompute (the memory plan predicts the same three, op by op)."""
-        params = sum(nbytes(p.out) for g in self.gathering.values() for p in g.pending()) + \
-            sum(nbytes(b) for p in self.gathered.values()
-                for b in (p.buffer, p.frozen) if b is not None)
-        grads = sum(nbytes(g) for g in self.unreduced.values()) + \
-            sum(pending_bytes(r.pending) for r in self.reducing.values())
-        inputs = sum(nbytes(s.x) for s in self.saved.values()
-                     if isinstance(s, Recompute))
+        params = sum(nbytes(b) for p in self.params.values()
+                     for b in ((q.out for q in p.pending()) if isinstance(p, Gathering)
+                               else (p.buffer, p.frozen)) if b is not None)
+        grads = sum(nbytes(g) if isinstance(g, torch.Tensor) else pending_bytes(g.pending)
+                    for g in self.grad.values() if isinstance(g, (torch.Tensor, Reducing)))
+        inputs = sum(nbytes(a.x) for a in self.activation.values()
+                     if a.residuals is None and a.x is not None)
         return params, grads, inputs
 
     def moved_bytes(self, op: Op) -> int:
         """Bytes a collective op moves (the full, unsharded buffer); 0 for other ops."""
         if op.kind == OpKind.GATHER:
-            return sum(nbytes(p.out) for p in self.gathering[op.unit].pending())
+            return sum(nbytes(p.out) for p in self.params[op.unit].pending())
         if op.kind == OpKind.REDUCE:
-            return pending_bytes(self.reducing[op.unit].pending)
+            return pending_bytes(self.grad[op.unit].pending)
         return 0
 
     def in_flight(self) -> list[Pending]:
         """Collectives issued and not waited for, in issue order per kind."""
         loss = [self.loss_mean] if self.loss_mean is not None else []
-        return [*(p for g in self.gathering.values() for p in g.pending()),
-                *(r.pending for r in self.reducing.values()),
+        return [*(p for g in self.params.values() if isinstance(g, Gathering)
+                  for p in g.pending()),
+                *(r.pending for r in self.grad.values() if isinstance(r, Reducing)),
                 *self.replicating, *loss]
 
     def drain(self, wait: Callable[[Pending], Any]) -> None:
@@ -198,8 +199,8 @@ class StepState:
         """Forget everything in flight without waiting, its buffers kept alive in ``keep``
         (ranks are absent: nothing in flight will complete)."""
         keep.extend(self.in_flight())
-        self.gathering.clear()
-        self.reducing.clear()
+        self.params.clear()  # the step is over: none of its records is read again
+        self.grad.clear()
         self.replicating.clear()
         self.loss_mean = None
 

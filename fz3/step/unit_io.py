@@ -20,25 +20,25 @@ from ..schedule.structure import Role
 from ..sharding.model import ShardedModel
 from . import shapes
 from .engine import AutogradLayers, Produced, Stage, StagePieces
-from .state import Frame, Loss, StepState
+from .state import AuxCotangent, Frame, Loss, Shard, StepState
 
 
 def stage_pieces(s: StepState, u: int) -> StagePieces:
     """A pre, between or post unit's gathered memory (``fz3.step.engine.StagePieces``): its
     trained buffer and those of the shared units it reads, and the views its function takes
     (``fz3.sharding.model.layouts``' order: each unit's trained, then frozen, parameters)."""
-    units = (u, *s.schedule.units[u].reads)
+    units = (u, *s.call.schedule.units[u].reads)
 
     def views(trained: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
         out = []
         for i, v in enumerate(units):
-            part = s.model.parts[s.schedule.units[v].part]
-            out += part.layout.views(s.gathered[v].buffer if trained is None else trained[i])
+            part = s.call.model.parts[s.call.schedule.units[v].part]
+            out += part.layout.views(s.params[v].buffer if trained is None else trained[i])
             if part.frozen is not None:
-                out += part.frozen.views(s.gathered[v].frozen)
+                out += part.frozen.views(s.params[v].frozen)
         return out
 
-    return StagePieces(tuple(s.gathered[v].buffer for v in units), views)
+    return StagePieces(tuple(s.params[v].buffer for v in units), views)
 
 
 def stage_engine(model: ShardedModel, unit: Unit) -> Callable[[Loss], Stage]:
@@ -57,8 +57,7 @@ def layer_engine(model: ShardedModel, unit: Unit, saves: Saveable = save
     extras ``produced`` (``fz3.step.engine``'s protocol): its traced programs
     (``fz3.step.programs.Layers``, cut by ``saves``; ``recompute`` runs ``save``'s), or, for
     layers that cannot be traced and with ``trace=False`` (``traced`` None), autograd (made
-    here, once; its ``saves`` is ``save``). On the per-layer path: once traced, a dict
-    lookup."""
+    here, once; its ``saves`` is ``save``). On the per-layer path: a dict lookup."""
     cut = save if saves is recompute else saves
     part, first, stop = unit.part, unit.layers.start, unit.layers.stop
     autograd = AutogradLayers(model.functions[part][first:stop], model.parts[part], first,
@@ -66,8 +65,6 @@ def layer_engine(model: ShardedModel, unit: Unit, saves: Saveable = save
 
     def find(traced, x: torch.Tensor, produced: Produced):
         if traced is not None:
-            if produced.traced is None:  # at the first layer that reads them in this step
-                produced.traced = traced.extras(produced.extras, produced.positions)
             layers = traced.layers(part, first, stop, x, produced.traced, cut)
             if layers is not None:
                 return layers
@@ -76,27 +73,29 @@ def layer_engine(model: ShardedModel, unit: Unit, saves: Saveable = save
     return find
 
 
-def aux_units(s: StepState) -> list[list[int]]:
+def aux_units(schedule: Schedule) -> list[list[int]]:
     """Per stack part, in compute order: its layer units, in layer order (whose aux outputs
     ``stacked_aux`` joins and ``aux_cotangents`` splits)."""
     by_part: dict[int, list[int]] = {}
-    for u, unit in enumerate(s.schedule.units):
+    for u, unit in enumerate(schedule.units):
         if unit.role is Role.STACK:
             by_part.setdefault(unit.part, []).append(u)
-    return [sorted(us, key=lambda u: s.schedule.units[u].layers.start)
+    return [sorted(us, key=lambda u: schedule.units[u].layers.start)
             for _, us in sorted(by_part.items())]
 
 
 def stacked_aux(s: StepState, stacks: list[list[int]]) -> tuple[torch.Tensor, ...]:
     """The layers' aux outputs as the loss takes them: one ``(layers, *shape)`` tensor per
-    stack, in compute order (each unit's record emptied). A ValueError names the first unit
-    whose aux differs from its stack's first."""
-    out = []
+    stack, in compute order (each unit's activation record lets them go; forward-only, it
+    goes). A ValueError names the first unit whose aux differs from its stack's first."""
+    out, grad = [], s.call.schedule.grad
     for units in stacks:
-        auxes = [s.layer_aux.pop(u) for u in units]
+        kept = [s.activation.pop(u) for u in units]
+        s.activation.update((u, k._replace(aux=None)) for u, k in zip(units, kept) if grad)
+        auxes = [k.aux for k in kept]
         for u, a in zip(units, auxes):
             if a.shape[1:] != auxes[0].shape[1:] or a.dtype != auxes[0].dtype:
-                unit = s.schedule.units[u]
+                unit = s.call.schedule.units[u]
                 raise ValueError(f"{unit.name} returned aux outputs of shape {list(a.shape[1:])}"
                                  f" {a.dtype}, the first layers of its stack "
                                  f"{list(auxes[0].shape[1:])} {auxes[0].dtype}: the layers of "
@@ -111,7 +110,7 @@ def apart(tree: Any, s: StepState, units: Sequence[int]) -> Any:
     releases that memory (``fz3.step.memory``) before the loss, the layers or the caller
     read them."""
     held = {b.untyped_storage().data_ptr() for v in units
-            for b in (s.gathered[v].buffer, s.gathered[v].frozen) if b is not None}
+            for b in (s.params[v].buffer, s.params[v].frozen) if b is not None}
     return optree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and
                            t.untyped_storage().data_ptr() in held else t, tree, none_is_leaf=True)
 
@@ -119,13 +118,13 @@ def apart(tree: Any, s: StepState, units: Sequence[int]) -> Any:
 def aux_cotangents(s: StepState, stacks: list[list[int]],
                    grads: Sequence[torch.Tensor | None]) -> None:
     """The loss's gradients of the stacks' aux outputs, split back into each unit's rows
-    (views) for its backward; none where the loss did not use them."""
+    (views), its grad record until its backward; none where the loss did not use them."""
     for units, g in zip(stacks, grads):
         if g is None:
             continue
         for u in units:
-            layers = s.schedule.units[u].layers
-            s.grad_aux[u] = g[layers.start:layers.stop]
+            layers = s.call.schedule.units[u].layers
+            s.grad[u] = AuxCotangent(g[layers.start:layers.stop])
 
 
 def add_gradients(s: StepState, u: int, grads, leaves: Sequence[torch.Tensor]
@@ -133,18 +132,20 @@ def add_gradients(s: StepState, u: int, grads, leaves: Sequence[torch.Tensor]
     """Flat gradients of a single unit and of the shared units it reads (``stage_pieces``' order)
     -> the unit's unreduced gradient, and contributions added into the shared units'; with
     frames on, this unit's contribution to each shared unit (a copy: the sum goes on)."""
-    own, mine = None, {} if s.frames and s.schedule.units[u].reads else None
-    for v, g, leaf in zip((u, *s.schedule.units[u].reads), grads, leaves):
-        flat = or_zeros(g, leaf).to(s.model.precision.reduce)
+    call, table = s.call, s.grad
+    reads = call.schedule.units[u].reads
+    own, mine = None, {} if call.frames and reads else None
+    for v, g, leaf in zip((u, *reads), grads, leaves):
+        flat = or_zeros(g, leaf).to(call.model.precision.reduce)
         if v == u:
-            own = s.unreduced[u] = flat
+            own = table[u] = flat
             continue
         if mine is not None:
             mine[v] = flat.clone()
-        if v in s.unreduced:
-            s.unreduced[v].add_(flat)
+        if v in table:
+            table[v].add_(flat)
         else:
-            s.unreduced[v] = flat
+            table[v] = flat
     return own, mine
 
 
@@ -161,7 +162,7 @@ def result_lander(model: ShardedModel, schedule: Schedule, unit: Unit
         shape = (stop - first, part.layout.shard_numel)
 
         def own_rows(s: StepState) -> torch.Tensor:
-            rows = s.joining.setdefault(p, {})[first] = torch.empty(
+            rows = s.results.setdefault(p, {})[first] = torch.empty(
                 shape, dtype=torch.float32, device=device)
             return rows.view(-1)
 
@@ -169,24 +170,23 @@ def result_lander(model: ShardedModel, schedule: Schedule, unit: Unit
     stack = part.role is Role.STACK
     shape = (part.rows, part.layout.shard_numel) if stack else (part.layout.shard_numel,)
 
-    def shard(s: StepState) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        grads = s.grads[p] = torch.empty(shape, dtype=torch.float32, device=device)
-        got = s.grad_rows[p] = grads, grads.unbind(0) if stack else ()
+    def shard(s: StepState) -> Shard:
+        grad = torch.empty(shape, dtype=torch.float32, device=device)
+        got = s.results[p] = Shard(grad, grad.unbind(0) if stack else ())
         return got
 
     if unit.role is not Role.STACK:
-        return lambda s: (s.grad_rows.get(p) or shard(s))[0]
+        return lambda s: (s.results.get(p) or shard(s)).grad
     if stop - first == 1:
-        return lambda s: (s.grad_rows.get(p) or shard(s))[1][first]
-    return lambda s: (s.grad_rows.get(p) or shard(s))[0][first:stop].view(-1)
+        return lambda s: (s.results.get(p) or shard(s)).rows[first]
+    return lambda s: (s.results.get(p) or shard(s)).grad[first:stop].view(-1)
 
 
-def joined(s: StepState) -> None:
-    """Each ``join_grads`` part's reduced rows joined into its ``(L, shard)`` gradient shard in
-    the step's result, in layer order (one copy; the rows are freed as it returns)."""
-    for part, rows in s.joining.items():
-        s.grads[part] = torch.cat([rows[first] for first in sorted(rows)])
-    s.joining.clear()
+def joined(s: StepState, parts: int) -> tuple[torch.Tensor, ...]:
+    """Each part's gradient shard in the step's result; a ``join_grads`` part's reduced rows
+    joined into its ``(L, shard)`` shard in layer order (one copy, the rows freed as it goes)."""
+    return tuple(r.grad if isinstance(r, Shard) else torch.cat([r[f] for f in sorted(r)])
+                 for r in (s.results.pop(p) for p in range(parts)))
 
 
 def frame_of(s: StepState, op: Op, index: int, inputs: Any, outputs: Any,
@@ -195,15 +195,16 @@ def frame_of(s: StepState, op: Op, index: int, inputs: Any, outputs: Any,
     """What a compute op yields: references to the unit's buffers, inputs and outputs (None
     when the step makes no frames); ``read_grads``: its gradient contributions to the shared
     units it reads."""
-    if not s.frames:
+    call = s.call
+    if not call.frames:
         return None
-    unit = s.schedule.units[op.unit]
+    unit = call.schedule.units[op.unit]
     reads = unit.reads
     if grad is not None:
-        grad = shapes.frame_grad(unit, grad, s.model.world_size)
-    gathered = s.gathered[op.unit]
+        grad = shapes.frame_grad(unit, grad, call.model.world_size)
+    gathered = s.params[op.unit]
     return Frame(index, op, gathered.buffer, inputs, outputs, grad,
-                 {r: s.gathered[r].buffer for r in reads} if reads else None, gathered.frozen,
+                 {r: s.params[r].buffer for r in reads} if reads else None, gathered.frozen,
                  read_grads)
 
 
