@@ -17,7 +17,7 @@ from typing import Literal, NamedTuple, Sequence
 from ..compare import fingerprint
 from .ops import (COMPUTE_KINDS, FORWARD_KINDS, Grad, Op, OpKind, Params, UnitState,
                   transition)
-from .saveable import Keep, name_of, recompute
+from .saveable import Keep, name_of, problem, recompute
 from .structure import FORWARD_ROLES, Role
 
 REDUCES = ("reduce_scatter", "all_reduce")
@@ -228,10 +228,11 @@ def _step(s: Schedule, op: Op, states: dict[int, UnitState], order: list[Op], do
     if kind == OpKind.LOSS and s.units[u].role is not Role.POST:
         return (f"loss runs on the post unit ({s.units[s.post].name}, unit {s.post}), "
                 f"not {name}"), done
-    if (kind == OpKind.FORWARD) != (op.saves is not None) or (
-            op.saves is not None and not callable(op.saves)):
+    if (kind == OpKind.FORWARD) != (op.saves is not None):
         return (f"saves={op.saves!r}: a forward carries a predicate (fz3.schedule.saveable), "
                 f"no other op does"), done
+    if op.saves is not None and (why := problem(op.saves)) is not None:
+        return why, done
     if kind == OpKind.FORWARD and op.saves is not recompute and not s.grad:
         return (f"{kind} ({name_of(op.saves)}) keeps activations for a backward; a "
                 f"forward-only schedule has none", done)
