@@ -254,6 +254,17 @@ def test_keep_names_ops_and_refuses_nothing():
     # a forward-only schedule keeps nothing for a backward
     sched = fz3.plan(4, fz3.Policy(activations="selective"))
     assert sum(op.saves is selective for op in sched.ops) == 4
+    # as schedules were written before forwards carried predicates: Schedule(keep=) makes its
+    # selective forwards keep those ops; a planned forward given a legacy kind takes its own
+    legacy = fz3.validate(fz3.Schedule(sched.ops, sched.units, keep=["addmm"]))
+    assert legacy.keep == {"addmm"} and sched.keep is None
+    assert [op.saves for op in legacy.ops if isinstance(op.saves, fz3.Keep)] == [
+        fz3.Keep(frozenset({"addmm"}))] * 4
+    with pytest.raises(TypeError, match=r"keep='addmm': pass ATen op names"):
+        fz3.Schedule(sched.ops, sched.units, keep="addmm")
+    forward = next(op for op in fz3.plan(4, fz3.Policy()).ops if op.saves is recompute)
+    assert fz3.Schedule((forward._replace(kind="forward_save"),), sched.units).ops[0] == \
+        fz3.Op("forward", forward.unit, saveable.save)
     assert all(op.saves is recompute for op in fz3.plan(4, fz3.Policy(activations="selective"),
                                                         grad=False).ops if op.kind == "forward")
 
