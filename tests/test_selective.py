@@ -254,6 +254,9 @@ def test_keep_names_ops_and_refuses_nothing():
     # a forward-only schedule keeps nothing for a backward
     sched = fz3.plan(4, fz3.Policy(activations="selective"))
     assert sum(op.saves is selective for op in sched.ops) == 4
+    # printed: a layer's forward with its predicate; pre's and post's keep their graph always
+    assert re.search(r"\n +\d+  forward +pre ", str(sched)) and "forward (selective) layers.0" \
+        in str(sched) and "forward (recompute)" not in str(sched), str(sched)
     # as schedules were written before forwards carried predicates: Schedule(keep=) makes its
     # selective forwards keep those ops; a planned forward given a legacy kind takes its own
     legacy = fz3.validate(fz3.Schedule(sched.ops, sched.units, keep=["addmm"]))

@@ -129,7 +129,8 @@ class Schedule:
             name = self.describe(op).split(" ", 1)[1]
             live = str(walked.live[i]) if i < len(walked.live) else "?"
             mark = f"  <- {walked.error.reason}" if walked.error and walked.error.index == i else ""
-            kind = str(op[0]) + ("" if op.saves is None else f" ({name_of(op.saves)})")
+            layer = op.saves is not None and self.units[op[1]].role is Role.STACK
+            kind = str(op[0]) + (f" ({name_of(op.saves)})" if layer else "")  # others: all
             rows.append(f"{i:>4}  {kind:<19} {name:<18} {live}{mark}")
         if walked.error is not None and (walked.error.index is None
                                          or walked.error.index >= len(self.ops)):
