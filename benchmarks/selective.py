@@ -43,6 +43,7 @@ import systems  # noqa: E402
 from fz3.models import shard_gpt  # noqa: E402
 from fz3.models.gpt import GPTConfig  # noqa: E402
 from fz3.observe.live_bytes import LiveBytes  # noqa: E402
+from fz3.schedule.saveable import name_of  # noqa: E402
 
 CONFIGS = {**compare.CONFIGS,  # thin and fat
            "gpt256": dict(vocab=256, seq=256, dim=256, heads=4, layers=4, batch=8)}  # the demo
@@ -235,8 +236,9 @@ def _budgets(sharded, b, make) -> dict:
 
 
 def _kinds(sched) -> str:
-    return ", ".join(sorted({str(op.kind) for op in sched.ops if str(op.kind).startswith(
-        "forward") and sched.units[op.unit].role is fz3.Role.STACK}))
+    """The predicates the layer units' forwards carry."""
+    return ", ".join(sorted({name_of(op.saves) for op in sched.ops if op.saves is not None
+                             and sched.units[op.unit].role is fz3.Role.STACK}))
 
 
 def planned(cfg: GPTConfig, batch: int) -> dict:

@@ -8,6 +8,7 @@ ranks), and value_and_grad itself (the final frame must be identical, bit for bi
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 
 import pytest
@@ -19,7 +20,8 @@ import fz3
 from fz3.models.gpt import GPTConfig
 from fz3.models import shard_gpt
 from fz3.observe.live_bytes import LiveBytes
-from reference import assert_close, batches, gpt, reference_grads
+from fz3.schedule.saveable import recompute
+from reference import assert_close, batches, fz3_said, gpt, reference_grads
 
 CFG = GPTConfig(vocab=37, seq=8, dim=36, heads=4, layers=3)
 
@@ -60,6 +62,13 @@ def step_through_ranks(rank, world):
         assert done.phase == "done"
         loss, grads = fz3.value_and_grad(model, policy)(params, bs[rank])
         assert torch.equal(done.loss, loss) and all(torch.equal(a, b) for a, b in zip(done.result.parts, grads.parts))
+
+    # through autograd, selective runs as recompute: said once, and its frames say so
+    with fz3_said(logging.WARNING) as said:
+        frames = list(fz3.step_through(model, params, bs[rank],
+                                       fz3.Policy(activations="selective")))
+    assert {f.op.saves for f in frames[:-1] if f.phase == "forward"} == {recompute}
+    assert len(said) == (rank == 0) and all("selective run as recompute" in m for m in said), said
 
     # A tied embedding (a shared part): its gradient is in every frame that computes some,
     # the loss's (from the head) and pre's (from the lookup), by both its names; the frames'

@@ -125,6 +125,7 @@ class _Timeline:
         self.t_host = self.t_comp = 0.0
         self.queue = {OpKind.GATHER: 0.0, OpKind.REDUCE: 0.0}  # when each collective stream is free
         self.end: dict[tuple[OpKind, int], float] = {}
+        # a forward keeping by any predicate but recompute is costed as save (docs/memory.md)
         self.recompute = sched.recomputed()
         self.comp_total = self.comm_total = self.exposed = self.sent = 0.0
 
@@ -213,7 +214,7 @@ class WorkloadSizes:
 
     def __init__(self, work: Workload, sched: Schedule, shard: int):
         self.work, self.sched, self.ranks = work, sched, shard
-        self.recomputes = sched.recomputed()
+        self.recomputes = sched.recomputed()  # any other predicate: counted as save
 
     def _elements(self, u: int) -> int:
         unit = self.sched.units[u]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Generator, NamedTuple
 
 import optree
@@ -10,14 +11,14 @@ import torch
 from ..comm.arrival import DEFAULT_TIMEOUT_S, arrive
 from ..comm.collectives import all_reduce, wait
 from ..schedule.ops import FORWARD_KINDS, Op
-from ..schedule.saveable import name_of
+from ..schedule.saveable import cuts, name_of, recompute
 from ..schedule.structure import Role
 from ..schedule.planner import Policy
 from ..schedule.schedule import Schedule
 from ..sharding.model import Params, ShardedModel
 from ..step.executor import execute, lower
 from ..step.state import Frame, Result
-from ..step.front import check_call, prepare
+from ..step.front import check_call, prepare, say_untraced_selective
 
 
 class StepFrame(NamedTuple):
@@ -81,6 +82,11 @@ def step_through(model: ShardedModel, params: Params, batch: Any,
     """
     check_call(model, params, batch, entry="fz3.step_through")  # local, before any collective
     sched = prepare(model, schedule, grad=True, entry="step_through")
+    # through autograd (no traced programs): a forward whose predicate cuts programs runs as
+    # recompute, said once, and its frames say so
+    say_untraced_selective(sched, None)
+    sched = replace(sched, ops=tuple(Op(op.kind, op.unit, recompute) if op.saves is not None
+                                     and cuts(op.saves) else op for op in sched.ops))
     gen = execute(model, lower(model, sched, handed_out=True), params, batch, recorder)
     try:
         while True:

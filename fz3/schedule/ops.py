@@ -90,14 +90,16 @@ class _Op(NamedTuple):
 
 
 class Op(_Op):
-    """One op of a schedule. ``Op("forward", u)`` recomputes (``saves=recompute``);
+    """One op of a schedule: ``kind``, ``unit`` and, for a forward only, ``saves``: the
+    predicate it keeps by. ``Op("forward", u)`` recomputes (``saves=recompute``);
     ``Op("forward", u, save)``, or ``Op("forward_save", u)``, keeps the residuals."""
 
     __slots__ = ()
 
     def __new__(cls, kind: OpKind | str, unit: int, saves: Saveable | None = None) -> Op:
         if isinstance(kind, str) and kind in _LEGACY:
-            if saves is not None:
+            # recompute: a planned forward's ``_replace(kind=...)`` carries its default along
+            if saves is not None and saves is not recompute:
                 raise ValueError(f"Op({str(kind)!r}, {unit}, {saves!r}): {kind} names its "
                                  f"predicate itself; write Op('forward', {unit}, saves)")
             kind, saves = OpKind.FORWARD, _LEGACY[kind]

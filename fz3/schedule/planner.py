@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Iterable, Literal, Sequence
 
 from .ops import Op, OpKind
-from .saveable import Keep, Saveable, recompute, save, selective
+from .saveable import Keep, Saveable, problem, recompute, save, selective
 from .structure import PartShape, Role, check_structure, layers_only
 from .schedule import REDUCES, Schedule, Unit, compute_order, validate
 
@@ -76,6 +76,8 @@ class Policy:
             raise ValueError(f"activations={self.activations!r}: use 'recompute', 'save', "
                              f"'save_unsharded', 'selective', fz3.keep(ops=[...]) or a "
                              f"predicate over a layer's forward ops")
+        if callable(self.activations) and (why := problem(self.activations)) is not None:
+            raise TypeError(why)
         if self.reduce not in REDUCES:
             raise ValueError(f"reduce={self.reduce!r}: use 'reduce_scatter' or 'all_reduce'")
         if isinstance(self.resident, str):

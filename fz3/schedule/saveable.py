@@ -16,12 +16,15 @@ not asked). Three are built in:
 
 ``Policy(activations=fn)`` takes a predicate of your own; a forward op carries its unit's
 (``fz3.schedule.ops.Op.saves``), and a schedule prints and fingerprints it by ``name_of``
-(a function's ``__qualname__``). A layer that is not traced (``trace=False``, or one that
+(a function's module and ``__qualname__``; define one once: programs are traced per
+predicate, and it must be hashable). A layer that is not traced (``trace=False``, or one that
 cannot be) runs ``save`` and ``recompute`` as such and any other predicate as ``recompute``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import types
 from typing import Callable, NamedTuple
 
 import torch
@@ -70,12 +73,39 @@ selective = Keep(HEAVY_OPS)
 
 
 def name_of(saves: Saveable) -> str:
-    """How a schedule prints and fingerprints a predicate: the same on every rank."""
+    """How a schedule prints and fingerprints a predicate: the same on every rank. A function
+    by its module and qualified name, a dataclass instance by its module and ``repr``, a
+    ``Keep`` by its ops, sorted; anything else has no name that is sure to be the same on every
+    rank: a ``TypeError`` says how to give it one."""
     if saves is save or saves is recompute:
         return saves.__name__
     if isinstance(saves, Keep):
         return "selective" if saves == selective else f"keep({', '.join(sorted(saves.ops))})"
-    return getattr(saves, "__qualname__", type(saves).__qualname__)
+    if isinstance(saves, (types.FunctionType, types.BuiltinFunctionType)):
+        return f"{saves.__module__}.{saves.__qualname__}"
+    if dataclasses.is_dataclass(saves) and type(saves).__dataclass_params__.repr:
+        return f"{type(saves).__module__}.{saves!r}"
+    raise TypeError(f"activations={saves!r}: a predicate must have a name that is the same on "
+                    f"every rank (schedules are compared across ranks): use a function (def), "
+                    f"a frozen dataclass with __call__, or fz3.keep(ops=[...])")
+
+
+def problem(saves: object) -> str | None:
+    """Why ``saves`` cannot be a predicate (None: it can): not callable, no name that is the
+    same on every rank (``name_of``), or not hashable (programs are kept per predicate)."""
+    if not callable(saves):
+        return f"saves={saves!r} is not callable: a predicate takes a torch.fx.Node"
+    try:
+        name = name_of(saves)
+    except TypeError as e:
+        return str(e)
+    try:
+        hash(saves)
+    except TypeError as e:
+        return (f"activations={name} is not hashable ({e}; programs are kept per "
+                f"predicate): use a function (def), a frozen dataclass with __call__, or "
+                f"fz3.keep(ops=[...])")
+    return None
 
 
 def keeps(saves: Saveable, node: torch.fx.Node) -> bool:
@@ -83,10 +113,11 @@ def keeps(saves: Saveable, node: torch.fx.Node) -> bool:
     try:
         return bool(saves(node))
     except Exception as e:
-        raise TypeError(f"Policy(activations={name_of(saves)}) raised {type(e).__name__}: {e} "
-                        f"on the node {node.format_node()}: a predicate takes a torch.fx.Node "
-                        f"(node.target an ATen op, torch.ops.aten.mm.default) and returns "
-                        f"whether to keep its output") from e
+        raise TypeError(f"the activation predicate {name_of(saves)} raised "
+                        f"{type(e).__name__}: {e} on the node {node.format_node()}: a "
+                        f"predicate takes a torch.fx.Node (node.target an ATen op, "
+                        f"torch.ops.aten.mm.default) and returns whether to keep its "
+                        f"output") from e
 
 
 def cuts(saves: Saveable) -> bool:

@@ -17,7 +17,7 @@ from typing import Literal, NamedTuple, Sequence
 from ..compare import fingerprint
 from .ops import (COMPUTE_KINDS, FORWARD_KINDS, Grad, Op, OpKind, Params, UnitState,
                   transition)
-from .saveable import Keep, name_of, recompute
+from .saveable import Keep, name_of, problem, recompute, selective
 from .structure import FORWARD_ROLES, Role
 
 REDUCES = ("reduce_scatter", "all_reduce")
@@ -54,6 +54,9 @@ class Schedule:
     grad: bool = True  # False: a forward-only schedule (fz3.apply)
     # units gathered at once, resident ones aside
     max_live_units: int = field(default=0, compare=False)
+    # legacy: what a ``selective`` forward keeps here, ATen op names (its ops then carry
+    # ``Keep(keep)``); None: each forward's own predicate
+    keep: frozenset[str] | None = None
     # stack parts whose gradient shard is not allocated whole at their first reduce: each unit's
     # rows are reduced into a buffer of their own, joined into the part's shard after the
     # backward (one copy; less memory where activations outweigh the shard, see ``Policy``)
@@ -63,6 +66,13 @@ class Schedule:
         # Kinds given as strings become OpKind members; unknown ones stay for validate to name.
         ops = tuple(Op(OpKind(op[0]) if op[0] in _KIND_VALUES else op[0], *op[1:])
                     for op in self.ops)
+        if self.keep is not None:
+            if isinstance(self.keep, str) or not all(isinstance(k, str) for k in self.keep):
+                raise TypeError(f"keep={self.keep!r}: pass ATen op names, as "
+                                f"Op('forward', u, fz3.keep(ops=[...])) takes them")
+            object.__setattr__(self, "keep", frozenset(self.keep))
+            ops = tuple(op._replace(saves=Keep(self.keep)) if op.saves is selective else op
+                        for op in ops)
         object.__setattr__(self, "ops", ops)
         object.__setattr__(self, "join_grads", frozenset(self.join_grads))
 
@@ -119,7 +129,8 @@ class Schedule:
             name = self.describe(op).split(" ", 1)[1]
             live = str(walked.live[i]) if i < len(walked.live) else "?"
             mark = f"  <- {walked.error.reason}" if walked.error and walked.error.index == i else ""
-            kind = str(op[0]) + ("" if op.saves is None else f" ({name_of(op.saves)})")
+            layer = op.saves is not None and self.units[op[1]].role is Role.STACK
+            kind = str(op[0]) + (f" ({name_of(op.saves)})" if layer else "")  # others: all
             rows.append(f"{i:>4}  {kind:<19} {name:<18} {live}{mark}")
         if walked.error is not None and (walked.error.index is None
                                          or walked.error.index >= len(self.ops)):
@@ -228,10 +239,11 @@ def _step(s: Schedule, op: Op, states: dict[int, UnitState], order: list[Op], do
     if kind == OpKind.LOSS and s.units[u].role is not Role.POST:
         return (f"loss runs on the post unit ({s.units[s.post].name}, unit {s.post}), "
                 f"not {name}"), done
-    if (kind == OpKind.FORWARD) != (op.saves is not None) or (
-            op.saves is not None and not callable(op.saves)):
+    if (kind == OpKind.FORWARD) != (op.saves is not None):
         return (f"saves={op.saves!r}: a forward carries a predicate (fz3.schedule.saveable), "
                 f"no other op does"), done
+    if op.saves is not None and (why := problem(op.saves)) is not None:
+        return why, done
     if kind == OpKind.FORWARD and op.saves is not recompute and not s.grad:
         return (f"{kind} ({name_of(op.saves)}) keeps activations for a backward; a "
                 f"forward-only schedule has none", done)

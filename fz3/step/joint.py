@@ -61,6 +61,8 @@ class Programs(NamedTuple):
     backward_into: BackwardInto | None = None
     recompute: Callable[..., tuple] | None = None  # None: forward, then backward
     recompute_into: BackwardInto | None = None  # ``backward_into``'s, for ``recompute``
+    # whether the predicate it was cut by kept any op it was asked about (``partition``)
+    kept_any: bool = True
 
     @property
     def outputs(self) -> int:
@@ -169,8 +171,8 @@ def programs(joint: Joint, saves: Saveable = save) -> Programs:
     what autograd would)."""
     first, n = joint.first, outputs(joint.aux)
     _fold_transposes(joint.graph)
-    fwd, bwd = partition(joint.graph, params=range(first), grads=joint.grads, saves=saves,
-                         outputs=n)
+    fwd, bwd, kept_any = partition(joint.graph, params=range(first), grads=joint.grads,
+                                   saves=saves, outputs=n)
     # Forwards without gradient run the forward's ops, residuals not returned: the same
     # kernels as the recompute that follows them (eager may pick others without grad mode);
     # programs cut by another predicate never recompute (they keep residuals): no joined one
@@ -199,7 +201,7 @@ def programs(joint: Joint, saves: Saveable = save) -> Programs:
         recompute, s4 = codegen(rec, "recompute", boxed=True, slow=slow_r)
         into = BackwardInto.of(rec, slow_r)
     return Programs(forward, backward, infer, graphs, s1 + s2 + s3 + s4, joint.aux,
-                    BackwardInto.of(bwd, slow_b), recompute, into)
+                    BackwardInto.of(bwd, slow_b), recompute, into, kept_any)
 
 
 def _fold_input_copy(graph: fx.Graph, first: int) -> None:

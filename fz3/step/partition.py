@@ -29,14 +29,15 @@ from .codegen import CONSTANT_FACTORIES
 
 
 def partition(joint: fx.Graph, params: range, grads: int, saves: Saveable = save,
-              outputs: int = 1) -> tuple[fx.Graph, fx.Graph]:
+              outputs: int = 1) -> tuple[fx.Graph, fx.Graph, bool]:
     """Split a joint graph (inputs ``(*inputs, *cotangents)``, outputs ``(*outs, *grads)``,
     ``outputs`` of each: h, and a layer's aux output) into forward ``(*inputs) -> (*outs,
     *residuals)`` and backward ``(*param inputs, *residuals, *cotangents) -> grads``.
     ``params``: the positions of the parameter rows, whose views the backward recomputes.
     ``saves`` ([Note: selective recompute]): the predicate saying which forward ops' outputs
     are kept; the backward computes every other forward value it needs again (``save``: it
-    keeps what autograd would)."""
+    keeps what autograd would). The third value: whether ``saves`` kept any op it was asked
+    about (the one place a predicate is asked)."""
     places = [n for n in joint.nodes if n.op == "placeholder"]
     out_node = next(n for n in joint.nodes if n.op == "output")
     outs, grad_nodes = out_node.args[0][:outputs], out_node.args[0][outputs:]
@@ -58,7 +59,8 @@ def partition(joint: fx.Graph, params: range, grads: int, saves: Saveable = save
     # the backward recomputes what depends on g, the row views and those constants (and,
     # the forward's ops ``saves`` does not keep); everything else it reads (forward values,
     # h, extras) is a residual
-    computed = backward_side | rows | recomputable(joint, forward_side, saves)
+    again, kept_any = recomputable(joint, forward_side, saves)
+    computed = backward_side | rows | again
     needed = _ancestors(grad_nodes, stop=lambda m: m not in computed)
     residuals = [m for m in joint.nodes if m in needed and m not in computed]
 
@@ -83,7 +85,7 @@ def partition(joint: fx.Graph, params: range, grads: int, saves: Saveable = save
             benv[node] = bwd.node_copy(node, benv.__getitem__)
     bwd.output(tuple(benv[m] for m in grad_nodes))
     bwd.eliminate_dead_code()
-    return fwd, bwd
+    return fwd, bwd, kept_any
 
 
 def joined(forward: fx.Graph, backward: fx.Graph, params: int, outputs: int = 1) -> fx.Graph:
@@ -121,17 +123,21 @@ def joined(forward: fx.Graph, backward: fx.Graph, params: int, outputs: int = 1)
 # node) says which forward ops' outputs are kept; the backward program recomputes the rest
 # from them, the layer's input, its extras and the re-gathered parameter rows: the
 # same ATen ops on the same values, so the results are bitwise those of eager autograd. What
-# is never recomputed, its output kept instead: an op that draws random numbers (dropout's
-# mask is the forward's own, no RNG is replayed), an op that writes in place, and any value
-# that is written into or read from something written into (recomputing it would read the
-# written value). The recomputed ops run at the start of the backward program, in forward
-# order, each freed after its last use.
+# is never recomputed, its output kept without asking the predicate: an op that draws random
+# numbers (dropout's mask is the forward's own, no RNG is replayed; an attention kernel at
+# ``dropout_p=0`` draws none and is asked), an op that writes in place, and any value that is
+# written into or read from something written into (recomputing it would read the written
+# value). The recomputed ops run at the start of the backward program, in forward order,
+# each freed after its last use.
 
-def recomputable(joint: fx.Graph, forward_side: set[fx.Node], saves: Saveable) -> set[fx.Node]:
+def recomputable(joint: fx.Graph, forward_side: set[fx.Node], saves: Saveable
+                 ) -> tuple[set[fx.Node], bool]:
     """The forward's ops a backward computes again, ``saves`` keeping the rest (see the Note
-    above; none for ``save``)."""
+    above; none for ``save``), and whether ``saves`` kept any op it was asked about. Only an
+    ATen op that may be recomputed is asked: not a ``getitem`` (kept with its op), nor a random
+    or in-place op, nor one reading a written value (kept without asking)."""
     if saves is save:
-        return set()
+        return set(), True
     touched: set[fx.Node] = set()  # written into, and every view of or into such a value
     for node in joint.nodes:
         for value in written_args(node):
@@ -145,16 +151,21 @@ def recomputable(joint: fx.Graph, forward_side: set[fx.Node], saves: Saveable) -
                     todo.append(n.args[0])
                 todo.extend(u for u in n.users if _is_view(u))
     out: set[fx.Node] = set()
+    kept_any = False
     for node in joint.nodes:  # in order: a getitem after the op it picks from
         if node.op != "call_function" or node not in forward_side or node in touched:
             continue
         if node.target is operator.getitem:
             if node.args[0] in out:
                 out.add(node)
-        elif not (keeps(saves, node) or _draws_random(node) or written_args(node)
-                  or any(a in touched for a in node.all_input_nodes)):
+        elif (_draws_random(node) or written_args(node)
+              or any(a in touched for a in node.all_input_nodes)):
+            continue  # kept, not asked
+        elif isinstance(node.target, torch._ops.OpOverload) and keeps(saves, node):
+            kept_any = True
+        else:
             out.add(node)
-    return out
+    return out, kept_any
 
 
 def _forward_side(joint: fx.Graph, outs: Sequence[fx.Node], seeds: Sequence[fx.Node]
@@ -217,8 +228,18 @@ def unread_random(graph: fx.Graph) -> bool:
 
 
 def _draws_random(node: fx.Node) -> bool:
-    return (isinstance(node.target, torch._ops.OpOverload)
-            and torch.Tag.nondeterministic_seeded in node.target.tags)
+    """An op tagged ``nondeterministic_seeded``, unless its ``dropout_p`` is 0 (every SDPA
+    kernel is tagged; without dropout it reads no generator and is deterministic)."""
+    target = node.target
+    if not (isinstance(target, torch._ops.OpOverload)
+            and torch.Tag.nondeterministic_seeded in target.tags):
+        return False
+    args = target._schema.arguments
+    i = next((i for i, a in enumerate(args) if a.name == "dropout_p"), None)
+    if i is None:
+        return True
+    p = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", args[i].default_value)
+    return not (isinstance(p, (int, float)) and p == 0)
 
 
 def _placeholder(graph: fx.Graph, name: str, like: fx.Node) -> fx.Node:

@@ -39,7 +39,7 @@ import optree
 import torch
 
 from ..comm.say import once, per_rank
-from ..schedule.saveable import Keep, Saveable, name_of, op_name, save
+from ..schedule.saveable import Keep, Saveable, cuts, name_of, op_name, save
 from ..schedule.structure import Role
 from ..sharding.binding import Binding
 from ..sharding.model import ShardedModel
@@ -257,20 +257,24 @@ class TracedLayers:
             except TraceError as e:
                 self.model.traces[alike] = e
         made = self.model.traces[alike]
-        if signature.saves is not save and not isinstance(made, TraceError):
-            self._keeps_some(part, made, signature.saves)
+        if cuts(signature.saves) and not isinstance(made, TraceError) and not made.kept_any:
+            self._keeps_none(part, made, signature.saves)
         return made
 
-    def _keeps_some(self, part: Part, made: Programs, saves: Saveable) -> None:
-        """A predicate that keeps no op of the layer: one warning per part, naming its ops."""
-        nodes = [n for n in made.graphs[0].nodes if n.op == "call_function"]
-        if not any(saves(n) for n in nodes) and part.name not in self._kept_none:
-            self._kept_none.add(part.name)
-            kept = sorted(saves.ops) if isinstance(saves, Keep) else name_of(saves)
-            once(log, WARNING, "fz3: selective recompute keeps %s, but no layer of %s runs any "
-                 "of them (its forward runs %s): it keeps only its input, like recompute. Name "
-                 "some of its ops in fz3.keep(ops=...)", kept, part.name,
-                 sorted({op_name(n) for n in nodes}))
+    def _keeps_none(self, part: Part, made: Programs, saves: Saveable) -> None:
+        """A predicate that kept no op of the layer (``Programs.kept_any``): one warning per
+        part, naming its ops."""
+        if part.name in self._kept_none:
+            return
+        self._kept_none.add(part.name)
+        ran = sorted({op_name(n) for n in made.graphs[0].nodes if n.op == "call_function"})
+        if isinstance(saves, Keep):
+            said, fix = f"fz3.keep(ops={sorted(saves.ops)})", "name some of its ops in fz3.keep"
+        else:
+            said, fix = (f"Policy(activations={name_of(saves)})",
+                         "check what the predicate asks of a node")
+        once(log, WARNING, "fz3: %s keeps no op that %s's layers run (their forward runs %s): "
+             "each unit keeps only its input, like recompute; %s", said, part.name, ran, fix)
 
     def _fail(self, part_index: int, part: Part, why: str) -> None:
         """Its layers run through autograd: all of them, also those of its units found traced
