@@ -148,7 +148,7 @@ def collectives_only(model, sched, spec: dict) -> None:
         ms = statistics.mean(times) * 1e3
         with open(spec["out"], "w") as f:
             json.dump(dict(step_ms=ms, fwd_bwd_ms=ms, optimizer_ms=0.0, blocked_ms=ms, compute_ms=0.0, other_ms=0.0,
-                           collectives=sum(k in ("gather", "reduce") for k, _ in sched.ops)), f)
+                           collectives=sum(k in ("gather", "reduce") for k, *_ in sched.ops)), f)
     dist.destroy_process_group()
 
 
