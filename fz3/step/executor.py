@@ -206,7 +206,9 @@ def _backward_layers(model: ShardedModel, schedule: Schedule, op: Op, index: int
     def backward_layers(s: StepState) -> Frame | None:
         saved = s.activation.pop(u)
         engine, pieces, extras = saved.engine, s.params[u], s.extras[producer]
-        g_aux = getattr(s.grad.pop(u, None), "g", None)  # its grad record: an AuxCotangent?
+        g_aux = s.grad.pop(u, None)  # before its backward, only its aux cotangent, if any
+        if g_aux is not None:
+            g_aux = g_aux.g
         into = memory.grad_into()
         if saved.residuals is not None:
             g_buffer, g_x, g_extras = engine.backward(pieces, saved.residuals, s.grad_h, g_aux,

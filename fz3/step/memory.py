@@ -9,8 +9,9 @@ objects every step, so the parameter views a program makes of a row are made onc
 rank-major staging a unit of k > 1 layers gathers into at more than one rank, and a stack unit's
 flat unreduced gradient (with its layer-major staging where the reduce wants rank-major rows or
 another dtype; pre's, between's and post's gradients are autograd's, made by their backward or
-the loss). The tensors never change (but for ``handed_out`` and ``hand_over_grad``, below); only
-their storage comes and goes:
+the loss, and a shared unit's is its first reader's, which later readers add into). The
+tensors never change (but for ``handed_out`` and ``hand_over_grad``, below); only their storage
+comes and goes:
 - ``gather`` writes into the buffers (their storage regrown first): across ranks the
   collective, at one rank a copy of the shard (as FSDP2 does; with bf16 compute the cast is
   that copy). ``wait`` copies a k-layer unit's staging into layer order and releases it (at
@@ -26,12 +27,14 @@ their storage comes and goes:
   copy into its rows' views, ``fz3.step.into``; autograd's result is copied); its reduce reads
   it, and ``wait_reduce`` releases it. Every reduce lands in the step's result (the part's
   gradient shard, ``unit_io.result_lander``; with ``join_grads`` a buffer per unit joined into
-  it at the end), never here. ``accumulate``'s carry takes the gradient's tensor over
-  (``hand_over_grad``): the memory makes a new one at its next backward.
+  it at the end), never here. ``accumulate``'s carry takes the first micro-batch's gradient
+  tensor over (``hand_over_grad``; the memory makes a new one at its next backward), later
+  ones are added into it and released.
 - What must outlive ``free`` is copied first or handed over: a layer's aux output or an
   extra that views the parameters is copied (``unit_io.apart``); ``step_through``'s program
-  (``handed_out``) hands each buffer to its frames at ``free`` and makes new ones at the next
-  gather, so a frame kept by the user keeps its memory, as a graph kept past the step would.
+  (``handed_out``) hands each buffer (and gradient) to its frames at ``free`` (at
+  ``wait_reduce``) and makes new ones at the next gather (backward), so a frame kept by
+  the user keeps its memory, as a graph kept past the step would.
 A step that ends in an error leaves the buffers as they are; the next gather regrows them.
 """
 

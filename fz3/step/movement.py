@@ -53,7 +53,9 @@ def wait_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
     u = op.unit
 
     def wait_(s: StepState) -> None:
-        gathering = s.params[u]
+        # out of the table before waiting, as wait_reduce's: a wait that raises leaves no record
+        # for ``drain`` to wait on again, nor for ``abandon`` to count twice
+        gathering = s.params.pop(u)
         trained = wait(gathering.trained)
         frozen = None if gathering.frozen is None else wait(gathering.frozen)
         s.params[u] = memory.arrange(trained, frozen)

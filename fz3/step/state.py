@@ -105,7 +105,8 @@ class Reducing(NamedTuple):
 
 
 class Call(NamedTuple):
-    """The call's inputs (``fz3.step.executor.execute``'s arguments), fixed for the step."""
+    """The call's inputs (``fz3.step.executor.execute``'s arguments): the record is fixed for
+    the step; ``carry``'s dict is not (``reduce`` pops from it, ``accumulate`` adds to it)."""
 
     model: ShardedModel
     schedule: Schedule
