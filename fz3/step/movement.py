@@ -36,7 +36,7 @@ def gather_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
     cast = not comm.local and dtype != torch.float32
 
     def gather(s: StepState) -> None:
-        trained, frozen = pick(s.call.params.parts[part])
+        trained, frozen = pick(s.call.shards.parts[part])
         if cast and trained.dtype != dtype:
             trained = trained.to(dtype)
         out_t, out_f = memory.outputs()

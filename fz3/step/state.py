@@ -110,7 +110,7 @@ class Call(NamedTuple):
 
     model: ShardedModel
     schedule: Schedule
-    params: Params  # the sharded parameters
+    shards: Params  # the sharded parameters (``StepState.params``: the gathered, by unit)
     batch: Any
     loss_fn: Loss
     loss_scale: float | torch.Tensor  # multiplies the backward's seed (fp16 scaling, 1/k)
