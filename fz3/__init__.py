@@ -30,6 +30,7 @@ from .step.state import Frame, Result
 from .step.finite import NonFiniteError
 from .step.record import Event, Recorder
 from .step.value_and_grad import ValueAndGrad, apply, value_and_grad
+from .train_step import TrainStep, train_step
 from .storage.checkpoint import load, save
 from .storage.errors import CheckpointDamagedError, CheckpointError, CheckpointMismatchError
 from .storage.verify import CheckpointReport, verify_checkpoint
@@ -44,9 +45,9 @@ __all__ = [
     "NonFiniteError", "Op", "OpKind", "Params", "PartReadError", "PartShape", "Policy",
     "Precision", "Pretrained", "RankInterruptedError", "RankLostError", "Recorder", "Result",
     "Role", "Schedule", "ScheduleError", "ShardedModel", "Slot", "StepFrame", "Unit",
-    "ValueAndGrad", "accumulate", "any_rank", "apply", "chrome_trace", "decay_mask", "deferred",
-    "destroy", "export", "full_state_dict", "hf", "keep", "load", "measure_memory",
-    "memory_plan", "module_state_dict", "optim", "plan", "read_export", "refreeze", "save",
-    "shard", "step_through", "trace", "trace_summary", "validate", "value_and_grad",
-    "verify_checkpoint",
+    "TrainStep", "ValueAndGrad", "accumulate", "any_rank", "apply", "chrome_trace",
+    "decay_mask", "deferred", "destroy", "export", "full_state_dict", "hf", "keep", "load",
+    "measure_memory", "memory_plan", "module_state_dict", "optim", "plan", "read_export",
+    "refreeze", "save", "shard", "step_through", "trace", "trace_summary", "train_step",
+    "validate", "value_and_grad", "verify_checkpoint",
 ]

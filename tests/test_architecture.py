@@ -107,6 +107,7 @@ ALLOWED = {
     "cost": {"observe", "step", "sharding", "schedule", "comm"},
     "facade": {"hf", "storage", "sharding", "comm"},
     "models": {"facade", "cost", "sharding"},
+    "train_step": {"step", "optim", "schedule", "sharding", "comm"},
 }
 
 

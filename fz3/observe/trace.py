@@ -28,7 +28,7 @@ from .plot import pyplot, timeline_picture
 log = logging.getLogger(__name__)
 LANES = {"compute": 0, "waits": 1, "issue": 2, "in flight": 3, "device": 4}
 LANE_OF = {Category.COMPUTE: "compute", Category.WAIT: "waits", Category.ISSUE: "issue",
-           Category.LIFETIME: "issue"}
+           Category.LIFETIME: "issue", Category.UPDATE: "compute"}
 
 
 @contextlib.contextmanager

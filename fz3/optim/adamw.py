@@ -18,7 +18,8 @@ import optree
 import torch
 from torch.optim.adam import adam as _torch_adam
 
-from .base import GradientTransformation, Tree
+from .aligned import CHUNK, aligned
+from .base import GradientTransformation, Rows, Tree
 from .checks import FIX_STATE, check_like, check_mask
 
 
@@ -80,17 +81,57 @@ def adamw(lr: float | Callable[[int], float] = 1e-3, betas: tuple[float, float] 
         _check_buffers(grads, state, params, masks)
         count, t, rate = _tick(state, lr)
         ps, treedef = optree.tree_flatten(params)
-        leaves = list(zip(ps, *(treedef.flatten_up_to(x) for x in (grads, state.mu, state.nu))))
-        if not weight_decay or masks is None:
-            groups = {weight_decay: leaves}
-        else:
-            groups = _split_by_decay(leaves, runs, treedef.flatten_up_to(masks), rate,
-                                     weight_decay)
+        leaves = zip(ps, *(treedef.flatten_up_to(x) for x in (grads, state.mu, state.nu)))
+        ks = treedef.flatten_up_to(masks) if masks is not None else [None] * len(ps)
+        groups: dict[float, list] = {}
+        for i, (tensors, keep) in enumerate(zip(leaves, ks)):
+            for decay, run in _leaf_groups(tensors, runs and runs[i], keep, rate, weight_decay):
+                groups.setdefault(decay, []).append(run or tensors)
         for decay, group in groups.items():
             _fused(group, t, lr=rate, beta1=b1, beta2=b2, weight_decay=decay, eps=eps)
         return params, AdamWState(count, state.mu, state.nu)
 
-    return GradientTransformation(init, update, update_inplace)
+    by_rows = functools.partial(_by_rows, lr=lr, betas=betas, eps=eps,
+                                weight_decay=weight_decay, masks=masks, runs=runs)
+    return GradientTransformation(init, update, update_inplace, by_rows)
+
+
+def _by_rows(state: AdamWState, params: Tree, *, lr, betas: tuple[float, float], eps: float,
+             weight_decay: float, masks: Tree | None, runs: list | None) -> Rows:
+    """``update_inplace``'s step a unit's rows at a time, bit for bit (``aligned``): the
+    count ticks here, once."""
+    b1, b2 = betas
+    _check_buffers(params, state, params, masks)
+    count, t, rate = _tick(state, lr)
+    ps, treedef = optree.tree_flatten(params)
+    mus, nus = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
+    ks = treedef.flatten_up_to(masks) if masks is not None else [None] * len(ps)
+    width = CHUNK if ps and ps[0].device.type == "cpu" else 1
+    pending: list[dict] = [{} for _ in ps]
+
+    def step_rows(i: int, rows: slice | None, grad: torch.Tensor) -> None:
+        p, m, v = ps[i], mus[i], nus[i]
+        own = p if rows is None else p[rows]
+        if grad.shape != own.shape:
+            raise ValueError(f"the gradient of rows {rows} of leaf {i} is "
+                             f"{list(grad.shape)}, its parameters {list(own.shape)}")
+        groups: dict[float, list] = {}
+        start = 0 if rows is None else rows.start * own[0].numel()
+        for decay, run in _leaf_groups((p, grad, m, v), runs and runs[i], ks[i], rate,
+                                       weight_decay, rows):
+            groups.setdefault(decay, []).extend(
+                [run] if run else aligned((p, m, v), grad, start, pending[i], width))
+        for decay, group in groups.items():
+            _fused(group, t, lr=rate, beta1=b1, beta2=b2, weight_decay=decay, eps=eps)
+
+    def finish() -> tuple[Tree, AdamWState]:
+        left = [i for i, chunks in enumerate(pending) if chunks]
+        if left:
+            raise RuntimeError(f"adamw by rows: leaves {left} have rows never stepped "
+                               f"this step (every row takes one update a step)")
+        return params, AdamWState(count, state.mu, state.nu)
+
+    return Rows(step_rows, finish)
 
 
 def _check_buffers(grads: Tree, state: Any, params: Tree | None, masks: Tree | None) -> None:
@@ -170,26 +211,30 @@ def _decay_runs(keep: torch.Tensor) -> list[list[tuple[int, int, bool]]]:
 SLICE_MIN_ELEMENTS = 8192
 
 
-def _split_by_decay(leaves: list[tuple], runs: list, keeps: list, rate: float,
-                    weight_decay: float) -> dict[float, list]:
-    """``{decay: [(p, g, m, v)]}``: whole leaves where the mask is uniform; else contiguous
-    slices of each row (the fused kernel needs contiguous tensors) where they are large, or
-    the masked decay applied in a pass of its own and the leaf stepped without decay."""
-    groups: dict[float, list] = {weight_decay: [], 0.0: []}
-    for tensors, mask_rows, keep in zip(leaves, runs, keeps):
-        flags = {f for row in mask_rows for _, _, f in row}
-        if len(flags) == 1:  # uniform
-            groups[weight_decay if flags.pop() else 0.0].append(tensors)
-            continue
-        p = tensors[0]
-        n = p.shape[-1]
-        per_row = max(len(row) for row in mask_rows)
-        if n < SLICE_MIN_ELEMENTS * per_row or keep.shape[-1] != n:
-            p.addcmul_(p, keep, value=-rate * weight_decay)  # decoupled, before the step
-            groups[0.0].append(tensors)
-            continue
-        rows = [t.view(-1, n) for t in tensors]
-        for r in range(rows[0].shape[0]):  # a mask of one row serves every row
-            for a, b, decays in mask_rows[r if len(mask_rows) > 1 else 0]:
-                groups[weight_decay if decays else 0.0].append(tuple(x[r, a:b] for x in rows))
-    return groups
+def _leaf_groups(tensors: tuple, mask_rows: list | None, keep: torch.Tensor | None, rate: float,
+                 weight_decay: float, rows: slice | None = None) -> list[tuple[float, Any]]:
+    """``[(decay, run)]`` for one leaf's ``(p, g, m, v)`` (``g`` its ``rows``' gradient;
+    ``rows`` None: the whole leaf), decided on the whole leaf's mask: ``run`` None steps the
+    rows whole (after the masked decay applied in a pass of its own, where the mask is
+    mixed and its slices small); else contiguous slices of each row, one per run of the mask
+    where they are large (the fused kernel takes one decay per call and contiguous tensors)."""
+    if mask_rows is None or not weight_decay:
+        return [(weight_decay, None)]
+    flags = {f for row in mask_rows for _, _, f in row}
+    if len(flags) == 1:  # uniform
+        return [(weight_decay if flags.pop() else 0.0, None)]
+    p, g, m, v = tensors
+    n = p.shape[-1]
+    per_row = max(len(row) for row in mask_rows)
+    if n < SLICE_MIN_ELEMENTS * per_row or keep.shape[-1] != n:
+        mine = p if rows is None else p[rows]
+        by_row = rows is not None and keep.dim() == p.dim() and keep.shape[0] == p.shape[0] > 1
+        mine.addcmul_(mine, keep[rows] if by_row else keep, value=-rate * weight_decay)
+        return [(0.0, None)]  # decoupled, before the step
+    out, first = [], 0 if rows is None else rows.start
+    flat = [t.view(-1, n) for t in ((p, g, m, v) if rows is None else
+                                    (p[rows], g, m[rows], v[rows]))]
+    for r in range(flat[0].shape[0]):  # a mask of one row serves every row
+        for a, b, decays in mask_rows[first + r if len(mask_rows) > 1 else 0]:
+            out.append((weight_decay if decays else 0.0, tuple(x[r, a:b] for x in flat)))
+    return out

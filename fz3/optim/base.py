@@ -19,6 +19,20 @@ class GradientTransformation(NamedTuple):
     # Optional fast path: (grads, state, params) -> (params, state) computed in place, reusing
     # (donating) the buffers of params and state, as a fused kernel does. See ``step``.
     update_inplace: Callable[..., tuple[Tree, Any]] | None = None
+    # Optional per-unit form: (state, params) -> ``Rows``, the step taken a unit's rows at a
+    # time as its gradient lands (``fz3.train_step``); only where the update is separable by
+    # rows. See ``by_rows``.
+    by_rows: Callable[[Any, Tree], "Rows"] | None = None
+
+
+class Rows(NamedTuple):
+    """One optimizer step, taken a unit at a time, in place (params and state donated)."""
+
+    # (leaf, rows, grad): step leaf ``leaf`` of params (a part, for ``fz3.Params``), its rows
+    # ``rows`` (a slice of a stack part's layers; None: the whole leaf) with their reduced
+    # gradient ``grad`` (shaped like those rows); each row once a step
+    update: Callable[[int, slice | None, torch.Tensor], None]
+    finish: Callable[[], tuple[Tree, Any]]  # once every row is stepped: (params, state)
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
@@ -35,6 +49,9 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         return grads, tuple(new)
 
     last = transforms[-1] if transforms else None
+    if len(transforms) == 1:  # its own fast paths, its state in a tuple
+        return GradientTransformation(init, update, _one(last.update_inplace),
+                                      _one(last.by_rows))
     if last is None or last.update_inplace is None:
         return GradientTransformation(init, update)
 
@@ -66,6 +83,44 @@ def step(opt: GradientTransformation, grads: Tree, state: Any, params: Tree, *,
         return _give_up(params, new_params), _give_up(state, new_state)
     updates, state = opt.update(grads, state, params)
     return apply_updates(params, updates), state
+
+
+def _one(fast: Callable | None) -> Callable | None:
+    """A one-transformation chain's ``update_inplace`` or ``by_rows``: ``fast`` on its state."""
+    if fast is None:
+        return None
+
+    def on_first(*args) -> Any:
+        *rest, state, params = args
+        out = fast(*rest, state[0], params)
+        if isinstance(out, Rows):
+            return out._replace(finish=lambda: _tupled(out.finish()))
+        return _tupled(out)
+
+    return on_first
+
+
+def _tupled(pair: tuple) -> tuple:
+    return pair[0], (pair[1],)
+
+
+def by_rows(opt: GradientTransformation, params: Tree, state: Any) -> Rows | None:
+    """``opt``'s step a unit at a time (``GradientTransformation.by_rows``), or None where it
+    has no per-unit form (it needs the whole gradient: ``clip_by_global_norm``, ``unscale``,
+    ``muon``; or is not separable: ``freeze`` after ``adamw``, a longer ``chain``). As
+    ``step(..., donate=True)``: ``params`` and ``state`` are given up, ``finish`` returns
+    the new ones. Local."""
+    refuse_donated_tree(params, "params")
+    refuse_donated_tree(state, "optimizer state")
+    if opt.by_rows is None:
+        return None
+    rows = opt.by_rows(state, params)
+
+    def finish() -> tuple[Tree, Any]:
+        new_params, new_state = rows.finish()
+        return _give_up(params, new_params), _give_up(state, new_state)
+
+    return rows._replace(finish=finish)
 
 
 # [Note: donated trees]

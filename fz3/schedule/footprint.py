@@ -5,7 +5,8 @@ Each unit's state (``fz3.schedule.ops``) decides what it holds: its gathered buf
 gradient while ``UNREDUCED`` or ``REDUCING``. A part's gradient shard (all its rows, where
 the step returns it) exists from the first reduce of any of its units on; for a part in
 ``Schedule.join_grads``, each unit's rows from its own reduce on, and the whole shard beside
-them while they are joined, after the last op. How many
+them while they are joined, after the last op; with ``update`` ops (``fz3.train_step``),
+each unit's rows from its reduce to its update. How many
 bytes each of those is comes from ``Sizes``: ``fz3.memory_plan`` measures them on the model
 and a batch, the cost model counts them in closed form (``fz3.cost``). Both read the same
 fold, so they cannot disagree about what is alive when.
@@ -69,8 +70,11 @@ def footprint(schedule: Schedule, sizes: Sizes) -> list[OpBytes]:
             states[u] = after
             _account(totals, sizes, op, u, before, after, kept, schedule)
         unit = schedule.units[op.unit]
-        if op.kind == OpKind.REDUCE and unit.part in schedule.join_grads:
-            totals[4] += sizes.part_shard(unit.part) // rows[unit.part] * len(unit.layers)
+        own = sizes.part_shard(unit.part) // rows[unit.part] * len(unit.layers)
+        if op.kind == OpKind.UPDATE:  # its own rows' buffer, freed by its update
+            totals[4] -= own
+        elif op.kind == OpKind.REDUCE and (schedule.updates or unit.part in schedule.join_grads):
+            totals[4] += own
         elif op.kind == OpKind.REDUCE and unit.part not in allocated:
             allocated.add(unit.part)
             totals[4] += sizes.part_shard(unit.part)

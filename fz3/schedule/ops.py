@@ -10,8 +10,9 @@ A unit has three independent pieces of state:
                 (``Op.saves``, ``fz3.schedule.saveable``: its input for ``recompute``,
                 its residuals for ``save``, some of them for others) until its backward
 ``grad``        ``NONE -> UNREDUCED -> REDUCING -> REDUCED`` (backward, reduce,
-                wait_reduce), or ``UNREDUCED -> CARRIED`` (accumulate: summed into a
-                buffer that the next micro-batch reduces)
+                wait_reduce) ``-> APPLIED`` (update: ``fz3.train_step``'s optimizer
+                stepped the unit's rows with its shard), or ``UNREDUCED -> CARRIED``
+                (accumulate: summed into a buffer that the next micro-batch reduces)
 ==============  ===============================================================
 
 A compute op needs its own unit ``GATHERED``, and also the units it *reads* (parts tied
@@ -36,6 +37,7 @@ class Category(Enum):
     WAIT = "wait"  # blocks until a collective is done
     COMPUTE = "compute"  # runs the model's math
     LIFETIME = "lifetime"  # ends a buffer's life (free, accumulate)
+    UPDATE = "update"  # steps parameters with their gradient (``fz3.train_step``'s optimizer)
 
 
 class OpKind(str, Enum):
@@ -53,6 +55,7 @@ class OpKind(str, Enum):
     REDUCE = "reduce"  # issue the reduce-scatter (or all-reduce) of its flat gradient
     WAIT_REDUCE = "wait_reduce"  # block until its gradient shard is ready
     ACCUMULATE = "accumulate"  # add its flat gradient into a carried buffer instead
+    UPDATE = "update"  # step the unit's parameter shard with its reduced gradient shard
 
     __hash__ = str.__hash__  # hash like the string, so "gather" and OpKind.GATHER are one key
 
@@ -73,6 +76,7 @@ _CATEGORY = {
     OpKind.FORWARD_SELECTIVE: Category.COMPUTE,
     OpKind.LOSS: Category.COMPUTE, OpKind.BACKWARD: Category.COMPUTE,
     OpKind.FREE: Category.LIFETIME, OpKind.ACCUMULATE: Category.LIFETIME,
+    OpKind.UPDATE: Category.UPDATE,
 }
 COMPUTE_KINDS = frozenset(k for k in OpKind if k.category is Category.COMPUTE)
 FORWARD_KINDS = frozenset({OpKind.FORWARD})  # (a set: what reads it reads every forward)
@@ -137,6 +141,7 @@ class Grad(Enum):
     REDUCING = "reducing"
     REDUCED = "reduced"
     CARRIED = "carried"
+    APPLIED = "applied"
 
 
 class UnitState(NamedTuple):
@@ -170,6 +175,7 @@ TABLE: dict[OpKind, tuple[Change, ...]] = {
     OpKind.REDUCE: (_c("grad", {Grad.UNREDUCED}, Grad.REDUCING),),
     OpKind.WAIT_REDUCE: (_c("grad", {Grad.REDUCING}, Grad.REDUCED),),
     OpKind.ACCUMULATE: (_c("grad", {Grad.UNREDUCED}, Grad.CARRIED),),
+    OpKind.UPDATE: (_c("grad", {Grad.REDUCED}, Grad.APPLIED),),
 }
 
 
@@ -216,6 +222,9 @@ def _why(kind: OpKind, field: str, now: Enum, name: str, read: bool) -> str:
             f"{name} ran its forward twice"
     if kind == OpKind.WAIT_REDUCE:
         return f"no reduce of {name} is in flight"
+    if kind == OpKind.UPDATE:
+        return (f"the gradient of {name} is {now.value}: an update steps a unit's parameters "
+                f"once, after its wait_reduce")
     if now is Grad.NONE:
         return f"the gradient of {name} does not exist yet (its backward has not run)"
     twice = "reduced twice" if kind == OpKind.REDUCE else "reduced or accumulated twice"

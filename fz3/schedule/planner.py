@@ -223,3 +223,14 @@ def deferred(schedule: Schedule) -> Schedule:
                 for op in schedule.ops if op.kind != OpKind.WAIT_REDUCE)
     return validate(replace(schedule, ops=ops))
 
+
+
+def updating(schedule: Schedule) -> Schedule:
+    """``schedule`` with an ``update`` op right after each unit's ``wait_reduce`` (as is, if
+    it has update ops already): ``fz3.train_step``'s, stepping each unit's parameters as soon
+    as its gradient shard lands."""
+    if schedule.updates:
+        return validate(schedule)
+    ops = [o for op in schedule.ops for o in ((op, Op(OpKind.UPDATE, op.unit))
+                                             if op.kind == OpKind.WAIT_REDUCE else (op,))]
+    return validate(replace(schedule, ops=tuple(ops)))

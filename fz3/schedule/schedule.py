@@ -100,6 +100,12 @@ class Schedule:
         return {op.unit for op in self.ops
                 if op.saves is recompute and self.units[op.unit].role is Role.STACK}
 
+    @functools.cached_property
+    def updates(self) -> bool:
+        """It steps the parameters (``update`` ops, ``fz3.train_step``): each unit's reduced
+        gradient shard lands in a buffer of its own, freed by its update."""
+        return any(op.kind == OpKind.UPDATE for op in self.ops)
+
     def describe(self, op: Op) -> str:
         """``"forward blocks.0"``: the op with its unit's name."""
         kind, u = op[0], op[1]
@@ -247,8 +253,11 @@ def _step(s: Schedule, op: Op, states: dict[int, UnitState], order: list[Op], do
     if kind == OpKind.FORWARD and op.saves is not recompute and not s.grad:
         return (f"{kind} ({name_of(op.saves)}) keeps activations for a backward; a "
                 f"forward-only schedule has none", done)
-    if kind in (OpKind.REDUCE, OpKind.ACCUMULATE) and not s.grad:
+    if kind in (OpKind.REDUCE, OpKind.ACCUMULATE, OpKind.UPDATE) and not s.grad:
         return "a forward-only schedule has no gradients to reduce", done
+    if kind == OpKind.GATHER and states[u].grad is Grad.APPLIED:
+        return (f"{name} is gathered after its update: the step would compute with parameters "
+                f"it has already stepped"), done
     if kind in COMPUTE_KINDS:
         if done >= len(order) or order[done][:2] != (kind, u):
             expected = ("nothing (all compute is done)" if done >= len(order)
@@ -281,7 +290,10 @@ def _end_reason(s: Schedule, states: dict[int, UnitState], order: list[Op],
     if gathered:
         return f"units never freed: {names(gathered)}"
     if s.grad:
-        missing = [u for u, st in states.items() if st.grad not in (Grad.REDUCED, Grad.CARRIED)]
+        done_with = (Grad.APPLIED,) if s.updates else (Grad.REDUCED, Grad.CARRIED)
+        missing = [u for u, st in states.items() if st.grad not in done_with]
+        if missing and s.updates and all(states[u].grad is Grad.REDUCED for u in missing):
+            return f"gradients never applied (no update op): {names(missing)}"
         if missing:
             waiting = all(states[u].grad is Grad.REDUCING for u in missing)
             return f"gradients {'never waited' if waiting else 'never reduced'}: {names(missing)}"

@@ -36,7 +36,8 @@ from .engine import Produced
 from .memory import UnitMemory, memories
 from .record import observed
 from .state import Call, Frame, Kept, Loss, Result, Step, StepState
-from .movement import accumulate_op, free_op, gather_op, reduce_op, wait_op, wait_reduce_op
+from .movement import (accumulate_op, free_op, gather_op, reduce_op, update_op, wait_op,
+                       wait_reduce_op)
 from .unit_io import (add_gradients, apart, aux_cotangents, aux_units, detached, frame_of,
                       joined, layer_engine, or_zeros, stacked_aux, stage_engine, stage_pieces)
 
@@ -65,7 +66,7 @@ def lower(model: ShardedModel, schedule: Schedule, *, handed_out: bool = False) 
 def execute(model: ShardedModel, program: Program, params: Params, batch: Any, recorder=None,
             *, loss: Loss | None = None, loss_scale: float | torch.Tensor = 1.0,
             carry: dict[int, torch.Tensor] | None = None, reduce_replicas: bool = True,
-            traced=None, frames: bool = True) -> Generator[Frame, None, Result]:
+            traced=None, frames: bool = True, update=None) -> Generator[Frame, None, Result]:
     """Run ``program`` (``lower``) on ``batch``. ``loss``: the function the ``loss`` op runs
     (default: the model's ``post``). ``loss_scale`` multiplies the backward's seed (fp16 loss
     scaling; 1/k for k accumulated micro-batches). ``carry``: unsharded flat gradients
@@ -74,10 +75,11 @@ def execute(model: ShardedModel, program: Program, params: Params, batch: Any, r
     the caller does it once for several micro-batches). ``recorder``: a ``fz3.Recorder``, or
     None (no cost). ``traced``: a ``fz3.step.traced.TracedLayers`` whose programs run the
     layers (without the autograd engine), or None (autograd). ``frames=False``: no ``Frame``
-    is made or yielded (a caller that only drains the step)."""
+    is made or yielded (a caller that only drains the step). ``update``: what the schedule's
+    ``update`` ops step each unit's parameters with (``fz3.train_step``'s optimizer)."""
     schedule = program.schedule
     state = StepState(Call(model, schedule, params, batch, loss or Loss(model.post), loss_scale,
-                           carry, reduce_replicas, traced, frames))
+                           carry, reduce_replicas, traced, frames, update))
     # With a profiler running, each op is a named range in its trace; else a check per step.
     profiling = torch.autograd._profiler_enabled()
     try:
@@ -268,7 +270,7 @@ STEPS: dict[OpKind, Callable[[ShardedModel, Schedule, Op, int, Any], Step]] = {
     OpKind.GATHER: gather_op, OpKind.WAIT: wait_op, OpKind.FORWARD: _forward,
     OpKind.LOSS: _loss, OpKind.BACKWARD: _backward, OpKind.FREE: free_op,
     OpKind.REDUCE: reduce_op, OpKind.WAIT_REDUCE: wait_reduce_op,
-    OpKind.ACCUMULATE: accumulate_op,
+    OpKind.ACCUMULATE: accumulate_op, OpKind.UPDATE: update_op,
 }
 
 

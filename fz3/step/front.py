@@ -26,7 +26,7 @@ from ..comm.out_of_step import steps_apart
 from ..comm.say import once
 from ..schedule.ops import OpKind
 from ..schedule.saveable import cuts, name_of
-from ..schedule.planner import Policy, plan
+from ..schedule.planner import Policy, plan, updating
 from ..schedule.schedule import Schedule, validate
 from ..sharding.model import Params, ShardedModel
 from ..sharding.params import check_tree
@@ -37,11 +37,14 @@ log = logging.getLogger(__name__)
 
 
 def prepare(model: ShardedModel, schedule: Schedule | Policy | None, *, grad: bool,
-            entry: str) -> Schedule:
+            entry: str, updates: bool = False) -> Schedule:
     """The schedule ``entry`` runs: planned from a ``Policy`` (None: the default policy) or a
-    hand-made ``Schedule`` validated, refused if it holds ``accumulate`` ops, then compared
-    across ranks. **Collective**: one small all-gather over the sharding group."""
+    hand-made ``Schedule`` validated, refused if it holds ``accumulate`` ops, with an
+    ``update`` op after each ``wait_reduce`` where ``updates`` asks for them and it has none
+    (``fz3.train_step``), then compared across ranks. **Collective**: one small all-gather
+    over the sharding group."""
     sched = check_schedule(model, schedule, grad=grad, entry=entry)
+    sched = updating(sched) if updates else sched
     differ, _ = differing_ranks(model.comm, list(sched.fingerprint()), model.device,
                                 f"{entry}'s schedule check")
     if differ:
@@ -73,6 +76,9 @@ def check_schedule(model: Any, schedule: Schedule | Policy | None, *, grad: bool
                          f"run only inside fz3.accumulate(policy='defer') for the micro-batches "
                          f"before the last; {entry} needs a schedule that reduces (pass the one "
                          f"you gave fz3.deferred)")
+    if schedule.updates and entry != "train_step":
+        raise ValueError(f"the schedule holds update ops: only fz3.train_step runs them (it "
+                         f"steps the parameters); {entry} needs the schedule without them")
     return validate(schedule)
 
 

@@ -1,5 +1,6 @@
 """The steps that move a unit's memory: its gather and wait, its free, its gradient's reduce
-and wait (or its accumulation across micro-batches). ``fz3.step.executor`` lowers a schedule
+and wait (or its accumulation across micro-batches), and the update that steps its
+parameters with the reduced gradient and lets it go. ``fz3.step.executor`` lowers a schedule
 into such steps beside its compute ones; ``memory.py``'s Note says each buffer's lifetime.
 
 Each is made once per op, ``(model, schedule, op, index, memory) -> step``, with everything
@@ -21,7 +22,7 @@ from ..schedule.structure import Role
 from ..sharding.model import ShardedModel
 from . import shapes
 from .memory import UnitMemory
-from .state import Gathering, Reducing, Step, StepState
+from .state import Gathering, Reduced, Reducing, Step, StepState
 from .unit_io import result_lander
 
 
@@ -116,7 +117,7 @@ def wait_reduce_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
     u, comm, label = op.unit, model.comm, Label(schedule, op)
     replicate = comm.replicas > 1
     every = schedule.reduce == "all_reduce"
-    stack = schedule.units[u].role is Role.STACK
+    stack, updates = schedule.units[u].role is Role.STACK, schedule.updates
 
     def wait_reduce(s: StepState) -> None:
         pending, shard = s.grad.pop(u)
@@ -128,8 +129,10 @@ def wait_reduce_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
             shard.copy_(out)
         if stack:
             memory.free_grad()
+        if updates:  # its update steps the parameters with it (``fz3.train_step``: no replicas)
+            s.grad[u] = Reduced(shard)
         # hybrid: sum the shard across replicas, waited at the end
-        if replicate and s.call.reduces_replicas:
+        elif replicate and s.call.reduces_replicas:
             s.replicating.append(all_reduce(comm, shard, group=comm.replicate_group,
                                             label=label))
 
@@ -154,6 +157,22 @@ def accumulate_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
                 memory.hand_over_grad()
 
     return accumulate
+
+
+def update_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
+              memory: UnitMemory) -> Step:
+    """The unit's parameter shard (its rows of its part's) stepped with its reduced gradient
+    shard by the call's optimizer (``Call.update``, ``fz3.train_step``), which lets it go."""
+    u, unit = op.unit, schedule.units[op.unit]
+    part, n = unit.part, model.parts[unit.part].layout.shard_numel
+    stack = unit.role is Role.STACK
+    rows = slice(unit.layers.start, unit.layers.stop) if stack else None
+
+    def update(s: StepState) -> None:
+        shard = s.grad.pop(u).shard
+        s.call.update(part, rows, shard.view(-1, n) if stack else shard)
+
+    return update
 
 
 class Label(NamedTuple):

@@ -118,6 +118,15 @@ class Call(NamedTuple):
     reduces_replicas: bool  # hybrid: sum the shard across replicas at each wait_reduce
     traced: Any  # fz3.step.traced.TracedLayers: layers run as traced programs; None: not
     frames: bool  # False: compute ops make no Frame (nobody looks at them)
+    # ``update`` ops' step (``fz3.optim.Rows.update``: part, rows, reduced gradient), or None
+    update: Callable[[int, slice | None, torch.Tensor], None] | None = None
+
+
+class Reduced(NamedTuple):
+    """A unit's reduced gradient shard waiting for its ``update`` op (its ``StepState.grad``
+    record; ``fz3.train_step``): a buffer of its own, ``(k * shard,)`` fp32, freed by it."""
+
+    shard: torch.Tensor
 
 
 class Shard(NamedTuple):
@@ -139,7 +148,8 @@ class StepState:
     ``params``: ``Gathering``, then ``Pieces`` (its memory); ``activation``: what its forward
     kept (``Kept``, with a layer unit's aux outputs until the loss); ``grad``: its flat
     unreduced gradient ((world, k, n); (world*n,) for a one-layer unit whose reduce is a
-    reduce-scatter, (padded,) for a part that is not a stack), then ``Reducing``; before its
+    reduce-scatter, (padded,) for a part that is not a stack), then ``Reducing`` (then
+    ``Reduced`` until its update, ``fz3.train_step``); before its
     backward, a layer unit's ``AuxCotangent``, a pre or between unit's extras' gradient sums
     (by position: the layers add them)."""
 

@@ -155,9 +155,13 @@ def result_lander(model: ShardedModel, schedule: Schedule, unit: Unit
     part's gradient shard in the step's result, allocated at the part's first reduce (and
     split into rows once: one op for all the part's units); for a part in
     ``Schedule.join_grads``, the unit's own ``(k, shard)`` rows, joined into the part's shard
-    after the backward (``joined``)."""
+    after the backward (``joined``); with ``update`` ops, the unit's own rows, stepped and
+    let go by its update (``fz3.step.movement.update_op``)."""
     p, part, device = unit.part, model.parts[unit.part], model.device
     first, stop = unit.layers.start, unit.layers.stop
+    if schedule.updates:  # its own, until its update (``fz3.train_step``): nothing is joined
+        size = (stop - first if unit.role is Role.STACK else 1) * part.layout.shard_numel
+        return lambda s: torch.empty(size, dtype=torch.float32, device=device)
     if p in schedule.join_grads:
         shape = (stop - first, part.layout.shard_numel)
 

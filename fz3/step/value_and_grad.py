@@ -36,12 +36,19 @@ class ValueAndGrad:
 
     def __call__(self, params: Params, batch: Any, *, loss_scale: float | torch.Tensor = 1.0):
         """``loss_scale`` multiplies the gradients, not the loss (fp16 loss scaling)."""
-        empty = check_call(self.model, params, batch, entry="value_and_grad's step")
+        return self.run(params, batch, loss_scale, entry="value_and_grad's step")
+
+    def run(self, params: Params, batch: Any, loss_scale: float | torch.Tensor = 1.0, *,
+            update=None, entry: str) -> tuple:
+        """The step, its ``update`` ops stepping with ``update`` (``fz3.train_step``'s
+        schedule: no gradients are returned then)."""
+        empty = check_call(self.model, params, batch, entry=entry)
         if self.check_sync:
-            check_in_sync(self.model, self.steps, "value_and_grad's step", [batch], empty)
+            check_in_sync(self.model, self.steps, entry, [batch], empty)
         self.steps += 1
         gen = execute(self.model, self.program, params, batch, self.recorder, loss=self.loss,
-                      loss_scale=loss_scale, traced=self.traced, frames=self.check_finite)
+                      loss_scale=loss_scale, traced=self.traced, frames=self.check_finite,
+                      update=update)
         result = (drain_checking_finite(self.model, self.schedule, gen) if self.check_finite
                   else drain(gen))
         value = (result.loss, result.aux) if self.loss.has_aux else result.loss
@@ -91,14 +98,27 @@ def value_and_grad(model: ShardedModel, schedule: Schedule | Policy | None = Non
     raises ``NotImplementedError``: graph capture awaits a GPU measurement of the traced
     engine.
     """
-    refuse_fixed_buffers(fixed_buffers, "fz3.value_and_grad")
+    return made(model, schedule, "value_and_grad", loss=loss, has_aux=has_aux,
+                recorder=recorder, check_finite=check_finite, check_sync=check_sync,
+                compile=compile, strict=strict, cuda_graphs=cuda_graphs, trace=trace,
+                fixed_buffers=fixed_buffers)
+
+
+def made(model: ShardedModel, schedule: Schedule | Policy | None, entry: str, *, loss=None,
+         has_aux: bool = False, recorder=None, check_finite: bool = False,
+         check_sync: bool | None = None, compile: bool = False, strict: bool = False,
+         cuda_graphs: bool = False, trace: bool = True, fixed_buffers: object = None,
+         updates: bool = False) -> ValueAndGrad:
+    """``value_and_grad``'s step for ``entry``, its schedule with ``update`` ops where
+    ``updates`` (``fz3.train_step``). **Collective** (``prepare``)."""
+    refuse_fixed_buffers(fixed_buffers, f"fz3.{entry}")
     if cuda_graphs:
         raise NotImplementedError(
             "cuda_graphs=True: capturing the layers as CUDA graphs awaits a GPU measurement of "
             "the traced engine (benchmarks/gpu_check.py --part speed); until then pass "
             "compile=True, whose inductor programs have no Python between their kernels")
     traced = layer_runner(model, trace=trace, compile=compile, strict=strict)
-    sched = prepare(model, schedule, grad=True, entry="value_and_grad")
+    sched = prepare(model, schedule, grad=True, entry=entry, updates=updates)
     say_untraced_selective(sched, traced)
     return ValueAndGrad(model, sched, loss=loss, has_aux=has_aux, recorder=recorder,
                         check_finite=check_finite, check_sync=check_sync, traced=traced)

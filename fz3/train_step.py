@@ -1,0 +1,95 @@
+"""``fz3.train_step``: forward, backward and the optimizer as one schedule.
+
+The schedule is ``value_and_grad``'s with an ``update`` op after each unit's ``wait_reduce``
+(``fz3.schedule.planner.updating``): a unit's reduced gradient shard lands in a buffer of its
+own, its parameter rows are stepped with it by the optimizer's per-unit form
+(``GradientTransformation.by_rows``, ``fz3.optim.base.Rows``) and it is let go, so the
+model's whole fp32 gradient shard is never alive at once, and each update runs while the
+layers below are still in their backward. An optimizer without a per-unit form (one that
+needs the whole gradient first: ``clip_by_global_norm``, ``unscale``, ``muon``), and hybrid
+sharding (the replicas' all-reduce is waited at the step's end), run the step as
+``value_and_grad`` then ``fz3.optim.step(..., donate=True)``, said once. Either way the
+result is bit for bit that of ``value_and_grad`` followed by ``fz3.optim.step(...,
+donate=True)`` (``fz3.optim.aligned``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+from .comm.say import once
+from .optim.base import GradientTransformation, by_rows, step
+from .schedule.planner import Policy
+from .schedule.schedule import Schedule
+from .sharding.model import Params, ShardedModel
+from .step.value_and_grad import ValueAndGrad, made
+
+log = logging.getLogger(__name__)
+
+
+class TrainStep:
+    """``step(params, opt_state, batch) -> (loss, params, opt_state)`` (``loss`` is ``(loss,
+    aux)`` with ``has_aux``); ``params`` and ``opt_state`` are donated (as with
+    ``fz3.optim.step(..., donate=True)``): use the returned ones. ``step.schedule``: the
+    schedule it runs; ``step.per_unit``: whether the optimizer steps a unit at a time."""
+
+    def __init__(self, model: ShardedModel, opt: GradientTransformation, run: ValueAndGrad,
+                 per_unit: bool):
+        self.model, self.opt, self.run, self.per_unit = model, opt, run, per_unit
+        self.schedule = run.schedule
+
+    def __call__(self, params: Params, opt_state: Any, batch: Any, *,
+                 loss_scale: float | torch.Tensor = 1.0) -> tuple[Any, Params, Any]:
+        """``loss_scale`` multiplies the gradients (pair it with ``fz3.optim.unscale``)."""
+        if not self.per_unit:
+            value, grads = self.run.run(params, batch, loss_scale, entry="train_step")
+            params, opt_state = step(self.opt, grads, opt_state, params, donate=True)
+            return value, params, opt_state
+        rows = by_rows(self.opt, params, opt_state)  # refuses donated trees, before any collective
+        value, _ = self.run.run(params, batch, loss_scale, update=rows.update,
+                                entry="train_step")
+        params, opt_state = rows.finish()
+        return value, params, opt_state
+
+
+def train_step(model: ShardedModel, opt: GradientTransformation,
+               schedule_or_policy: Schedule | Policy | None = None, *,
+               loss: Callable[..., Any] | None = None, has_aux: bool = False, recorder=None,
+               check_finite: bool = False, check_sync: bool | None = None,
+               compile: bool = False, strict: bool = False, trace: bool = True) -> TrainStep:
+    """One training step of ``model`` with the optimizer ``opt`` (see the module's docstring).
+    ``schedule_or_policy`` and the options are ``fz3.value_and_grad``'s; a hand-made schedule
+    may place the ``update`` ops itself (each after its unit's ``wait_reduce``; none before a
+    unit's last gather), else one follows each ``wait_reduce``. ``check_finite`` needs the
+    step to end before anything is stepped: it runs the optimizer after the backward.
+    **Collective**: the schedule is compared across ranks; every rank must call it."""
+    if not isinstance(opt, GradientTransformation):
+        raise TypeError(f"fz3.train_step takes an fz3.optim transformation (fz3.optim.adamw("
+                        f"...), say), got {type(opt).__name__}")
+    why = _after_backward(model, opt, check_finite)
+    if why is not None:
+        if isinstance(schedule_or_policy, Schedule) and schedule_or_policy.updates:
+            raise ValueError(f"the schedule holds update ops, but {why}: pass it without them")
+        once(log, logging.WARNING, f"fz3.train_step: {why}: the optimizer steps after the "
+             f"backward, the whole gradient shard alive at once (as value_and_grad + "
+             f"fz3.optim.step)")
+    run = made(model, schedule_or_policy, "train_step", loss=loss, has_aux=has_aux,
+               recorder=recorder, check_finite=check_finite, check_sync=check_sync,
+               compile=compile, strict=strict, trace=trace, updates=why is None)
+    return TrainStep(model, opt, run, why is None)
+
+
+def _after_backward(model: ShardedModel, opt: GradientTransformation,
+                    check_finite: bool) -> str | None:
+    """Why the optimizer must step after the backward, or None (a unit at a time)."""
+    if opt.by_rows is None:
+        return ("the optimizer has no per-unit form (it needs the whole gradient first, as "
+                "clip_by_global_norm, unscale and muon do, or is a chain of several)")
+    if model.comm.replicas > 1:
+        return "hybrid sharding sums each gradient shard across replicas at the step's end"
+    if check_finite:
+        return "check_finite raises after the step, before anything is stepped"
+    return None

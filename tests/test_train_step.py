@@ -1,0 +1,163 @@
+"""``fz3.train_step``: the optimizer in the schedule.
+
+Its step equals ``value_and_grad`` followed by ``fz3.optim.step(..., donate=True)`` bit for
+bit: per unit for AdamW (an ``update`` op after each ``wait_reduce``), after the backward for
+the optimizers that need the whole gradient (Muon, a clipping chain). AdamW's per-unit form
+is checked against its fused whole-tree step here too, in one process, on moments as a few
+steps leave them (the CPU kernel's scalar tail rounds ``exp_avg_sq`` otherwise than its
+vector loop: rows stepped as tensors of their own differ in the last bit, ``fz3.optim.aligned``).
+"""
+
+from __future__ import annotations
+
+import random
+
+import optree
+import pytest
+import torch
+
+import dist
+import fz3
+from fz3 import Op
+from fz3.models import shard_gpt
+from fz3.models.gpt import GPTConfig
+from fz3.observe.live_bytes import LiveBytes
+from fz3.optim.adamw import SLICE_MIN_ELEMENTS
+from fz3.optim.base import by_rows
+from fz3.sharding.model import Params
+from reference import batches, gpt
+
+CFG = GPTConfig(vocab=37, seq=8, dim=20, heads=4, layers=3, mlp_ratio=3)
+
+
+def _leaves(tree) -> list[torch.Tensor]:
+    return [t for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _masks(kind: str, rows: int, n: int, g: torch.Generator):
+    if kind == "none":
+        return None
+    if kind == "shared":  # decay_mask's (1, n): the masked pass for short rows, slices for long
+        return Params((torch.rand(1, n, generator=g) > 0.5, torch.rand(37, generator=g) > 0.5))
+    return Params((torch.rand(rows, n, generator=g) > 0.5, torch.ones(37, dtype=torch.bool)))
+
+
+def test_adamw_by_rows_is_its_fused_step_bit_for_bit():
+    rnd, g = random.Random(0), torch.Generator().manual_seed(0)
+    for rows, n in [(6, 1037), (5, 3), (4, 16), (3, 2 * SLICE_MIN_ELEMENTS + 7)]:
+        for kind in ("none", "shared", "per_row"):
+            params = Params((torch.randn(rows, n, generator=g), torch.randn(37, generator=g)))
+            opt = fz3.optim.adamw(lr=lambda t: 1e-2 / t, weight_decay=0.1,
+                                  mask=_masks(kind, rows, n, g))
+            state = fz3.optim.AdamWState(torch.tensor(4), *(optree.tree_map(
+                lambda p: torch.rand(p.shape, generator=g) * s, params) for s in (0.1, 0.01)))
+            whole = optree.tree_map(torch.clone, (params, state))
+            units = optree.tree_map(torch.clone, (params, state))
+            for _ in range(2):
+                grads = optree.tree_map(lambda p: torch.randn(p.shape, generator=g), params)
+                whole = fz3.optim.step(opt, grads, whole[1], whole[0], donate=True)
+                cuts = sorted(rnd.sample(range(1, rows), rnd.randint(0, rows - 1)))
+                spans = list(zip([0, *cuts], [*cuts, rows]))
+                rnd.shuffle(spans)  # any order the schedule lands them in
+                step = by_rows(opt, *units)
+                for a, b in spans:
+                    step.update(0, slice(a, b), grads.parts[0][a:b].clone())
+                step.update(1, None, grads.parts[1].clone())
+                units = step.finish()
+            for x, y in zip(_leaves(whole), _leaves(units)):
+                assert torch.equal(x, y), (rows, n, kind, spans)
+    step = by_rows(fz3.optim.adamw(), Params((torch.zeros(4, 5),)),
+                   fz3.optim.adamw().init(Params((torch.zeros(4, 5),))))
+    step.update(0, slice(0, 1), torch.zeros(1, 5))
+    with pytest.raises(RuntimeError, match=r"leaves \[0\] have rows never stepped"):
+        step.finish()
+
+
+def test_update_ops_are_validated_and_printed():
+    sched = fz3.schedule.planner.updating(fz3.plan(2, fz3.Policy()))
+    ops = list(sched.ops)
+    for u in range(len(sched.units)):
+        assert ops.index(Op("update", u)) == ops.index(Op("wait_reduce", u)) + 1
+    assert "update" in str(sched) and sched.updates
+    bad = [o for o in ops if o != Op("update", 1)]
+    with pytest.raises(fz3.ScheduleError, match=r"never applied \(no update op\): layers.0"):
+        fz3.validate(fz3.Schedule(tuple(bad), sched.units))
+    i = ops.index(Op("wait_reduce", 1))
+    early = ops[:i] + [Op("update", 1)] + [o for o in ops[i:] if o != Op("update", 1)]
+    with pytest.raises(fz3.ScheduleError, match="reducing: an update steps a unit's"):
+        fz3.validate(fz3.Schedule(tuple(early), sched.units))
+    again = ops + [Op("gather", 1)]
+    with pytest.raises(fz3.ScheduleError, match="layers.0 is gathered after its update"):
+        fz3.validate(fz3.Schedule(tuple(again), sched.units))
+    with pytest.raises(ValueError, match="only fz3.train_step runs them"):
+        fz3.step.front.check_schedule(_TwoLayers, sched, grad=True)
+
+
+class _TwoLayers:
+    """Only what check_schedule reads of a model: its parts."""
+
+    structure = parts = fz3.schedule.structure.layers_only(2)
+
+
+def _optimizers(model):
+    return {"adamw": fz3.optim.adamw(lr=1e-2, weight_decay=0.1, mask=fz3.decay_mask(model)),
+            "muon": fz3.optim.muon(model, lr=0.02),
+            "clip": fz3.optim.chain(fz3.optim.clip_by_global_norm(0.05, model),
+                                    fz3.optim.adamw(lr=1e-2))}
+
+
+def _equal_to_value_and_grad_then_step(rank: int, world: int) -> dict:
+    model, params = shard_gpt(gpt(CFG))
+    out = {}
+    for policy in (None, "save"):
+        pol = policy and fz3.Policy(activations=policy)
+        vg = fz3.value_and_grad(model, pol)
+        for name, opt in _optimizers(model).items():
+            step = fz3.train_step(model, opt, pol)
+            a = optree.tree_map(torch.clone, params)
+            a = (a, opt.init(a))
+            b = optree.tree_map(torch.clone, a)
+            for i in range(3):
+                batch = batches(CFG, world, step=i)[rank]
+                loss_a, grads = vg(a[0], batch)
+                a = fz3.optim.step(opt, grads, a[1], a[0], donate=True)
+                loss_b, *b = step(b[0], b[1], batch)
+                assert torch.equal(loss_a, loss_b), (policy, name, i)
+            same = all(torch.equal(x, y) for x, y in zip(_leaves(a), _leaves(b)))
+            out[policy, name] = same, step.per_unit
+    donated = optree.tree_map(torch.clone, params)
+    step = fz3.train_step(model, _optimizers(model)["adamw"])
+    state = step.opt.init(donated)
+    step(donated, state, batches(CFG, world)[rank])
+    with pytest.raises(ValueError, match="donate"):
+        step(donated, state, batches(CFG, world)[rank])
+    return out
+
+
+def test_train_step_is_value_and_grad_then_step_bit_for_bit():
+    for result in dist.run(2, _equal_to_value_and_grad_then_step):
+        assert result == {(p, n): (True, n == "adamw") for p in (None, "save")
+                          for n in ("adamw", "muon", "clip")}
+
+
+def _peaks(rank: int, world: int) -> tuple[int, int, int]:
+    cfg = GPTConfig(vocab=64, seq=8, dim=96, heads=4, layers=8)
+    model, params = shard_gpt(gpt(cfg))
+    opt = fz3.optim.adamw(lr=1e-3)
+    batch = batches(cfg, world)[rank]
+    vg, step = fz3.value_and_grad(model), fz3.train_step(model, opt)
+    a = (optree.tree_map(torch.clone, params), opt.init(params))
+    b = optree.tree_map(torch.clone, a)
+    for _ in range(2):  # the first traces; the second is measured
+        with LiveBytes() as before:
+            _, grads = vg(a[0], batch)
+            a = fz3.optim.step(opt, grads, a[1], a[0], donate=True)
+            del grads
+        with LiveBytes() as after:
+            _, *b = step(b[0], b[1], batch)
+    return before.peak, after.peak, sum(p.numel() * 4 for p in params.parts)
+
+
+def test_train_step_holds_no_whole_gradient():
+    before, after, grad_bytes = dist.run(1, _peaks)[0]
+    assert after <= before - grad_bytes / 2, (before, after, grad_bytes)
