@@ -1,0 +1,119 @@
+"""``fz3.train_step`` against ``fz3.value_and_grad`` + ``fz3.optim.step(..., donate=True)``
+(issue 53): peak memory and time, same model, data, optimizer (fz3's AdamW, torch's fused
+kernel) and policy, at world size 1.
+
+    python benchmarks/train_step.py                 # 5 interleaved repeats
+    python benchmarks/train_step.py --repeats 1     # a smoke run
+
+Each job runs in a fresh process (one thread, gloo): a GPT whose parameters are about 100 MB
+(25.4M fp32), the default policy; 2 warm-up steps (the first traces), then ``--steps`` timed
+steps. Reported per job: the step's live bytes beyond params and optimizer state (the second
+step, under ``fz3.observe.live_bytes.LiveBytes``: every storage it makes, while alive), the
+process's peak RSS after all steps (``ru_maxrss``: its whole life, parameters, state and
+tracing included), and the median step time. The two jobs alternate; medians over repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from fz3.models.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
+
+CFG = GPTConfig(vocab=4096, seq=64, dim=512, heads=8, layers=8)  # 25.4M parameters
+ADAM = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.01)
+
+
+def job(kind: str, steps: int) -> dict:
+    import fz3
+    from fz3.models import shard_gpt
+    from fz3.observe.live_bytes import LiveBytes
+
+    torch.manual_seed(0)
+    model, params = shard_gpt(GPT(CFG))
+    opt = fz3.optim.adamw(**ADAM, mask=fz3.decay_mask(model))
+    grad_bytes = sum(p.numel() * 4 for p in params.parts)  # (params are donated below)
+    box = [params, opt.init(params)]
+    batch = synthetic_batch(CFG, 4, seed=0)
+    if kind == "train_step":
+        step = fz3.train_step(model, opt)
+
+        def run():
+            _, box[0], box[1] = step(box[0], box[1], batch)
+    else:
+        vg = fz3.value_and_grad(model)
+
+        def run():
+            _, grads = vg(box[0], batch)
+            box[0], box[1] = fz3.optim.step(opt, grads, box[1], box[0], donate=True)
+
+    run()
+    with LiveBytes() as live:
+        run()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t)
+    return dict(live_peak_mib=live.peak / 2**20, rss_peak_mib=resource.getrusage(
+        resource.RUSAGE_SELF).ru_maxrss / 1024, step_s=statistics.median(times),
+        grad_mib=grad_bytes / 2**20)
+
+
+def _rank(rank: int, store: str, kind: str, steps: int, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    with open(out, "w") as f:
+        json.dump(job(kind, steps), f)
+    dist.destroy_process_group()
+
+
+def run(kind: str, steps: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        mp.spawn(_rank, args=(os.path.join(tmp, "store"), kind, steps, out), nprocs=1)
+        with open(out) as f:
+            return json.load(f)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    kinds = ("value_and_grad+step", "train_step")
+    got: dict[str, list[dict]] = {k: [] for k in kinds}
+    for r in range(args.repeats):
+        for kind in kinds if r % 2 == 0 else kinds[::-1]:
+            got[kind].append(run(kind, args.steps))
+            print(kind, got[kind][-1], flush=True)
+    summary = {k: {f: statistics.median(x[f] for x in v) for f in v[0]} for k, v in got.items()}
+    base, mine = summary[kinds[0]], summary[kinds[1]]
+    summary["ratios"] = {f: mine[f] / base[f] for f in ("live_peak_mib", "rss_peak_mib",
+                                                         "step_s")}
+    summary["live_saved_over_grad"] = (base["live_peak_mib"] - mine["live_peak_mib"]) / \
+        base["grad_mib"]
+    summary["versions"] = dict(torch=torch.__version__, python=sys.version.split()[0])
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(summary=summary, runs=got), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
