@@ -5,8 +5,10 @@ The schedule is ``value_and_grad``'s with an ``update`` op after each unit's ``w
 own, its parameter rows are stepped with it by the optimizer's per-unit form
 (``GradientTransformation.by_rows``, ``fz3.optim.base.Rows``) and it is let go, so the
 model's whole fp32 gradient shard is never alive at once, and each update runs while the
-layers below are still in their backward. An optimizer without a per-unit form (one that
-needs the whole gradient first: ``clip_by_global_norm``, ``unscale``, ``muon``), and hybrid
+layers below are still in their backward (``adamw``; ``muon``, whose stack units' matrices
+are exchanged and orthogonalized among themselves as each lands). An optimizer without a
+per-unit form (one that needs the whole gradient first: ``clip_by_global_norm``,
+``unscale``), and hybrid
 sharding (the replicas' all-reduce is waited at the step's end), run the step as
 ``value_and_grad`` then ``fz3.optim.step(..., donate=True)``, said once. Either way the
 result is bit for bit that of ``value_and_grad`` followed by ``fz3.optim.step(...,
@@ -87,7 +89,7 @@ def _after_backward(model: ShardedModel, opt: GradientTransformation,
     """Why the optimizer must step after the backward, or None (a unit at a time)."""
     if opt.by_rows is None:
         return ("the optimizer has no per-unit form (it needs the whole gradient first, as "
-                "clip_by_global_norm, unscale and muon do, or is a chain of several)")
+                "clip_by_global_norm and unscale do, or is a chain of several)")
     if model.comm.replicas > 1:
         return "hybrid sharding sums each gradient shard across replicas at the step's end"
     if check_finite:

@@ -1,8 +1,9 @@
 """``fz3.train_step``: the optimizer in the schedule.
 
 Its step equals ``value_and_grad`` followed by ``fz3.optim.step(..., donate=True)`` bit for
-bit: per unit for AdamW (an ``update`` op after each ``wait_reduce``), after the backward for
-the optimizers that need the whole gradient (Muon, a clipping chain). AdamW's per-unit form
+bit: per unit for AdamW and Muon (an ``update`` op after each ``wait_reduce``; Muon's
+matrices exchanged per unit), after the backward for a clipping chain, which needs the whole
+gradient. AdamW's per-unit form
 is checked against its fused whole-tree step here too, in one process, on moments as a few
 steps leave them (the CPU kernel's scalar tail rounds ``exp_avg_sq`` otherwise than its
 vector loop: rows stepped as tensors of their own differ in the last bit, ``fz3.optim.aligned``).
@@ -109,15 +110,20 @@ def _optimizers(model):
 def _equal_to_value_and_grad_then_step(rank: int, world: int) -> dict:
     model, params = shard_gpt(gpt(CFG))
     out = {}
-    for policy in (None, "save"):
-        pol = policy and fz3.Policy(activations=policy)
-        vg = fz3.value_and_grad(model, pol)
+    for policy in (None, "save", "k2"):  # k2: two layers a unit (a Muon exchange of both),
+        # through autograd (tracing costs seconds a step function)
+        pol = policy and fz3.Policy(**({"layers_per_unit": 2} if policy == "k2" else
+                                       {"activations": policy}))
+        trace = policy != "k2"
+        vg = fz3.value_and_grad(model, pol, trace=trace)
         for name, opt in _optimizers(model).items():
-            step = fz3.train_step(model, opt, pol)
+            if policy == "k2" and name == "clip":
+                continue
+            step = fz3.train_step(model, opt, pol, trace=trace)
             a = optree.tree_map(torch.clone, params)
             a = (a, opt.init(a))
             b = optree.tree_map(torch.clone, a)
-            for i in range(3):
+            for i in range(2):  # the second with moments and momentum not zero
                 batch = batches(CFG, world, step=i)[rank]
                 loss_a, grads = vg(a[0], batch)
                 a = fz3.optim.step(opt, grads, a[1], a[0], donate=True)
@@ -136,8 +142,8 @@ def _equal_to_value_and_grad_then_step(rank: int, world: int) -> dict:
 
 def test_train_step_is_value_and_grad_then_step_bit_for_bit():
     for result in dist.run(2, _equal_to_value_and_grad_then_step):
-        assert result == {(p, n): (True, n == "adamw") for p in (None, "save")
-                          for n in ("adamw", "muon", "clip")}
+        assert result == {(p, n): (True, n != "clip") for p in (None, "save", "k2")
+                          for n in ("adamw", "muon", "clip") if (p, n) != ("k2", "clip")}
 
 
 def _peaks(rank: int, world: int) -> tuple[int, int, int]:

@@ -106,8 +106,8 @@ def _tupled(pair: tuple) -> tuple:
 
 def by_rows(opt: GradientTransformation, params: Tree, state: Any) -> Rows | None:
     """``opt``'s step a unit at a time (``GradientTransformation.by_rows``), or None where it
-    has no per-unit form (it needs the whole gradient: ``clip_by_global_norm``, ``unscale``,
-    ``muon``; or is not separable: ``freeze`` after ``adamw``, a longer ``chain``). As
+    has no per-unit form (it needs the whole gradient: ``clip_by_global_norm``, ``unscale``;
+    or is not separable: ``freeze`` after ``adamw``, a longer ``chain``). As
     ``step(..., donate=True)``: ``params`` and ``state`` are given up, ``finish`` returns
     the new ones. Local."""
     refuse_donated_tree(params, "params")

@@ -21,6 +21,7 @@ matrices the same bits. Elements outside matrices go to ``others`` as a ``Rest``
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable, NamedTuple
 
@@ -32,8 +33,9 @@ from ..sharding.matrices import Rest, is_matrix, matrix_runs, rest_columns, rest
 from ..sharding.model import ShardedModel
 from ..sharding.params import Params, check_tree
 from .adamw import adamw
-from .base import GradientTransformation, model_comm
-from .checks import FIX_STATE, refuse_donated_tree
+from .base import GradientTransformation, Rows, model_comm
+from .checks import FIX_STATE
+from .muon_checks import check_hyper, check_matrices, check_state
 from .newton_schulz import orthogonalize
 from .owners import Exchange, plan
 
@@ -66,9 +68,9 @@ def muon(model: ShardedModel, lr: float | Callable[[int], float] = 1e-3, weight_
     a schedule ``step -> lr`` (step counts from 1). Its owners and slices are planned here,
     once. Collective: ``update`` and ``update_inplace`` (two all-to-alls over the model's
     sharding group: every rank calls them)."""
-    _check_hyper(lr, weight_decay, momentum, ns_coefficients, ns_steps, adjust_lr_fn)
+    check_hyper(lr, weight_decay, momentum, ns_coefficients, ns_steps, adjust_lr_fn)
     comm = model_comm(model, "muon")
-    _check_matrices(model)
+    check_matrices(model)
     ex = plan(model.parts, comm.world_size, ns_steps).exchange(comm.rank)
     stacks = [i for i, p in enumerate(model.parts) if p.role is Role.STACK]
     runs = {i: matrix_runs(model.parts[i], comm.rank) for i in stacks}
@@ -84,17 +86,9 @@ def muon(model: ShardedModel, lr: float | Callable[[int], float] = 1e-3, weight_
         return MuonState(torch.zeros((), dtype=torch.int64), zeros,
                          others.init(rest_of(model, params, columns)))
 
-    def step(grads: Params, state: MuonState, params: Params | None, inplace: bool):
-        """``(count, momentum, matrix updates by part)``. Collective (the exchange)."""
-        _check(model, grads, state, params, weight_decay)
-        if comm.heartbeat is not None:  # its place, after the checks: a rank that raised or
-            comm.heartbeat.inside("fz3.optim.muon's update")  # never came is named by the others
-        count = state.count + 1
-        rate = lr(int(count)) if callable(lr) else lr
-        mom, u = _momentum(grads, state.momentum, runs, momentum, nesterov, inplace)
-        got = exchange(comm, ex, u, ns)
-        upd = _matrix_updates(got, ex, u, params, runs, ratios, rate, weight_decay)
-        return count, mom, upd
+    setup = Setup(model, comm, runs, ratios, columns, others, ns, lr, weight_decay, momentum,
+                  nesterov, {})
+    step = functools.partial(_step, setup, ex)
 
     def update(grads: Params, state: MuonState,
                params: Params | None = None) -> tuple[Params, MuonState]:
@@ -114,7 +108,89 @@ def muon(model: ShardedModel, lr: float | Callable[[int], float] = 1e-3, weight_
                                      params, rest_of(model, params, columns), columns)
         return params, MuonState(count, mom, rest_state)
 
-    return GradientTransformation(init, update, update_inplace)
+    by_rows = None if others.by_rows is None else functools.partial(_by_rows, setup)
+    return GradientTransformation(init, update, update_inplace, by_rows)
+
+
+def _step(m: "Setup", ex: Exchange, grads: Params, state: MuonState, params: Params | None,
+          inplace: bool) -> tuple:
+    """``(count, momentum, matrix updates by part)``. Collective (the exchange)."""
+    count, rate = _tick(m, grads, state, params)
+    if m.comm.heartbeat is not None:  # its place, after the checks: a rank that raised or
+        m.comm.heartbeat.inside("fz3.optim.muon's update")  # never came is named by the others
+    mom, u = _momentum(grads, state.momentum, m.runs, m.momentum, m.nesterov, inplace)
+    got = exchange(m.comm, ex, u, m.ns)
+    upd = _matrix_updates(got, ex, u, params, m.runs, m.ratios, rate, m.weight_decay)
+    return count, mom, upd
+
+
+
+def _tick(m: "Setup", grads: Params, state: Any, params: Params | None) -> tuple:
+    """``(count, lr)`` of the step about to be taken, the trees and state checked first."""
+    if not isinstance(state, MuonState):
+        raise TypeError(f"the optimizer state is {type(state).__name__}, muon's is a "
+                        f"MuonState: {FIX_STATE}")
+    check_state(m.model, grads, state, params, m.weight_decay)
+    count = state.count + 1
+    return count, m.lr(int(count)) if callable(m.lr) else m.lr
+
+class Setup(NamedTuple):
+    """What ``muon`` decides once, for its per-unit form (``_by_rows``)."""
+
+    model: ShardedModel
+    comm: Comm
+    runs: dict[int, list[tuple[int, int]]]
+    ratios: dict[int, list]
+    columns: list[torch.Tensor | None]
+    others: GradientTransformation
+    ns: dict
+    lr: float | Callable[[int], float]
+    weight_decay: float
+    momentum: float
+    nesterov: bool
+    exchanges: dict  # (part, first, stop) -> a unit's Exchange, planned at its first update
+
+
+def _by_rows(m: Setup, state: MuonState, params: Params) -> Rows:
+    """``update_inplace``'s step a unit's rows at a time (``fz3.train_step``): a stack unit's
+    matrices exchanged and orthogonalized among themselves as its gradient lands (owners
+    balanced within the unit), ``others`` on its rest by rows. Collective: each stack unit's
+    update (two all-to-alls; every rank steps every unit, in the schedule's order)."""
+    count, rate = _tick(m, params, state, params)
+    rest = rest_of(m.model, params, m.columns)
+    inner = m.others.by_rows(state.others, rest)
+    parts = len(m.model.parts)
+
+    def step_rows(i: int, rows: slice | None, grad: torch.Tensor) -> None:
+        if i in m.runs:  # a stack part: its matrices, then its rest
+            if m.comm.heartbeat is not None:
+                m.comm.heartbeat.inside("fz3.optim.muon's update")
+            ex = m.exchanges.get((i, rows.start, rows.stop))
+            if ex is None:
+                ex = m.exchanges[i, rows.start, rows.stop] = plan(
+                    m.model.parts, m.comm.world_size, m.ns["steps"], (i, rows)
+                ).exchange(m.comm.rank)
+            one = lambda t: Params(tuple(t if j == i else None for j in range(parts)))
+            _, u = _momentum(one(grad), one(state.momentum.parts[i][rows]), {i: m.runs[i]},
+                             m.momentum, m.nesterov, inplace=True)
+            got = exchange(m.comm, ex, u, m.ns)
+            mine = params.parts[i][rows]
+            upd = _matrix_updates(got, ex, u, one(mine), {i: m.runs[i]}, {i: m.ratios[i]}, rate,
+                                  m.weight_decay)
+            mine.add_(upd[i])
+        cols = m.columns[i]
+        inner.update(i, rows, grad if cols is None else grad.index_select(1, cols))
+
+    def finish() -> tuple[Params, MuonState]:
+        _, others_state = inner.finish()
+        # the stacks' rest columns back, once every row is stepped: ``others`` may step a
+        # row's first elements with the next unit's (``fz3.optim.aligned``)
+        for i, cols in enumerate(m.columns):
+            if cols is not None:
+                params.parts[i].index_copy_(1, cols, rest.parts[i])
+        return params, MuonState(count, state.momentum, others_state)
+
+    return Rows(step_rows, finish)
 
 
 def _others_inplace(others: GradientTransformation, grads: Rest, state: Any, params: Params,
@@ -203,69 +279,3 @@ def _ratio_runs(part: Any, rank: int, adjust_lr_fn: str | None) -> list[tuple[in
     """``(first, stop, lr ratio)`` of each matrix's columns in rank ``rank``'s shard of a stack."""
     return [(c.start, c.stop, lr_ratio(adjust_lr_fn, s.shape))
             for s, _, c in part.layout.local_pieces(rank) if is_matrix(part, s)]
-
-
-def _check_hyper(lr, weight_decay, momentum, coefficients, steps, adjust_lr_fn) -> None:
-    """torch.optim.Muon's refusals, at construction."""
-    if (not callable(lr) and lr < 0) or weight_decay < 0 or momentum < 0:
-        raise ValueError(f"fz3.optim.muon: lr={lr}, weight_decay={weight_decay}, "
-                         f"momentum={momentum} must be >= 0")
-    if adjust_lr_fn not in (None, "original", "match_rms_adamw"):
-        raise ValueError(f"fz3.optim.muon: adjust_lr_fn={adjust_lr_fn!r}: pass None, 'original' "
-                         f"or 'match_rms_adamw'")
-    if len(coefficients) != 3 or not 0 < steps < 100:
-        raise ValueError(f"fz3.optim.muon: ns_coefficients={coefficients} (three numbers) and "
-                         f"ns_steps={steps} (1 to 99)")
-
-
-def _check_matrices(model: ShardedModel) -> None:
-    """Refuse what Muon cannot orthogonalize, naming it; say once (rank 0) which 3-D
-    parameters are orthogonalized one matrix per leading index (stacked experts)."""
-    stacks = [p for p in model.parts if p.role is Role.STACK and p.layout.slots]
-    if not stacks:
-        raise ValueError("fz3.optim.muon: the model has no layer stack with trained parameters; "
-                         "Muon orthogonalizes the 2-D parameters of layer stacks: use "
-                         "fz3.optim.adamw for this model")
-    experts = []
-    for part in stacks:
-        for s in part.layout.slots:
-            if len(s.shape) > 3:
-                raise ValueError(f"fz3.optim.muon: {part.prefix()}{s.name} is {list(s.shape)}: "
-                                 f"Muon orthogonalizes 2-D parameters (3-D: one matrix per "
-                                 f"leading index). Make it a 2-D parameter of the module (a "
-                                 f"view in forward), or freeze it (requires_grad=False)")
-            if len(s.shape) == 3:
-                experts.append(f"{part.path}.*.{s.name} {list(s.shape)}")
-        if not any(is_matrix(part, s) for s in part.layout.slots):
-            raise ValueError(f"fz3.optim.muon: the layer stack {part.name} has no 2-D parameter "
-                             f"to orthogonalize (it trains {[s.name for s in part.layout.slots]}):"
-                             f" use fz3.optim.adamw, or train its matrices")
-    if experts and model.is_root:
-        log.info("fz3.optim.muon: %s orthogonalized per expert (one matrix per leading index)",
-                 ", ".join(experts))
-
-
-def _check(model: ShardedModel, grads: Params, state: Any, params: Params | None,
-           weight_decay: float) -> None:
-    """The trees fit this model and the state is muon's, built for it; refused naming the
-    part, before any collective."""
-    if not isinstance(state, MuonState):
-        raise TypeError(f"the optimizer state is {type(state).__name__}, muon's is a MuonState: "
-                        f"{FIX_STATE}")
-    if params is None and weight_decay:
-        raise ValueError("muon with weight_decay needs params: opt.update(grads, state, params)")
-    check_tree(model, grads, "the gradients")
-    if params is not None:
-        check_tree(model, params)
-    refuse_donated_tree(state.momentum, "the optimizer state")
-    moms = state.momentum.parts if isinstance(state.momentum, Params) else ()
-    if len(moms) != len(model.parts):
-        raise TypeError(f"the optimizer state's momentum has {len(moms)} parts, the model "
-                        f"{len(model.parts)}: {FIX_STATE}")
-    for part, m, g in zip(model.parts, moms, grads.parts):
-        want = g if part.role is Role.STACK else None
-        if (m is None) != (want is None) or (m is not None and (
-                m.shape != want.shape or m.dtype != want.dtype or m.device != want.device)):
-            show = lambda t: "none" if t is None else f"{list(t.shape)} {t.dtype} on {t.device}"
-            raise ValueError(f"the optimizer state's momentum of part {part.name} is {show(m)}, "
-                             f"this model's is {show(want)}: {FIX_STATE}")

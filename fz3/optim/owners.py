@@ -89,10 +89,17 @@ def stack_matrices(parts: Sequence[Part]) -> tuple[Matrix, ...]:
     return tuple(out)
 
 
-def plan(parts: Sequence[Part], world: int, steps: int) -> Plan:
+def plan(parts: Sequence[Part], world: int, steps: int,
+         rows: tuple[int, slice] | None = None) -> Plan:
     """The matrices, their owners and slices for ``parts`` sharded over ``world`` ranks
-    (``steps``: Newton-Schulz iterations, for the costs)."""
+    (``steps``: Newton-Schulz iterations, for the costs). ``rows``: ``(part, layers)``, only
+    the matrices of those layers, their rows counted from the first (one unit's: its update
+    op, ``fz3.train_step``)."""
     matrices = stack_matrices(parts)
+    if rows is not None:
+        i, layers = rows
+        matrices = tuple(m._replace(row=m.row - layers.start) for m in matrices
+                         if m.part == i and layers.start <= m.row < layers.stop)
     pieces = [_pieces(parts[m.part], m, k, world) for k, m in enumerate(matrices)]
     cost = [flops(m.shape, steps) for m in matrices]
     owners = _owners(cost, pieces, world)
