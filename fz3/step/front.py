@@ -1,10 +1,6 @@
-"""The front door: every way to run a step goes through the same preparation.
-
-``value_and_grad``, ``apply``, ``accumulate`` and ``step_through`` each call ``prepare`` once
-(the schedule planned or validated, refused if it holds ops only ``fz3.accumulate`` may
-run, and compared across ranks) and ``check_call`` on every call (params and batch,
-locally, before any collective). A rank that would take another path raises here, on
-every rank, instead of hanging inside a collective later.
+"""The front door: ``value_and_grad``, ``apply``, ``accumulate`` and ``step_through`` each
+call ``prepare`` once and ``check_call`` on every call. A rank that would take another path
+raises here, on every rank, instead of hanging inside a collective later.
 """
 
 from __future__ import annotations
