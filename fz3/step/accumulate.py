@@ -67,11 +67,9 @@ class Accumulate:
                                    carry=carry, reduce_replicas=self.policy == "defer",
                                    traced=self.traced, frames=False))
             losses.append(result.loss)
-            if self.policy == "reduce":  # acc holds buffers this function received and owns
-                acc = (result.grads if acc is None
-                       else optree.tree_map(torch.Tensor.add_, acc, result.grads))
-            else:
-                acc = result.grads
+            # reduce: summed into acc, buffers this function received and owns; defer: the last
+            acc = (result.grads if acc is None or self.policy == "defer"
+                   else optree.tree_map(torch.Tensor.add_, acc, result.grads))
         if self.policy == "reduce" and comm.replicas > 1:
             pending = [all_reduce(comm, t, group=comm.replicate_group,
                                   label="accumulated gradient shards")

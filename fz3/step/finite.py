@@ -22,13 +22,10 @@ class NonFiniteError(FloatingPointError):
 def drain_checking_finite(model: ShardedModel, schedule: Schedule,
                           gen: Generator[Frame, None, Result]) -> Result:
     """Run the executor to the end, noting after every compute op whether its outputs (and in
-    backward its gradients) are all finite; then one all-gather of those flags, so every rank
-    raises the same ``NonFiniteError`` naming the first op and the ranks where it happened.
-    **Collective** (one all-gather per step).
-
-    The flags stay on the device during the step (no sync per op): the check costs one read
-    of each activation and one small collective per step.
-    """
+    backward its gradients) are all finite, in flags kept on the device (no sync per op: one
+    read of each activation); then one all-gather of those flags, so every rank raises the
+    same ``NonFiniteError`` naming the first op and the ranks where it happened.
+    **Collective** (one all-gather per step)."""
     # (op, index) of each flag, never the frame: a frame holds its unit's unreduced gradient
     # and gathered buffer, and keeping every one kept a whole model's worth to the step's end
     ops: list[tuple[Op, int]] = []

@@ -1,10 +1,6 @@
-"""The front door: every way to run a step goes through the same preparation.
-
-``value_and_grad``, ``apply``, ``accumulate`` and ``step_through`` each call ``prepare`` once
-(the schedule planned or validated, refused if it holds ops only ``fz3.accumulate`` may
-run, and compared across ranks) and ``check_call`` on every call (params and batch,
-locally, before any collective). A rank that would take another path raises here, on
-every rank, instead of hanging inside a collective later.
+"""The front door: ``value_and_grad``, ``apply``, ``accumulate`` and ``step_through`` each
+call ``prepare`` once and ``check_call`` on every call. A rank that would take another path
+raises here, on every rank, instead of hanging inside a collective later.
 """
 
 from __future__ import annotations
@@ -97,31 +93,19 @@ def _covers(schedule: Schedule, model: ShardedModel) -> bool:
 
 def check_call(model: ShardedModel, params: Params, *batches: Any,
                entry: str = "the step", labels: bool = True) -> list[str]:
-    """Params and batches, locally, before any collective; then the call is counted
-    (``enter``). Returns why batches have nothing to learn from (``check_batch``), for
-    ``check_in_sync`` to say on every rank. ``labels=False``: a forward for an output, which
-    needs none."""
+    """Params and batches, locally, before any collective; then the call is counted. Returns
+    why batches have nothing to learn from (``check_batch``), for ``check_in_sync`` to say on
+    every rank. ``labels=False``: a forward for an output, which needs none."""
     refuse_destroyed(model.comm, entry)
     check_params(model, params)
     empty = [why for why in (check_batch(model, b, labels) for b in batches) if why is not None]
-    enter(model, entry)
-    return empty
-
-
-def enter(model: ShardedModel, entry: str) -> None:
-    """Count one step call (``entry``) on this rank, after its local checks and before its
-    collectives: a rank that raised before here, or never came, has entered fewer calls, one
-    that ran a step more has entered more, and the ranks left waiting name them where they
-    are ([Note: a rank that never comes] in ``fz3/comm/collectives.py``)."""
+    # counted after the local checks and before any collective: a rank that raised before
+    # here, or never came, has entered fewer calls, one that ran a step more has entered more,
+    # and the ranks left waiting name them where they are ([Note: a rank that never comes] in
+    # ``fz3/comm/collectives.py``)
     if model.comm.heartbeat is not None:
         model.comm.heartbeat.entered(entry)
-
-
-def calls_entered(model: ShardedModel, step: int) -> int:
-    """The step calls this rank entered on ``model`` (every step function's); ``step`` where
-    the model has no heartbeat."""
-    beat = model.comm.heartbeat
-    return beat.place.calls if beat is not None else step
+    return empty
 
 
 def check_params(model: ShardedModel, params: Params) -> None:
@@ -159,7 +143,9 @@ def check_in_sync(model: ShardedModel, step: int, entry: str, batches: Sequence[
     to say what differs); a rank that never comes is named when the wait passes
     ``fz3.shard``'s ``timeout`` ([Note: a rank that never comes])."""
     sigs = [_signature(b) for b in batches]
-    calls = calls_entered(model, step)
+    # the step calls this rank entered on the model, every step function's (``check_call``)
+    beat = model.comm.heartbeat
+    calls = beat.place.calls if beat is not None else step
     differ, rows = differing_ranks(model.comm, [calls, step, bool(empty), *fingerprint(sigs)],
                                    model.device, f"{entry}'s check that the ranks agree")
     hollow = [r for r in range(model.world_size) if rows[r, 2]]

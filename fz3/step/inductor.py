@@ -61,11 +61,10 @@ class Kernels:
 
     def kernel(self, graph: torch.fx.Graph, args: tuple, python: Callable[..., Any],
                name: str = "a layer's") -> Callable[..., Any]:
-        """Inductor's compilation of ``graph`` for ``args``, shared by every layer whose
-        programs are these (layers traced alike share their programs: one compilation). One
-        inductor fails on raises ``CompileError`` with ``strict`` (one line: ``name``, the
-        program, inductor's first line and the fix; its whole text is the ``__cause__``);
-        otherwise it warns and the program runs as ``python``."""
+        """Inductor's compilation of ``graph`` for ``args``, one for every layer sharing these
+        programs. One inductor fails on raises ``CompileError`` with ``strict`` (one line:
+        ``name``, the program, inductor's first line and the fix; its whole text is the
+        ``__cause__``); otherwise it warns and the program runs as ``python``."""
         key = (graph, tuple((tuple(a.shape), a.stride(), a.dtype) for a in args))
         if key not in self._kernels:
             from torch._inductor import compile as inductor_compile

@@ -67,12 +67,7 @@ class Programs(NamedTuple):
     @property
     def outputs(self) -> int:
         """The forward's outputs before its residuals: h, and the aux output if any."""
-        return outputs(self.aux)
-
-
-def outputs(aux: tuple | None) -> int:
-    """A layer's outputs (h, and its aux output if it has one: ``aux``, its shape and dtype)."""
-    return 1 if aux is None else 2
+        return 1 if self.aux is None else 2
 
 
 class Joint(NamedTuple):
@@ -169,7 +164,7 @@ def programs(joint: Joint, saves: Saveable = save) -> Programs:
     """``trace``'s second half: a joint graph split into programs (the graph is changed).
     ``saves``: which forward ops' outputs the forward keeps (``fz3.step.partition``; ``save``:
     what autograd would)."""
-    first, n = joint.first, outputs(joint.aux)
+    first, n = joint.first, 1 if joint.aux is None else 2  # (``Programs.outputs``)
     _fold_transposes(joint.graph)
     fwd, bwd, kept_any = partition(joint.graph, params=range(first), grads=joint.grads,
                                    saves=saves, outputs=n)

@@ -61,7 +61,7 @@ def partition(joint: fx.Graph, params: range, grads: int, saves: Saveable = save
     # h, extras) is a residual
     again, kept_any = recomputable(joint, forward_side, saves)
     computed = backward_side | rows | again
-    needed = _ancestors(grad_nodes, stop=lambda m: m not in computed)
+    needed = _reach(grad_nodes, lambda m: m.all_input_nodes if m in computed else ())
     residuals = [m for m in joint.nodes if m in needed and m not in computed]
 
     fwd, env = fx.Graph(), {}
@@ -138,18 +138,13 @@ def recomputable(joint: fx.Graph, forward_side: set[fx.Node], saves: Saveable
     or in-place op, nor one reading a written value (kept without asking)."""
     if saves is save:
         return set(), True
-    touched: set[fx.Node] = set()  # written into, and every view of or into such a value
-    for node in joint.nodes:
-        for value in written_args(node):
-            todo = [value]
-            while todo:
-                n = todo.pop()
-                if n in touched:
-                    continue
-                touched.add(n)
-                if _is_view(n) and n.args and isinstance(n.args[0], fx.Node):
-                    todo.append(n.args[0])
-                todo.extend(u for u in n.users if _is_view(u))
+
+    def linked(n: fx.Node) -> list[fx.Node]:  # its views, and what it is a view of
+        of = _is_view(n) and n.args and isinstance(n.args[0], fx.Node)
+        return [*_views(n), *(n.args[:1] if of else ())]
+
+    # written into, and every view of or into such a value
+    touched = _reach([v for node in joint.nodes for v in written_args(node)], linked)
     out: set[fx.Node] = set()
     kept_any = False
     for node in joint.nodes:  # in order: a getitem after the op it picks from
@@ -176,7 +171,7 @@ def _forward_side(joint: fx.Graph, outs: Sequence[fx.Node], seeds: Sequence[fx.N
     of the joint graph is the backward's, so a part of a derivative formula that needs no
     cotangent (``pow``'s ``2 * x``) is computed there from what the forward keeps, as autograd
     does, instead of being kept itself."""
-    side = _ancestors(list(outs), stop=lambda m: False)
+    side = _reach(outs, _inputs)
     depends_on_g = set(seeds)
     for node in joint.nodes:
         if any(a in depends_on_g for a in node.all_input_nodes):
@@ -189,7 +184,7 @@ def _forward_side(joint: fx.Graph, outs: Sequence[fx.Node], seeds: Sequence[fx.N
             if node in side or node in depends_on_g or node.op != "call_function":
                 continue
             if _writes_into(node, side) or _draws_random(node):
-                side |= _ancestors([node], stop=lambda m: False)
+                side |= _reach([node], _inputs)
                 grew = True
         # A value read before an op writes into it is read as it was: what the trace ran
         # before the forward's last write (autograd's copy of an in-place op's input for its
@@ -250,19 +245,25 @@ def _placeholder(graph: fx.Graph, name: str, like: fx.Node) -> fx.Node:
     return node
 
 
-def _ancestors(roots: Sequence[fx.Node], stop: Callable[[fx.Node], bool]) -> set[fx.Node]:
-    """``roots`` and the nodes they read, not looking past a node for which ``stop`` holds
-    (a residual: it is read, not recomputed)."""
+def _reach(roots: Sequence[fx.Node], step: Callable[[fx.Node], Sequence]) -> set[fx.Node]:
+    """``roots`` and every node ``step`` leads to from them, and on (``_inputs``: their
+    ancestors)."""
     seen: set[fx.Node] = set()
     todo = list(roots)
     while todo:
         m = todo.pop()
-        if m in seen:
-            continue
-        seen.add(m)
-        if not stop(m):
-            todo.extend(m.all_input_nodes)
+        if m not in seen:
+            seen.add(m)
+            todo.extend(step(m))
     return seen
+
+
+_inputs = operator.attrgetter("all_input_nodes")  # (a ``_reach`` step: the nodes read)
+
+
+def _views(node: fx.Node) -> list[fx.Node]:
+    """The ops reading ``node`` that are views of it."""
+    return [u for u in node.users if _is_view(u)]
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -273,18 +274,7 @@ def _is_view(node: fx.Node) -> bool:
 
 def written(node: fx.Node) -> bool:
     """Whether an op writes into ``node``'s tensor or a view of it."""
-    todo, seen = [node], set()
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        for user in n.users:
-            if n in written_args(user):
-                return True
-            if _is_view(user):
-                todo.append(user)
-    return False
+    return any(n in written_args(user) for n in _reach([node], _views) for user in n.users)
 
 
 def written_args(node: fx.Node) -> list[fx.Node]:

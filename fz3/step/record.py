@@ -9,6 +9,7 @@ a timing event is recorded on the current stream per op boundary and read only w
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Generator, NamedTuple
 
@@ -94,16 +95,13 @@ def observed(s, schedule: Schedule, steps: tuple, recorder, profiling: bool) -> 
     range): it yields each step's frame, as that loop does. ``s``: the step's ``StepState``."""
     traced = s.call.traced
     # what the layers' traces and compilations were before: a step that made more is marked
-    made = None
+    made = None if recorder is None or traced is None else traced.made
     if recorder is not None:
         recorder.begin_step(schedule, s.call.model.device)
-        made = None if traced is None else traced.made
     for index, (op, step) in enumerate(zip(schedule.ops, steps)):
         start = recorder.start() if recorder is not None else None
-        if profiling:
-            with torch.profiler.record_function(f"fz3 {schedule.describe(op)}"):
-                frame = step(s)
-        else:
+        with torch.profiler.record_function(f"fz3 {schedule.describe(op)}") if profiling \
+                else contextlib.nullcontext():
             frame = step(s)
         if recorder is not None:
             recorder.record(index, start, len(s.params), s.moved_bytes(op), s.owned_bytes())

@@ -3,15 +3,11 @@
 ``fz3.step.joint`` traces a layer into a forward, a backward, an inference and a recompute
 program. This file decides which layers share them and when they are made:
 
-- Layers share programs when their modules hold the same Python state (every attribute that
-  is not a parameter, a submodule or an empty hook table: ``layer_idx``, a sliding window, a
-  function): those run the same code with the same constants. Layers that differ only in
-  plain values their trace never reads (HF's ``layer_idx``, read only by a KV cache) share
-  them too, found in two traces (``fz3.step.layer_groups``, [Note: hidden attributes]): the
-  first step costs two traces per stack, whatever its depth. A layer whose trace does read
-  such a value is traced on its own, and shares the programs of an earlier layer whose
-  joint graph reads the same (its printed code: ops and argument values; only the trace
-  itself is paid again).
+- Layers share programs as ``fz3.step.layer_groups`` groups them (the same Python state, but
+  for plain values their trace never reads: two traces per stack, whatever its depth). A
+  layer whose trace does read such a value is traced on its own, and shares the programs of
+  an earlier layer whose joint graph reads the same (its printed code: ops and argument
+  values; only the trace itself is paid again).
 - Programs are traced at a unit's first forward for each input signature (shapes and dtypes
   of h and the tensor extras, the values of the other extras, train or eval mode, and
   the predicate its forward carries, ``fz3.schedule.saveable``: programs cut by another
