@@ -8,8 +8,7 @@ model's whole fp32 gradient shard is never alive at once, and each update runs w
 layers below are still in their backward (``adamw``; ``muon``, whose stack units' matrices
 are exchanged and orthogonalized among themselves as each lands). An optimizer without a
 per-unit form (one that needs the whole gradient first: ``clip_by_global_norm``,
-``unscale``), and hybrid
-sharding (the replicas' all-reduce is waited at the step's end), run the step as
+``unscale``), and ``check_finite`` (it raises after the step), run the step as
 ``value_and_grad`` then ``fz3.optim.step(..., donate=True)``, said once. Either way the
 result is bit for bit that of ``value_and_grad`` followed by ``fz3.optim.step(...,
 donate=True)`` (``fz3.optim.aligned``).
@@ -71,7 +70,7 @@ def train_step(model: ShardedModel, opt: GradientTransformation,
     if not isinstance(opt, GradientTransformation):
         raise TypeError(f"fz3.train_step takes an fz3.optim transformation (fz3.optim.adamw("
                         f"...), say), got {type(opt).__name__}")
-    why = _after_backward(model, opt, check_finite)
+    why = _after_backward(opt, check_finite)
     if why is not None:
         if isinstance(schedule_or_policy, Schedule) and schedule_or_policy.updates:
             raise ValueError(f"the schedule holds update ops, but {why}: pass it without them")
@@ -84,14 +83,11 @@ def train_step(model: ShardedModel, opt: GradientTransformation,
     return TrainStep(model, opt, run, why is None)
 
 
-def _after_backward(model: ShardedModel, opt: GradientTransformation,
-                    check_finite: bool) -> str | None:
+def _after_backward(opt: GradientTransformation, check_finite: bool) -> str | None:
     """Why the optimizer must step after the backward, or None (a unit at a time)."""
     if opt.by_rows is None:
         return ("the optimizer has no per-unit form (it needs the whole gradient first, as "
                 "clip_by_global_norm and unscale do, or is a chain of several)")
-    if model.comm.replicas > 1:
-        return "hybrid sharding sums each gradient shard across replicas at the step's end"
     if check_finite:
         return "check_finite raises after the step, before anything is stepped"
     return None

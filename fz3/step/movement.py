@@ -129,12 +129,15 @@ def wait_reduce_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
             shard.copy_(out)
         if stack:
             memory.free_grad()
-        if updates:  # its update steps the parameters with it (``fz3.train_step``: no replicas)
+        # hybrid: sum the shard across replicas, waited at the end (or here, before its update)
+        if replicate and s.call.reduces_replicas:
+            summing = all_reduce(comm, shard, group=comm.replicate_group, label=label)
+            if updates:
+                wait(summing)
+            else:
+                s.replicating.append(summing)
+        if updates:  # its update steps the parameters with it (``fz3.train_step``)
             s.grad[u] = Reduced(shard)
-        # hybrid: sum the shard across replicas, waited at the end
-        elif replicate and s.call.reduces_replicas:
-            s.replicating.append(all_reduce(comm, shard, group=comm.replicate_group,
-                                            label=label))
 
     return wait_reduce
 
