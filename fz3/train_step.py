@@ -50,8 +50,12 @@ class TrainStep:
             params, opt_state = step(self.opt, grads, opt_state, params, donate=True)
             return value, params, opt_state
         rows = by_rows(self.opt, params, opt_state)  # refuses donated trees, before any collective
-        value, _ = self.run.run(params, batch, loss_scale, update=rows.update,
-                                entry="train_step")
+        try:
+            value, _ = self.run.run(params, batch, loss_scale, update=rows.update,
+                                    entry="train_step")
+        except BaseException:
+            rows.abandon()
+            raise
         params, opt_state = rows.finish()
         return value, params, opt_state
 

@@ -103,7 +103,7 @@ ALLOWED = {
     "optim": {"sharding", "schedule", "comm"},
     "storage": {"sharding", "comm", "compare", "rng"},
     "hf": {"sharding", "storage"},
-    "observe": {"step", "sharding", "schedule", "comm"},
+    "observe": {"step", "sharding", "schedule", "comm", "optim"},
     "cost": {"observe", "step", "sharding", "schedule", "comm"},
     "facade": {"hf", "storage", "sharding", "comm"},
     "models": {"facade", "cost", "sharding"},

@@ -132,16 +132,38 @@ def _equal_to_value_and_grad_then_step(rank: int, world: int) -> dict:
             same = all(torch.equal(x, y) for x, y in zip(_leaves(a), _leaves(b)))
             out[policy, name] = same, step.per_unit
     donated = optree.tree_map(torch.clone, params)
-    step = fz3.train_step(model, _optimizers(model)["adamw"])
+    step = fz3.train_step(model, _optimizers(model)["adamw"], trace=False)
     state = step.opt.init(donated)
-    step(donated, state, batches(CFG, world)[rank])
+    batch = batches(CFG, world)[rank]
+    through = optree.tree_map(torch.clone, (params, state))
+    want = step(donated, state, batch)[1:]
     with pytest.raises(ValueError, match="donate"):
-        step(donated, state, batches(CFG, world)[rank])
+        step(donated, state, batch)
+    out["step_through"] = _stepped_through(model, step, through, batch, want)
     return out
+
+
+def _stepped_through(model, step, start, batch, want) -> bool:
+    """step_through(opt=) shows an update frame right where each update op is, and ends with
+    train_step's parameters and state; stopped after an update, its trees are given up."""
+    frames = list(fz3.step_through(model, *start[:1], batch, opt=step.opt, opt_state=start[1]))
+    updates = [f.index for f in frames if f.phase == "update"]
+    sched = frames[-1].stepped is not None and step.schedule
+    assert updates == [i for i, op in enumerate(sched.ops) if op.kind == "update"], updates
+    assert all(f.inputs.shape == f.outputs.shape for f in frames if f.phase == "update")
+    same = all(torch.equal(x, y) for x, y in zip(_leaves(want), _leaves(frames[-1].stepped)))
+    again = optree.tree_map(torch.clone, frames[-1].stepped)
+    for f in fz3.step_through(model, again[0], batch, opt=step.opt, opt_state=again[1]):
+        if f.phase == "update":
+            break  # every rank at the same op
+    with pytest.raises(ValueError, match="donate"):
+        step(again[0], again[1], batch)
+    return same
 
 
 def test_train_step_is_value_and_grad_then_step_bit_for_bit():
     for result in dist.run(2, _equal_to_value_and_grad_then_step):
+        assert result.pop("step_through")
         assert result == {(p, n): (True, n != "clip") for p in (None, "save", "k2")
                           for n in ("adamw", "muon", "clip") if (p, n) != ("k2", "clip")}
 

@@ -10,7 +10,8 @@ import torch
 
 from ..comm.arrival import DEFAULT_TIMEOUT_S, arrive
 from ..comm.collectives import all_reduce, wait
-from ..schedule.ops import FORWARD_KINDS, Op
+from ..optim.base import GradientTransformation, Rows, by_rows
+from ..schedule.ops import FORWARD_KINDS, Op, OpKind
 from ..schedule.saveable import cuts, name_of, recompute
 from ..schedule.structure import Role
 from ..schedule.planner import Policy
@@ -25,7 +26,7 @@ class StepFrame(NamedTuple):
     """One compute op of a step, as ``fz3.step_through`` shows it. ``print(frame)`` shows
     shapes, dtypes and norms, never whole tensors."""
 
-    phase: str  # "forward" | "loss" | "backward" | "done"
+    phase: str  # "forward" | "loss" | "backward" | "update" | "done"
     unit: int | None  # the unit (index into the schedule's units); None for the final frame
     name: str  # the unit's name ("pre", "blocks.3", "post"); "" for the final frame
     op: Op | None
@@ -35,13 +36,17 @@ class StepFrame(NamedTuple):
     params: dict[str, torch.Tensor]
     # forward: the unit's input (the batch for outer); backward: gradient w.r.t. its output
     inputs: Any
-    outputs: Any  # forward: its output (the loss for `loss`); backward: gradient w.r.t. its input
+    # forward: its output (the loss for `loss`); backward: gradient w.r.t. its input; update
+    # (``opt=``): inputs its reduced gradient shard, outputs its parameter shard as stepped
+    outputs: Any
     # backward: the unit's full gradient before reduction, by name, with its contribution to
     # each tied (shared) parameter it reads under every name that parameter has (a tied
     # embedding's gradient is in the loss frame, from the head, and in pre's, from the lookup)
     grads: dict[str, torch.Tensor] | None
     loss: torch.Tensor | None = None  # the final frame: mean loss over ranks
     result: Params | None = None  # the final frame: gradient shards, identical to value_and_grad's
+    # the final frame with ``opt=``: ``(params, opt_state)`` after the step (``result`` None)
+    stepped: tuple | None = None
 
     def __repr__(self) -> str:
         if self.op is None:
@@ -53,7 +58,8 @@ class StepFrame(NamedTuple):
         rows = [head]
         if self.phase == "done":
             rows.append(f"  loss    {_brief(self.loss)}")
-            rows.append(f"  grads   {_brief(self.result)}")
+            rows.append(f"  grads   {_brief(self.result)}" if self.stepped is None else
+                        f"  params  {_brief(self.stepped[0])}")
             return "\n".join(rows)
         rows.append(f"  params  {len(self.params)} tensors, {_brief(list(self.params.values()))}")
         rows.append(f"  inputs  {_brief(self.inputs)}")
@@ -66,10 +72,15 @@ class StepFrame(NamedTuple):
 
 
 def step_through(model: ShardedModel, params: Params, batch: Any,
-                 schedule: Schedule | Policy | None = None, *, recorder=None,
-                 timeout: float = DEFAULT_TIMEOUT_S) -> Generator[StepFrame, None, None]:
+                 schedule: Schedule | Policy | None = None, *, opt=None, opt_state: Any = None,
+                 recorder=None, timeout: float = DEFAULT_TIMEOUT_S
+                 ) -> Generator[StepFrame, None, None]:
     """Run one real step (the same executor as ``value_and_grad``), yielding a frame after
     every compute op and a final ``phase == "done"`` frame with the loss and gradients.
+    ``opt``, ``opt_state`` (an ``fz3.optim`` transformation with a per-unit form, its state):
+    ``fz3.train_step``'s step instead, an ``"update"`` frame after each unit's update, the
+    final frame's ``stepped`` the new ``(params, opt_state)`` (both given ones donated; stopped
+    after an update, they are given up, stepped in part).
 
     **Collective**: every rank must call it and iterate it alike. Stopping early (``break``,
     or ``close()`` on the generator) drains every collective this rank has in flight, so
@@ -81,21 +92,24 @@ def step_through(model: ShardedModel, params: Params, batch: Any,
     stop, instead of waiting for them forever.
     """
     check_call(model, params, batch, entry="fz3.step_through")  # local, before any collective
-    sched = prepare(model, schedule, grad=True, entry="step_through")
+    rows = None if opt is None else _rows(opt, params, opt_state)
+    sched = prepare(model, schedule, grad=True, entry="step_through", updates=rows is not None)
     # through autograd (no traced programs): a forward whose predicate cuts programs runs as
     # recompute, said once, and its frames say so
     say_untraced_selective(sched, None)
     sched = replace(sched, ops=tuple(Op(op.kind, op.unit, recompute) if op.saves is not None
                                      and cuts(op.saves) else op for op in sched.ops))
-    gen = execute(model, lower(model, sched, handed_out=True), params, batch, recorder)
+    gen = execute(model, lower(model, sched, handed_out=True), params, batch, recorder,
+                  update=None if rows is None else rows.update)
     try:
         while True:
             try:
                 frame = next(gen)
             except StopIteration as stop:
                 result: Result = stop.value
+                stepped, rows = None if rows is None else rows.finish(), None
                 yield StepFrame("done", None, "", None, -1, {}, None, None, None, result.loss,
-                                result.grads)
+                                result.grads, stepped)
                 return
             try:
                 yield describe(model, sched, frame)
@@ -105,13 +119,29 @@ def step_through(model: ShardedModel, params: Params, batch: Any,
                 raise
     finally:
         gen.close()  # the executor drains its in-flight collectives
+        if rows is not None:  # stopped before the end: params and state stepped in part
+            rows.abandon()
+
+
+def _rows(opt: GradientTransformation, params: Params, state: Any) -> Rows:
+    """``opt``'s step a unit at a time, or a ValueError naming why not (local)."""
+    rows = by_rows(opt, params, state)
+    if rows is None:
+        raise ValueError("fz3.step_through(opt=...): this optimizer has no per-unit form (it "
+                         "needs the whole gradient first: clipping, loss-scale unscaling, a "
+                         "chain of several): step through without opt= and call "
+                         "fz3.optim.step on the final frame's gradients")
+    return rows
 
 
 def describe(model: ShardedModel, schedule: Schedule, f: Frame) -> StepFrame:
-    """A ``Frame`` with names: parameters and gradients as ``{module name: tensor}``."""
+    """A ``Frame`` with names: parameters and gradients as ``{module name: tensor}`` (an
+    ``update``'s shards, slices of parameters, unnamed)."""
     kind, u = f.op[:2]
     phase = "forward" if kind in FORWARD_KINDS else str(kind)
     unit = schedule.units[u]
+    if kind == OpKind.UPDATE:
+        return StepFrame(phase, u, unit.name, f.op, f.index, {}, f.inputs, f.outputs, None)
     part = model.parts[unit.part]
     stack = part.role is Role.STACK  # then (k, padded) buffers, a (world, k, n) gradient
     params, grads = {}, None if f.grad is None else {}

@@ -33,6 +33,9 @@ class Rows(NamedTuple):
     # gradient ``grad`` (shaped like those rows); each row once a step
     update: Callable[[int, slice | None, torch.Tensor], None]
     finish: Callable[[], tuple[Tree, Any]]  # once every row is stepped: (params, state)
+    # a step that ends before ``finish``: params and state, stepped in part, are given up
+    # (``by_rows``' own; None from a transformation's ``by_rows``)
+    abandon: Callable[[], None] | None = None
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
@@ -109,18 +112,31 @@ def by_rows(opt: GradientTransformation, params: Tree, state: Any) -> Rows | Non
     has no per-unit form (it needs the whole gradient: ``clip_by_global_norm``, ``unscale``;
     or is not separable: ``freeze`` after ``adamw``, a longer ``chain``). As
     ``step(..., donate=True)``: ``params`` and ``state`` are given up, ``finish`` returns
-    the new ones. Local."""
+    the new ones; ``abandon`` gives them up when the step ends after some rows were stepped
+    and before ``finish`` (a rank lost, a stop): stepped in part, they must not be used.
+    Local."""
     refuse_donated_tree(params, "params")
     refuse_donated_tree(state, "optimizer state")
     if opt.by_rows is None:
         return None
     rows = opt.by_rows(state, params)
+    stepped: list = []  # whether any row was: an error before then leaves the trees as given
+
+    def update(leaf: int, which: slice | None, grad: torch.Tensor) -> None:
+        if not stepped:
+            stepped.append(True)
+        rows.update(leaf, which, grad)
 
     def finish() -> tuple[Tree, Any]:
         new_params, new_state = rows.finish()
         return _give_up(params, new_params), _give_up(state, new_state)
 
-    return rows._replace(finish=finish)
+    def abandon() -> None:
+        if stepped:
+            _give_up(params, None)
+            _give_up(state, None)
+
+    return Rows(update, finish, abandon)
 
 
 # [Note: donated trees]

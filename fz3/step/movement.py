@@ -22,7 +22,7 @@ from ..schedule.structure import Role
 from ..sharding.model import ShardedModel
 from . import shapes
 from .memory import UnitMemory
-from .state import Gathering, Reduced, Reducing, Step, StepState
+from .state import Frame, Gathering, Reduced, Reducing, Step, StepState
 from .unit_io import result_lander
 
 
@@ -171,9 +171,16 @@ def update_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
     stack = unit.role is Role.STACK
     rows = slice(unit.layers.start, unit.layers.stop) if stack else None
 
-    def update(s: StepState) -> None:
+    def update(s: StepState) -> Frame | None:
         shard = s.grad.pop(u).shard
-        s.call.update(part, rows, shard.view(-1, n) if stack else shard)
+        grad = shard.view(-1, n) if stack else shard
+        s.call.update(part, rows, grad)
+        if s.call.frames:  # its gradient shard, and its parameter shard as stepped (an alias:
+            # the given shards are emptied when the step ends, ``fz3.optim.base``)
+            stepped = s.call.shards.parts[part]
+            return Frame(index, op, None, grad, (stepped if rows is None else stepped[rows])
+                         .detach(), None)
+        return None
 
     return update
 
