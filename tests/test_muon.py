@@ -308,3 +308,16 @@ def test_owner_plan_balances_and_moves_every_slice_once():
                     matrix.shape[1], (world, matrix.name, spans)
             if module is tested and world in (2, 3):
                 assert any(len(v) > 1 for v in slices.values()), "no matrix crosses a boundary"
+            # one unit's exchange (train_step's per-unit update): its layers' matrices, their
+            # owners the whole plan's, rows from the unit's first; units of 2 layers cover all
+            parts = partition(module, [path], world, between=[]).parts
+            stack = next(i for i, part in enumerate(parts) if part.role is Role.STACK)
+            units = [p.only(stack, slice(a, min(a + 2, parts[stack].rows)))
+                     for a in range(0, parts[stack].rows, 2)]
+            assert [(m.name, o) for u in units for m, o in zip(u.matrices, u.owners)] == \
+                [(m.name, o) for m, o in zip(p.matrices, p.owners) if m.part == stack]
+            assert all(0 <= q.row < 2 for u in units for pieces in u.pieces
+                       for q in pieces.values())
+            assert all(sum(u.exchange(q).send_sizes) == sum(u.exchange(r).recv_sizes[q]
+                                                            for r in range(world))
+                       for u in units for q in range(world))

@@ -37,7 +37,7 @@ from .base import GradientTransformation, Rows, model_comm
 from .checks import FIX_STATE
 from .muon_checks import check_hyper, check_matrices, check_state
 from .newton_schulz import orthogonalize
-from .owners import Exchange, plan
+from .owners import Exchange, Plan, plan
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,8 @@ def muon(model: ShardedModel, lr: float | Callable[[int], float] = 1e-3, weight_
     check_hyper(lr, weight_decay, momentum, ns_coefficients, ns_steps, adjust_lr_fn)
     comm = model_comm(model, "muon")
     check_matrices(model)
-    ex = plan(model.parts, comm.world_size, ns_steps).exchange(comm.rank)
+    owners = plan(model.parts, comm.world_size, ns_steps)
+    ex = owners.exchange(comm.rank)
     stacks = [i for i, p in enumerate(model.parts) if p.role is Role.STACK]
     runs = {i: matrix_runs(model.parts[i], comm.rank) for i in stacks}
     ratios = {i: _ratio_runs(model.parts[i], comm.rank, adjust_lr_fn) for i in stacks}
@@ -87,7 +88,7 @@ def muon(model: ShardedModel, lr: float | Callable[[int], float] = 1e-3, weight_
                          others.init(rest_of(model, params, columns)))
 
     setup = Setup(model, comm, runs, ratios, columns, others, ns, lr, weight_decay, momentum,
-                  nesterov, {})
+                  nesterov, owners, {})
     step = functools.partial(_step, setup, ex)
 
     def update(grads: Params, state: MuonState,
@@ -148,13 +149,14 @@ class Setup(NamedTuple):
     weight_decay: float
     momentum: float
     nesterov: bool
-    exchanges: dict  # (part, first, stop) -> a unit's Exchange, planned at its first update
+    owners: Plan  # the whole model's
+    exchanges: dict  # (part, first, stop) -> a unit's Exchange, made at its first update
 
 
 def _by_rows(m: Setup, state: MuonState, params: Params) -> Rows:
     """``update_inplace``'s step a unit's rows at a time (``fz3.train_step``): a stack unit's
-    matrices exchanged and orthogonalized among themselves as its gradient lands (owners
-    balanced within the unit), ``others`` on its rest by rows. Collective: each stack unit's
+    matrices exchanged and orthogonalized among themselves as its gradient lands (each by its
+    owner in the whole model's plan), ``others`` on its rest by rows. Collective: each stack unit's
     update (two all-to-alls; every rank steps every unit, in the schedule's order)."""
     count, rate = _tick(m, params, state, params)
     rest = rest_of(m.model, params, m.columns)
@@ -166,10 +168,9 @@ def _by_rows(m: Setup, state: MuonState, params: Params) -> Rows:
             if m.comm.heartbeat is not None:
                 m.comm.heartbeat.inside("fz3.optim.muon's update")
             ex = m.exchanges.get((i, rows.start, rows.stop))
-            if ex is None:
-                ex = m.exchanges[i, rows.start, rows.stop] = plan(
-                    m.model.parts, m.comm.world_size, m.ns["steps"], (i, rows)
-                ).exchange(m.comm.rank)
+            if ex is None:  # the whole model's owners: a step's loads are the same
+                ex = m.exchanges[i, rows.start, rows.stop] = m.owners.only(i, rows).exchange(
+                    m.comm.rank)
             one = lambda t: Params(tuple(t if j == i else None for j in range(parts)))
             _, u = _momentum(one(grad), one(state.momentum.parts[i][rows]), {i: m.runs[i]},
                              m.momentum, m.nesterov, inplace=True)

@@ -69,6 +69,21 @@ class Plan(NamedTuple):
         """Rank ``rank``'s side of both all-to-alls (each rank computes only its own)."""
         return _exchange(rank, self.matrices, self.owners, self.pieces, len(self.flops))
 
+    def only(self, part: int, layers: slice) -> Plan:
+        """The matrices of layers ``layers`` of ``part``, with the owners this plan gave them
+        (balanced over the whole model, so a step's loads stay this plan's ``flops``), their
+        rows counted from the first: one unit's exchange (its update, ``fz3.train_step``).
+        ``flops`` stays the whole model's."""
+        keep = [k for k, m in enumerate(self.matrices)
+                if m.part == part and layers.start <= m.row < layers.stop]
+        index = {k: j for j, k in enumerate(keep)}
+        first = layers.start
+        return Plan(tuple(self.matrices[k]._replace(row=self.matrices[k].row - first)
+                          for k in keep),
+                    tuple(self.owners[k] for k in keep), self.flops,
+                    tuple({r: p._replace(matrix=index[k], row=p.row - first)
+                           for r, p in self.pieces[k].items()} for k in keep))
+
 
 def stack_matrices(parts: Sequence[Part]) -> tuple[Matrix, ...]:
     """Every stack matrix in model order (part, row, slot, expert); 3-D slots give one matrix
@@ -89,17 +104,10 @@ def stack_matrices(parts: Sequence[Part]) -> tuple[Matrix, ...]:
     return tuple(out)
 
 
-def plan(parts: Sequence[Part], world: int, steps: int,
-         rows: tuple[int, slice] | None = None) -> Plan:
+def plan(parts: Sequence[Part], world: int, steps: int) -> Plan:
     """The matrices, their owners and slices for ``parts`` sharded over ``world`` ranks
-    (``steps``: Newton-Schulz iterations, for the costs). ``rows``: ``(part, layers)``, only
-    the matrices of those layers, their rows counted from the first (one unit's: its update
-    op, ``fz3.train_step``)."""
+    (``steps``: Newton-Schulz iterations, for the costs)."""
     matrices = stack_matrices(parts)
-    if rows is not None:
-        i, layers = rows
-        matrices = tuple(m._replace(row=m.row - layers.start) for m in matrices
-                         if m.part == i and layers.start <= m.row < layers.stop)
     pieces = [_pieces(parts[m.part], m, k, world) for k, m in enumerate(matrices)]
     cost = [flops(m.shape, steps) for m in matrices]
     owners = _owners(cost, pieces, world)
