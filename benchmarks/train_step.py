@@ -1,6 +1,6 @@
 """``fz3.train_step`` against ``fz3.value_and_grad`` + ``fz3.optim.step(..., donate=True)``
-(issue 53): peak memory and time, same model, data, optimizer (fz3's AdamW, torch's fused
-kernel) and policy, at world size 1.
+(issue 53): peak memory and time, same model, data, optimizer and policy, at world size 1,
+for fz3's AdamW (torch's fused kernel) and for Muon (``others``: the same AdamW).
 
     python benchmarks/train_step.py                 # 5 interleaved repeats
     python benchmarks/train_step.py --repeats 1     # a smoke run
@@ -10,7 +10,8 @@ Each job runs in a fresh process (one thread, gloo): a GPT whose parameters are 
 steps. Reported per job: the step's live bytes beyond params and optimizer state (the second
 step, under ``fz3.observe.live_bytes.LiveBytes``: every storage it makes, while alive), the
 process's peak RSS after all steps (``ru_maxrss``: its whole life, parameters, state and
-tracing included), and the median step time. The two jobs alternate; medians over repeats.
+tracing included), and the median step time (forward, backward and optimizer: in
+``train_step`` they interleave). Each pair's two jobs alternate; medians over repeats.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ from fz3.models.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 
 CFG = GPTConfig(vocab=4096, seq=64, dim=512, heads=8, layers=8)  # 25.4M parameters
 ADAM = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.01)
+MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95)
+# the like-for-like pairs: each optimizer's train_step against its value_and_grad + optim.step
+PAIRS = (("value_and_grad+step", "train_step"), ("muon value_and_grad+step", "muon train_step"))
 
 
 def job(kind: str, steps: int) -> dict:
@@ -44,10 +48,12 @@ def job(kind: str, steps: int) -> dict:
     torch.manual_seed(0)
     model, params = shard_gpt(GPT(CFG))
     opt = fz3.optim.adamw(**ADAM, mask=fz3.decay_mask(model))
+    if kind.startswith("muon"):
+        opt = fz3.optim.muon(model, **MUON, others=fz3.optim.adamw(**ADAM))
     grad_bytes = sum(p.numel() * 4 for p in params.parts)  # (params are donated below)
     box = [params, opt.init(params)]
     batch = synthetic_batch(CFG, 4, seed=0)
-    if kind == "train_step":
+    if kind.endswith("train_step"):
         step = fz3.train_step(model, opt)
 
         def run():
@@ -96,18 +102,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    kinds = ("value_and_grad+step", "train_step")
-    got: dict[str, list[dict]] = {k: [] for k in kinds}
+    got: dict[str, list[dict]] = {k: [] for pair in PAIRS for k in pair}
     for r in range(args.repeats):
-        for kind in kinds if r % 2 == 0 else kinds[::-1]:
-            got[kind].append(run(kind, args.steps))
-            print(kind, got[kind][-1], flush=True)
+        for pair in PAIRS:
+            for kind in pair if r % 2 == 0 else pair[::-1]:
+                got[kind].append(run(kind, args.steps))
+                print(kind, got[kind][-1], flush=True)
     summary = {k: {f: statistics.median(x[f] for x in v) for f in v[0]} for k, v in got.items()}
-    base, mine = summary[kinds[0]], summary[kinds[1]]
-    summary["ratios"] = {f: mine[f] / base[f] for f in ("live_peak_mib", "rss_peak_mib",
+    for base_kind, kind in PAIRS:
+        base, mine = summary[base_kind], summary[kind]
+        mine["ratios"] = {f: mine[f] / base[f] for f in ("live_peak_mib", "rss_peak_mib",
                                                          "step_s")}
-    summary["live_saved_over_grad"] = (base["live_peak_mib"] - mine["live_peak_mib"]) / \
-        base["grad_mib"]
+        mine["live_saved_over_grad"] = (base["live_peak_mib"] - mine["live_peak_mib"]) / \
+            base["grad_mib"]
     summary["versions"] = dict(torch=torch.__version__, python=sys.version.split()[0])
     print(json.dumps(summary, indent=1))
     if args.out:
