@@ -3,7 +3,7 @@
 The schedule is ``value_and_grad``'s with an ``update`` op after each unit's ``wait_reduce``
 (``fz3.schedule.planner.updating``): a unit's reduced gradient shard lands in a buffer of its
 own, its parameter rows are stepped with it by the optimizer's per-unit form
-(``GradientTransformation.by_rows``, ``fz3.optim.base.Rows``) and it is let go, so the
+(``GradientTransformation.per_unit``, ``fz3.optim.base.UnitStep``) and it is let go, so the
 model's whole fp32 gradient shard is never alive at once, and each update runs while the
 layers below are still in their backward (``adamw``; ``muon``, whose stack units' matrices
 are exchanged and orthogonalized among themselves as each lands). An optimizer without a
@@ -22,11 +22,13 @@ from typing import Any, Callable
 import torch
 
 from .comm.say import once
-from .optim.base import GradientTransformation, by_rows, step
+from .optim.base import GradientTransformation, give_up, step
+from .optim.checks import refuse_donated_tree
+from .optim.per_unit import per_unit
 from .schedule.planner import Policy
 from .schedule.schedule import Schedule
 from .sharding.model import Params, ShardedModel
-from .step.value_and_grad import ValueAndGrad, made
+from .step.value_and_grad import ValueAndGrad, step_function
 
 log = logging.getLogger(__name__)
 
@@ -34,29 +36,35 @@ log = logging.getLogger(__name__)
 class TrainStep:
     """``step(params, opt_state, batch) -> (loss, params, opt_state)`` (``loss`` is ``(loss,
     aux)`` with ``has_aux``); ``params`` and ``opt_state`` are donated (as with
-    ``fz3.optim.step(..., donate=True)``): use the returned ones. ``step.schedule``: the
-    schedule it runs; ``step.per_unit``: whether the optimizer steps a unit at a time."""
+    ``fz3.optim.step(..., donate=True)``): use the returned ones. A step that raises after
+    some unit was stepped gives them up too (stepped in part: load a checkpoint); one that
+    raises before keeps them. ``step.schedule``: the schedule it runs; ``step.each_unit``:
+    whether the optimizer steps a unit at a time (else after the backward)."""
 
-    def __init__(self, model: ShardedModel, opt: GradientTransformation, run: ValueAndGrad,
-                 per_unit: bool):
-        self.model, self.opt, self.run, self.per_unit = model, opt, run, per_unit
-        self.schedule = run.schedule
+    def __init__(self, model: ShardedModel, opt: GradientTransformation, steps: ValueAndGrad,
+                 each_unit: bool):
+        self.model, self.opt, self.steps, self.each_unit = model, opt, steps, each_unit
+        self.schedule = steps.schedule
 
     def __call__(self, params: Params, opt_state: Any, batch: Any, *,
                  loss_scale: float | torch.Tensor = 1.0) -> tuple[Any, Params, Any]:
-        """``loss_scale`` multiplies the gradients (pair it with ``fz3.optim.unscale``)."""
-        if not self.per_unit:
-            value, grads = self.run.run(params, batch, loss_scale, entry="train_step")
-            params, opt_state = step(self.opt, grads, opt_state, params, donate=True)
-            return value, params, opt_state
-        rows = by_rows(self.opt, params, opt_state)  # refuses donated trees, before any collective
+        """``loss_scale`` multiplies the gradients (pair it with ``fz3.optim.unscale``).
+        **Collective**, as ``value_and_grad``'s step: every rank calls it."""
+        if not self.each_unit:
+            refuse_donated_tree(params, "params")  # before the step's collectives
+            refuse_donated_tree(opt_state, "optimizer state")
+            value, grads = self.steps.run(params, batch, loss_scale, entry="train_step")
+            new = step(self.opt, grads, opt_state, params, donate=True)
+            # (an optimizer without an in-place path leaves the trees as they were: gone too)
+            return value, give_up(params, new[0]), give_up(opt_state, new[1])
+        unit_step = per_unit(self.opt, params, opt_state)  # refuses donated trees, locally
         try:
-            value, _ = self.run.run(params, batch, loss_scale, update=rows.update,
-                                    entry="train_step")
+            value, _ = self.steps.run(params, batch, loss_scale, update=unit_step.update,
+                                      entry="train_step")
         except BaseException:
-            rows.abandon()
+            unit_step.abandon()
             raise
-        params, opt_state = rows.finish()
+        params, opt_state = unit_step.finish()
         return value, params, opt_state
 
 
@@ -81,15 +89,15 @@ def train_step(model: ShardedModel, opt: GradientTransformation,
         once(log, logging.WARNING, f"fz3.train_step: {why}: the optimizer steps after the "
              f"backward, the whole gradient shard alive at once (as value_and_grad + "
              f"fz3.optim.step)")
-    run = made(model, schedule_or_policy, "train_step", loss=loss, has_aux=has_aux,
+    steps = step_function(model, schedule_or_policy, "train_step", loss=loss, has_aux=has_aux,
                recorder=recorder, check_finite=check_finite, check_sync=check_sync,
                compile=compile, strict=strict, trace=trace, updates=why is None)
-    return TrainStep(model, opt, run, why is None)
+    return TrainStep(model, opt, steps, why is None)
 
 
 def _after_backward(opt: GradientTransformation, check_finite: bool) -> str | None:
     """Why the optimizer must step after the backward, or None (a unit at a time)."""
-    if opt.by_rows is None:
+    if opt.per_unit is None:
         return ("the optimizer has no per-unit form (it needs the whole gradient first, as "
                 "clip_by_global_norm and unscale do, or is a chain of several)")
     if check_finite:

@@ -11,6 +11,7 @@ vector loop: rows stepped as tensors of their own differ in the last bit, ``fz3.
 
 from __future__ import annotations
 
+import logging
 import random
 
 import optree
@@ -24,9 +25,9 @@ from fz3.models import shard_gpt
 from fz3.models.gpt import GPTConfig
 from fz3.observe.live_bytes import LiveBytes
 from fz3.optim.adamw import SLICE_MIN_ELEMENTS
-from fz3.optim.base import by_rows
 from fz3.sharding.model import Params
-from reference import batches, gpt
+from fz3.optim.freeze import keep_mask
+from reference import batches, fz3_said, gpt
 
 CFG = GPTConfig(vocab=37, seq=8, dim=20, heads=4, layers=3, mlp_ratio=3)
 
@@ -43,7 +44,7 @@ def _masks(kind: str, rows: int, n: int, g: torch.Generator):
     return Params((torch.rand(rows, n, generator=g) > 0.5, torch.ones(37, dtype=torch.bool)))
 
 
-def test_adamw_by_rows_is_its_fused_step_bit_for_bit():
+def test_adamw_per_unit_is_its_fused_step_bit_for_bit():
     rnd, g = random.Random(0), torch.Generator().manual_seed(0)
     for rows, n in [(6, 1037), (5, 3), (4, 16), (3, 2 * SLICE_MIN_ELEMENTS + 7)]:
         for kind in ("none", "shared", "per_row"):
@@ -60,18 +61,21 @@ def test_adamw_by_rows_is_its_fused_step_bit_for_bit():
                 cuts = sorted(rnd.sample(range(1, rows), rnd.randint(0, rows - 1)))
                 spans = list(zip([0, *cuts], [*cuts, rows]))
                 rnd.shuffle(spans)  # any order the schedule lands them in
-                step = by_rows(opt, *units)
+                step = fz3.optim.per_unit(opt, *units)
                 for a, b in spans:
                     step.update(0, slice(a, b), grads.parts[0][a:b].clone())
                 step.update(1, None, grads.parts[1].clone())
                 units = step.finish()
             for x, y in zip(_leaves(whole), _leaves(units)):
                 assert torch.equal(x, y), (rows, n, kind, spans)
-    step = by_rows(fz3.optim.adamw(), Params((torch.zeros(4, 5),)),
-                   fz3.optim.adamw().init(Params((torch.zeros(4, 5),))))
-    step.update(0, slice(0, 1), torch.zeros(1, 5))
-    with pytest.raises(RuntimeError, match=r"leaves \[0\] have rows never stepped"):
-        step.finish()
+    for n in (5, 16):  # 16: whole 16-element chunks, nothing left pending by the kernel's tasks
+        zeros = Params((torch.zeros(4, n),))
+        step = fz3.optim.per_unit(fz3.optim.adamw(), zeros, fz3.optim.adamw().init(zeros))
+        step.update(0, slice(0, 2), torch.zeros(2, n))
+        with pytest.raises(ValueError, match=r"leaf 0's layers \[1\] stepped twice"):
+            step.update(0, slice(1, 2), torch.zeros(1, n))
+        with pytest.raises(RuntimeError, match=r"leaves \[0\] were not stepped whole"):
+            step.finish()
 
 
 def test_update_ops_are_validated_and_printed():
@@ -92,6 +96,14 @@ def test_update_ops_are_validated_and_printed():
         fz3.validate(fz3.Schedule(tuple(again), sched.units))
     with pytest.raises(ValueError, match="only fz3.train_step runs them"):
         fz3.step.front.check_schedule(_TwoLayers, sched, grad=True)
+    i = ops.index(Op("update", 1))
+    gathering = ops[:i] + [Op("gather", 1)] + ops[i:]
+    with pytest.raises(fz3.ScheduleError, match="layers.0 is being gathered while its update"):
+        fz3.validate(fz3.Schedule(tuple(gathering), sched.units))
+    joined = fz3.plan(2, fz3.Policy(join_grads=True))
+    assert joined.join_grads and not fz3.schedule.planner.updating(joined).join_grads
+    with pytest.raises(ValueError, match="fz3.deferred takes a schedule without update ops"):
+        fz3.deferred(sched)
 
 
 class _TwoLayers:
@@ -100,8 +112,11 @@ class _TwoLayers:
     structure = parts = fz3.schedule.structure.layers_only(2)
 
 
-def _optimizers(model):
-    return {"adamw": fz3.optim.adamw(lr=1e-2, weight_decay=0.1, mask=fz3.decay_mask(model)),
+def _optimizers(model, policy=None):
+    # k2: a mask of each layer's own (the fc weights of every layer undecayed)
+    mask = (fz3.decay_mask(model) if policy != "k2" else
+            keep_mask(model, lambda name: name.endswith("fc.weight")))
+    return {"adamw": fz3.optim.adamw(lr=1e-2, weight_decay=0.1, mask=mask),
             "muon": fz3.optim.muon(model, lr=0.02),
             "clip": fz3.optim.chain(fz3.optim.clip_by_global_norm(0.05, model),
                                     fz3.optim.adamw(lr=1e-2))}
@@ -111,15 +126,17 @@ def _equal_to_value_and_grad_then_step(rank: int, world: int) -> dict:
     model, params = shard_gpt(gpt(CFG))
     out = {}
     for policy in (None, "save", "k2"):  # k2: two layers a unit (a Muon exchange of both),
-        # through autograd (tracing costs seconds a step function)
-        pol = policy and fz3.Policy(**({"layers_per_unit": 2} if policy == "k2" else
-                                       {"activations": policy}))
+        # all-reduced, through autograd (tracing costs seconds a step function)
+        pol = policy and fz3.Policy(**({"layers_per_unit": 2, "reduce": "all_reduce"}
+                                       if policy == "k2" else {"activations": policy}))
         trace = policy != "k2"
         vg = fz3.value_and_grad(model, pol, trace=trace)
-        for name, opt in _optimizers(model).items():
+        for name, opt in _optimizers(model, policy).items():
             if policy == "k2" and name == "clip":
                 continue
-            step = fz3.train_step(model, opt, pol, trace=trace)
+            with fz3_said(logging.WARNING) as said:
+                step = fz3.train_step(model, opt, pol, trace=trace)
+            assert (rank == 0 and name == "clip") == any("no per-unit form" in m for m in said)
             a = optree.tree_map(torch.clone, params)
             a = (a, opt.init(a))
             b = optree.tree_map(torch.clone, a)
@@ -130,7 +147,7 @@ def _equal_to_value_and_grad_then_step(rank: int, world: int) -> dict:
                 loss_b, *b = step(b[0], b[1], batch)
                 assert torch.equal(loss_a, loss_b), (policy, name, i)
             same = all(torch.equal(x, y) for x, y in zip(_leaves(a), _leaves(b)))
-            out[policy, name] = same, step.per_unit
+            out[policy, name] = same, step.each_unit
     donated = optree.tree_map(torch.clone, params)
     step = fz3.train_step(model, _optimizers(model)["adamw"], trace=False)
     state = step.opt.init(donated)

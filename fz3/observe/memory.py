@@ -221,7 +221,8 @@ def plan_of(model: ShardedModel, schedule: Schedule, act: tuple[PartActivations,
                         default=0)
     return MemoryPlan(
         params=shard_bytes + frozen_bytes,
-        grads=shard_bytes if schedule.grad else 0,
+        # returned by the step (with update ops each unit's shard is freed by its update)
+        grads=shard_bytes if schedule.grad and not schedule.updates else 0,
         optimizer=optimizer_states * shard_bytes if schedule.grad else 0,
         gathered=col("gathered"),
         unsharded_grads=col("unreduced"),

@@ -10,7 +10,8 @@ import torch
 
 from ..comm.arrival import DEFAULT_TIMEOUT_S, arrive
 from ..comm.collectives import all_reduce, wait
-from ..optim.base import GradientTransformation, Rows, by_rows
+from ..optim.base import GradientTransformation, UnitStep
+from ..optim.per_unit import per_unit
 from ..schedule.ops import FORWARD_KINDS, Op, OpKind
 from ..schedule.saveable import cuts, name_of, recompute
 from ..schedule.structure import Role
@@ -123,9 +124,9 @@ def step_through(model: ShardedModel, params: Params, batch: Any,
             rows.abandon()
 
 
-def _rows(opt: GradientTransformation, params: Params, state: Any) -> Rows:
+def _rows(opt: GradientTransformation, params: Params, state: Any) -> UnitStep:
     """``opt``'s step a unit at a time, or a ValueError naming why not (local)."""
-    rows = by_rows(opt, params, state)
+    rows = per_unit(opt, params, state)
     if rows is None:
         raise ValueError("fz3.step_through(opt=...): this optimizer has no per-unit form (it "
                          "needs the whole gradient first: clipping, loss-scale unscaling, a "

@@ -110,7 +110,7 @@ def trace_summary(rec: Recorder) -> str:
         order.setdefault(name, (e.step, u))
         r = rows[name]
         category = OpKind(kind).category
-        if category is Category.COMPUTE:
+        if category in (Category.COMPUTE, Category.UPDATE):  # (the optimizer's, per unit)
             r[0] += ms
         elif category is Category.WAIT:
             r[1] += ms

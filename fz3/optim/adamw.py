@@ -19,7 +19,7 @@ import torch
 from torch.optim.adam import adam as _torch_adam
 
 from .aligned import CHUNK, aligned
-from .base import GradientTransformation, Rows, Tree
+from .base import GradientTransformation, UnitStep, Tree
 from .checks import FIX_STATE, check_like, check_mask
 
 
@@ -91,15 +91,15 @@ def adamw(lr: float | Callable[[int], float] = 1e-3, betas: tuple[float, float] 
             _fused(group, t, lr=rate, beta1=b1, beta2=b2, weight_decay=decay, eps=eps)
         return params, AdamWState(count, state.mu, state.nu)
 
-    by_rows = functools.partial(_by_rows, lr=lr, betas=betas, eps=eps,
+    per_unit = functools.partial(_per_unit, lr=lr, betas=betas, eps=eps,
                                 weight_decay=weight_decay, masks=masks, runs=runs)
-    return GradientTransformation(init, update, update_inplace, by_rows)
+    return GradientTransformation(init, update, update_inplace, per_unit)
 
 
-def _by_rows(state: AdamWState, params: Tree, *, lr, betas: tuple[float, float], eps: float,
-             weight_decay: float, masks: Tree | None, runs: list | None) -> Rows:
-    """``update_inplace``'s step a unit's rows at a time, bit for bit (``aligned``): the
-    count ticks here, once."""
+def _per_unit(state: AdamWState, params: Tree, *, lr, betas: tuple[float, float], eps: float,
+             weight_decay: float, masks: Tree | None, runs: list | None) -> UnitStep:
+    """``update_inplace``'s step a unit at a time, bit for bit (``aligned``): the count ticks
+    here, once."""
     b1, b2 = betas
     _check_buffers(params, state, params, masks)
     count, t, rate = _tick(state, lr)
@@ -109,16 +109,16 @@ def _by_rows(state: AdamWState, params: Tree, *, lr, betas: tuple[float, float],
     width = CHUNK if ps and ps[0].device.type == "cpu" else 1
     pending: list[dict] = [{} for _ in ps]
 
-    def step_rows(i: int, rows: slice | None, grad: torch.Tensor) -> None:
+    def step_layers(i: int, layers: slice | None, grad: torch.Tensor) -> None:
         p, m, v = ps[i], mus[i], nus[i]
-        own = p if rows is None else p[rows]
+        own = p if layers is None else p[layers]
         if grad.shape != own.shape:
-            raise ValueError(f"the gradient of rows {rows} of leaf {i} is "
+            raise ValueError(f"the gradient of layers {layers} of leaf {i} is "
                              f"{list(grad.shape)}, its parameters {list(own.shape)}")
         groups: dict[float, list] = {}
-        start = 0 if rows is None else rows.start * own[0].numel()
+        start = 0 if layers is None else layers.start * own[0].numel()
         for decay, run in _leaf_groups((p, grad, m, v), runs and runs[i], ks[i], rate,
-                                       weight_decay, rows):
+                                       weight_decay, layers):
             groups.setdefault(decay, []).extend(
                 [run] if run else aligned((p, m, v), grad, start, pending[i], width))
         for decay, group in groups.items():
@@ -127,11 +127,11 @@ def _by_rows(state: AdamWState, params: Tree, *, lr, betas: tuple[float, float],
     def finish() -> tuple[Tree, AdamWState]:
         left = [i for i, chunks in enumerate(pending) if chunks]
         if left:
-            raise RuntimeError(f"adamw by rows: leaves {left} have rows never stepped "
-                               f"this step (every row takes one update a step)")
+            raise RuntimeError(f"adamw per unit: leaves {left} have elements never stepped "
+                               f"this step (every layer takes one update a step)")
         return params, AdamWState(count, state.mu, state.nu)
 
-    return Rows(step_rows, finish)
+    return UnitStep(step_layers, finish)
 
 
 def _check_buffers(grads: Tree, state: Any, params: Tree | None, masks: Tree | None) -> None:
@@ -212,10 +212,10 @@ SLICE_MIN_ELEMENTS = 8192
 
 
 def _leaf_groups(tensors: tuple, mask_rows: list | None, keep: torch.Tensor | None, rate: float,
-                 weight_decay: float, rows: slice | None = None) -> list[tuple[float, Any]]:
-    """``[(decay, run)]`` for one leaf's ``(p, g, m, v)`` (``g`` its ``rows``' gradient;
-    ``rows`` None: the whole leaf), decided on the whole leaf's mask: ``run`` None steps the
-    rows whole (after the masked decay applied in a pass of its own, where the mask is
+                 weight_decay: float, layers: slice | None = None) -> list[tuple[float, Any]]:
+    """``[(decay, run)]`` for one leaf's ``(p, g, m, v)`` (``g`` its ``layers``' gradient;
+    ``layers`` None: the whole leaf), decided on the whole leaf's mask: ``run`` None steps
+    those layers whole (after the masked decay applied in a pass of its own, where the mask is
     mixed and its slices small); else contiguous slices of each row, one per run of the mask
     where they are large (the fused kernel takes one decay per call and contiguous tensors)."""
     if mask_rows is None or not weight_decay:
@@ -227,13 +227,13 @@ def _leaf_groups(tensors: tuple, mask_rows: list | None, keep: torch.Tensor | No
     n = p.shape[-1]
     per_row = max(len(row) for row in mask_rows)
     if n < SLICE_MIN_ELEMENTS * per_row or keep.shape[-1] != n:
-        mine = p if rows is None else p[rows]
-        by_row = rows is not None and keep.dim() == p.dim() and keep.shape[0] == p.shape[0] > 1
-        mine.addcmul_(mine, keep[rows] if by_row else keep, value=-rate * weight_decay)
+        mine = p if layers is None else p[layers]
+        by_layer = layers is not None and keep.dim() == p.dim() and keep.shape[0] == p.shape[0] > 1
+        mine.addcmul_(mine, keep[layers] if by_layer else keep, value=-rate * weight_decay)
         return [(0.0, None)]  # decoupled, before the step
-    out, first = [], 0 if rows is None else rows.start
-    flat = [t.view(-1, n) for t in ((p, g, m, v) if rows is None else
-                                    (p[rows], g, m[rows], v[rows]))]
+    out, first = [], 0 if layers is None else layers.start
+    flat = [t.view(-1, n) for t in ((p, g, m, v) if layers is None else
+                                    (p[layers], g, m[layers], v[layers]))]
     for r in range(flat[0].shape[0]):  # a mask of one row serves every row
         for a, b, decays in mask_rows[first + r if len(mask_rows) > 1 else 0]:
             out.append((weight_decay if decays else 0.0, tuple(x[r, a:b] for x in flat)))

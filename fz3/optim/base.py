@@ -19,22 +19,22 @@ class GradientTransformation(NamedTuple):
     # Optional fast path: (grads, state, params) -> (params, state) computed in place, reusing
     # (donating) the buffers of params and state, as a fused kernel does. See ``step``.
     update_inplace: Callable[..., tuple[Tree, Any]] | None = None
-    # Optional per-unit form: (state, params) -> ``Rows``, the step taken a unit's rows at a
-    # time as its gradient lands (``fz3.train_step``); only where the update is separable by
-    # rows. See ``by_rows``.
-    by_rows: Callable[[Any, Tree], "Rows"] | None = None
+    # Optional per-unit form: (state, params) -> ``UnitStep``, the step taken a unit at a time
+    # as its gradient lands (``fz3.train_step``), where the update is separable by layers
+    # (``fz3.optim.per_unit``).
+    per_unit: Callable[[Any, Tree], "UnitStep"] | None = None
 
 
-class Rows(NamedTuple):
+class UnitStep(NamedTuple):
     """One optimizer step, taken a unit at a time, in place (params and state donated)."""
 
-    # (leaf, rows, grad): step leaf ``leaf`` of params (a part, for ``fz3.Params``), its rows
-    # ``rows`` (a slice of a stack part's layers; None: the whole leaf) with their reduced
-    # gradient ``grad`` (shaped like those rows); each row once a step
+    # (leaf, layers, grad): step leaf ``leaf`` of params (a part, for ``fz3.Params``): the
+    # layers ``layers`` of a stack part's (k, shard) leaf, or the whole leaf (None), with
+    # their reduced gradient ``grad``, shaped like them; each layer once a step
     update: Callable[[int, slice | None, torch.Tensor], None]
-    finish: Callable[[], tuple[Tree, Any]]  # once every row is stepped: (params, state)
+    finish: Callable[[], tuple[Tree, Any]]  # once every layer is stepped: (params, state)
     # a step that ends before ``finish``: params and state, stepped in part, are given up
-    # (``by_rows``' own; None from a transformation's ``by_rows``)
+    # (``fz3.optim.per_unit``'s; None from a transformation's own)
     abandon: Callable[[], None] | None = None
 
 
@@ -54,7 +54,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     last = transforms[-1] if transforms else None
     if len(transforms) == 1:  # its own fast paths, its state in a tuple
         return GradientTransformation(init, update, _one(last.update_inplace),
-                                      _one(last.by_rows))
+                                      _one(last.per_unit))
     if last is None or last.update_inplace is None:
         return GradientTransformation(init, update)
 
@@ -83,20 +83,20 @@ def step(opt: GradientTransformation, grads: Tree, state: Any, params: Tree, *,
     refuse_donated_tree(state, "optimizer state")
     if donate and opt.update_inplace is not None:
         new_params, new_state = opt.update_inplace(grads, state, params)
-        return _give_up(params, new_params), _give_up(state, new_state)
+        return give_up(params, new_params), give_up(state, new_state)
     updates, state = opt.update(grads, state, params)
     return apply_updates(params, updates), state
 
 
 def _one(fast: Callable | None) -> Callable | None:
-    """A one-transformation chain's ``update_inplace`` or ``by_rows``: ``fast`` on its state."""
+    """A one-transformation chain's ``update_inplace`` or ``per_unit``: ``fast`` on its state."""
     if fast is None:
         return None
 
     def on_first(*args) -> Any:
         *rest, state, params = args
         out = fast(*rest, state[0], params)
-        if isinstance(out, Rows):
+        if isinstance(out, UnitStep):
             return out._replace(finish=lambda: _tupled(out.finish()))
         return _tupled(out)
 
@@ -107,38 +107,6 @@ def _tupled(pair: tuple) -> tuple:
     return pair[0], (pair[1],)
 
 
-def by_rows(opt: GradientTransformation, params: Tree, state: Any) -> Rows | None:
-    """``opt``'s step a unit at a time (``GradientTransformation.by_rows``), or None where it
-    has no per-unit form (it needs the whole gradient: ``clip_by_global_norm``, ``unscale``;
-    or is not separable: ``freeze`` after ``adamw``, a longer ``chain``). As
-    ``step(..., donate=True)``: ``params`` and ``state`` are given up, ``finish`` returns
-    the new ones; ``abandon`` gives them up when the step ends after some rows were stepped
-    and before ``finish`` (a rank lost, a stop): stepped in part, they must not be used.
-    Local."""
-    refuse_donated_tree(params, "params")
-    refuse_donated_tree(state, "optimizer state")
-    if opt.by_rows is None:
-        return None
-    rows = opt.by_rows(state, params)
-    stepped: list = []  # whether any row was: an error before then leaves the trees as given
-
-    def update(leaf: int, which: slice | None, grad: torch.Tensor) -> None:
-        if not stepped:
-            stepped.append(True)
-        rows.update(leaf, which, grad)
-
-    def finish() -> tuple[Tree, Any]:
-        new_params, new_state = rows.finish()
-        return _give_up(params, new_params), _give_up(state, new_state)
-
-    def abandon() -> None:
-        if stepped:
-            _give_up(params, None)
-            _give_up(state, None)
-
-    return Rows(update, finish, abandon)
-
-
 # [Note: donated trees]
 # JAX deletes a donated buffer; here the step returns new tensor objects on the same storage
 # (``detach``: no copy) and empties the donated ones (``set_()``: zero elements, the storage
@@ -146,7 +114,7 @@ def by_rows(opt: GradientTransformation, params: Tree, state: Any) -> Rows | Non
 # checks see a tensor of no elements where a shard belongs and name ``donate=True``.
 
 
-def _give_up(old: Tree, new: Tree) -> Tree:
+def give_up(old: Tree, new: Tree) -> Tree:
     """``new`` with every tensor it shares with ``old`` replaced by a fresh alias; those tensors
     of ``old`` emptied."""
     donated = {id(t) for t in optree.tree_leaves(old) if isinstance(t, torch.Tensor)}

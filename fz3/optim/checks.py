@@ -27,9 +27,11 @@ def refuse_donated_tree(tree: Any, what: str) -> None:
     for t in optree.tree_leaves(tree):
         if is_donated(t):
             noun = what.removeprefix("the ")  # callers say "the updates"; not "use the the ..."
-            raise ValueError(f"{what} was donated to fz3.optim.step(..., donate=True), which "
-                             f"updated its buffers in place and returned new ones: use the {noun} "
-                             f"that it returned (params, opt_state = fz3.optim.step(...))")
+            raise ValueError(f"{what} was donated to fz3.optim.step(..., donate=True) or "
+                             f"fz3.train_step, which updated its buffers in place and returned "
+                             f"new ones: use the {noun} that it returned (params, opt_state = "
+                             f"fz3.optim.step(...)); after a train_step that raised, they were "
+                             f"stepped in part: load a checkpoint")
 
 
 def check_like(params: Any, tree: Any, what: str, fix: str) -> None:

@@ -33,7 +33,7 @@ from ..sharding.matrices import Rest, is_matrix, matrix_runs, rest_columns, rest
 from ..sharding.model import ShardedModel
 from ..sharding.params import Params, check_tree
 from .adamw import adamw
-from .base import GradientTransformation, Rows, model_comm
+from .base import GradientTransformation, UnitStep, model_comm
 from .checks import FIX_STATE
 from .muon_checks import check_hyper, check_matrices, check_state
 from .newton_schulz import orthogonalize
@@ -109,8 +109,8 @@ def muon(model: ShardedModel, lr: float | Callable[[int], float] = 1e-3, weight_
                                      params, rest_of(model, params, columns), columns)
         return params, MuonState(count, mom, rest_state)
 
-    by_rows = None if others.by_rows is None else functools.partial(_by_rows, setup)
-    return GradientTransformation(init, update, update_inplace, by_rows)
+    per_unit = None if others.per_unit is None else functools.partial(_per_unit, setup)
+    return GradientTransformation(init, update, update_inplace, per_unit)
 
 
 def _step(m: "Setup", ex: Exchange, grads: Params, state: MuonState, params: Params | None,
@@ -136,7 +136,7 @@ def _tick(m: "Setup", grads: Params, state: Any, params: Params | None) -> tuple
     return count, m.lr(int(count)) if callable(m.lr) else m.lr
 
 class Setup(NamedTuple):
-    """What ``muon`` decides once, for its per-unit form (``_by_rows``)."""
+    """What ``muon`` decides once, for its per-unit form (``_per_unit``)."""
 
     model: ShardedModel
     comm: Comm
@@ -153,34 +153,34 @@ class Setup(NamedTuple):
     exchanges: dict  # (part, first, stop) -> a unit's Exchange, made at its first update
 
 
-def _by_rows(m: Setup, state: MuonState, params: Params) -> Rows:
-    """``update_inplace``'s step a unit's rows at a time (``fz3.train_step``): a stack unit's
-    matrices exchanged and orthogonalized among themselves as its gradient lands (each by its
-    owner in the whole model's plan), ``others`` on its rest by rows. Collective: each stack unit's
+def _per_unit(m: Setup, state: MuonState, params: Params) -> UnitStep:
+    """``update_inplace``'s step a unit at a time (``fz3.train_step``): a stack unit's
+    matrices exchanged and orthogonalized as its gradient lands (each by its owner in the
+    whole model's plan), ``others`` on its rest per unit too. Collective: each stack unit's
     update (two all-to-alls; every rank steps every unit, in the schedule's order)."""
     count, rate = _tick(m, params, state, params)
     rest = rest_of(m.model, params, m.columns)
-    inner = m.others.by_rows(state.others, rest)
+    inner = m.others.per_unit(state.others, rest)
     parts = len(m.model.parts)
 
-    def step_rows(i: int, rows: slice | None, grad: torch.Tensor) -> None:
+    def step_layers(i: int, layers: slice | None, grad: torch.Tensor) -> None:
         if i in m.runs:  # a stack part: its matrices, then its rest
             if m.comm.heartbeat is not None:
                 m.comm.heartbeat.inside("fz3.optim.muon's update")
-            ex = m.exchanges.get((i, rows.start, rows.stop))
+            ex = m.exchanges.get((i, layers.start, layers.stop))
             if ex is None:  # the whole model's owners: a step's loads are the same
-                ex = m.exchanges[i, rows.start, rows.stop] = m.owners.only(i, rows).exchange(
+                ex = m.exchanges[i, layers.start, layers.stop] = m.owners.only(i, layers).exchange(
                     m.comm.rank)
             one = lambda t: Params(tuple(t if j == i else None for j in range(parts)))
-            _, u = _momentum(one(grad), one(state.momentum.parts[i][rows]), {i: m.runs[i]},
+            _, u = _momentum(one(grad), one(state.momentum.parts[i][layers]), {i: m.runs[i]},
                              m.momentum, m.nesterov, inplace=True)
             got = exchange(m.comm, ex, u, m.ns)
-            mine = params.parts[i][rows]
+            mine = params.parts[i][layers]
             upd = _matrix_updates(got, ex, u, one(mine), {i: m.runs[i]}, {i: m.ratios[i]}, rate,
                                   m.weight_decay)
             mine.add_(upd[i])
         cols = m.columns[i]
-        inner.update(i, rows, grad if cols is None else grad.index_select(1, cols))
+        inner.update(i, layers, grad if cols is None else grad.index_select(1, cols))
 
     def finish() -> tuple[Params, MuonState]:
         _, others_state = inner.finish()
@@ -191,7 +191,7 @@ def _by_rows(m: Setup, state: MuonState, params: Params) -> Rows:
                 params.parts[i].index_copy_(1, cols, rest.parts[i])
         return params, MuonState(count, state.momentum, others_state)
 
-    return Rows(step_rows, finish)
+    return UnitStep(step_layers, finish)
 
 
 def _others_inplace(others: GradientTransformation, grads: Rest, state: Any, params: Params,

@@ -155,10 +155,10 @@ class Change(NamedTuple):
 
     field: str
     before: frozenset
-    after: Enum
+    after: Enum | None  # None: left as it is (the op only needs it in ``before``)
 
 
-def _c(field: str, before: set, after: Enum) -> Change:
+def _c(field: str, before: set, after: Enum | None) -> Change:
     return Change(field, frozenset(before), after)
 
 
@@ -175,7 +175,9 @@ TABLE: dict[OpKind, tuple[Change, ...]] = {
     OpKind.REDUCE: (_c("grad", {Grad.UNREDUCED}, Grad.REDUCING),),
     OpKind.WAIT_REDUCE: (_c("grad", {Grad.REDUCING}, Grad.REDUCED),),
     OpKind.ACCUMULATE: (_c("grad", {Grad.UNREDUCED}, Grad.CARRIED),),
-    OpKind.UPDATE: (_c("grad", {Grad.REDUCED}, Grad.APPLIED),),
+    # its shard is written while no gather reads it (a resident unit's gathered copy may stay)
+    OpKind.UPDATE: (_c("params", {Params.ABSENT, Params.GATHERED}, None),
+                    _c("grad", {Grad.REDUCED}, Grad.APPLIED)),
 }
 
 
@@ -197,7 +199,7 @@ def transition(kind: OpKind, name: str, state: UnitState, *, grad: bool = True,
         now = getattr(state, change.field)
         if now not in change.before:
             return _why(kind, change.field, now, name, read)
-        if change.field in ("activation", "grad") and not grad:
+        if change.field in ("activation", "grad") and not grad or change.after is None:
             continue  # forward-only: nothing is kept for a backward, no gradient exists
         new = new._replace(**{change.field: change.after})
     return new
@@ -208,6 +210,9 @@ def _why(kind: OpKind, field: str, now: Enum, name: str, read: bool) -> str:
         return (f"the gradient of {name} is {now.value} already: a reader's {kind} adds to it "
                 f"after its reduce")
     if field == "params":
+        if kind == OpKind.UPDATE:
+            return (f"{name} is being gathered while its update writes its shard: wait its "
+                    f"gather first")
         if kind == OpKind.GATHER:
             return (f"{name} is already "
                     f"{'being gathered' if now is Params.GATHERING else 'gathered'}")

@@ -219,18 +219,22 @@ def _last_contributions(steps: list[Op], units: Sequence[Unit]) -> dict[int, int
 def deferred(schedule: Schedule) -> Schedule:
     """``schedule`` with every reduce replaced by an ``accumulate``: the micro-batches before
     the last of a gradient accumulation with the ``defer`` policy (see ``fz3.accumulate``)."""
+    if schedule.updates:
+        raise ValueError("fz3.deferred takes a schedule without update ops (fz3.train_step's "
+                         "steps the parameters; accumulation sums gradients first): pass the "
+                         "schedule value_and_grad runs")
     ops = tuple(Op(OpKind.ACCUMULATE, op.unit) if op.kind == OpKind.REDUCE else op
                 for op in schedule.ops if op.kind != OpKind.WAIT_REDUCE)
     return validate(replace(schedule, ops=ops))
 
 
-
 def updating(schedule: Schedule) -> Schedule:
     """``schedule`` with an ``update`` op right after each unit's ``wait_reduce`` (as is, if
     it has update ops already): ``fz3.train_step``'s, stepping each unit's parameters as soon
-    as its gradient shard lands."""
+    as its gradient shard lands. Nothing is joined then (``join_grads`` cleared: each unit's
+    shard is a buffer of its own anyway)."""
     if schedule.updates:
         return validate(schedule)
     ops = [o for op in schedule.ops for o in ((op, Op(OpKind.UPDATE, op.unit))
                                              if op.kind == OpKind.WAIT_REDUCE else (op,))]
-    return validate(replace(schedule, ops=tuple(ops)))
+    return validate(replace(schedule, ops=tuple(ops), join_grads=frozenset()))

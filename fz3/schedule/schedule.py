@@ -102,8 +102,7 @@ class Schedule:
 
     @functools.cached_property
     def updates(self) -> bool:
-        """It steps the parameters (``update`` ops, ``fz3.train_step``): each unit's reduced
-        gradient shard lands in a buffer of its own, freed by its update."""
+        """It steps the parameters (``update`` ops: ``fz3.train_step``'s)."""
         return any(op.kind == OpKind.UPDATE for op in self.ops)
 
     def describe(self, op: Op) -> str:
@@ -223,10 +222,11 @@ def _field_error(s: Schedule) -> ScheduleError | None:
             return ScheduleError(None, None,
                                  f"unit {u.name!r} reads {bad}, which are not shared units")
     stacks = {u.part for u in s.units if u.role is Role.STACK}
-    if not set(s.join_grads) <= stacks or s.join_grads and not s.grad:
+    if not set(s.join_grads) <= stacks or s.join_grads and (not s.grad or s.updates):
         return ScheduleError(None, None, f"join_grads={sorted(s.join_grads)}: only the "
                                          f"gradients of stack parts ({sorted(stacks)}) of a "
-                                         f"training schedule (grad=True) can be joined")
+                                         f"training schedule (grad=True) without update ops "
+                                         f"(each unit's is stepped and let go) can be joined")
     roles = [u.role for u in s.units]
     if roles.count(Role.POST) != 1 or (roles and roles[0] is not Role.PRE):
         return ScheduleError(None, None, f"units must start with the pre unit and hold one "

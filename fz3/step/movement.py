@@ -164,21 +164,21 @@ def accumulate_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
 
 def update_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
               memory: UnitMemory) -> Step:
-    """The unit's parameter shard (its rows of its part's) stepped with its reduced gradient
+    """The unit's parameter shard (its layers of its part's) stepped with its reduced gradient
     shard by the call's optimizer (``Call.update``, ``fz3.train_step``), which lets it go."""
     u, unit = op.unit, schedule.units[op.unit]
     part, n = unit.part, model.parts[unit.part].layout.shard_numel
     stack = unit.role is Role.STACK
-    rows = slice(unit.layers.start, unit.layers.stop) if stack else None
+    layers = slice(unit.layers.start, unit.layers.stop) if stack else None
 
     def update(s: StepState) -> Frame | None:
         shard = s.grad.pop(u).shard
         grad = shard.view(-1, n) if stack else shard
-        s.call.update(part, rows, grad)
+        s.call.update(part, layers, grad)
         if s.call.frames:  # its gradient shard, and its parameter shard as stepped (an alias:
             # the given shards are emptied when the step ends, ``fz3.optim.base``)
             stepped = s.call.shards.parts[part]
-            return Frame(index, op, None, grad, (stepped if rows is None else stepped[rows])
+            return Frame(index, op, None, grad, (stepped if layers is None else stepped[layers])
                          .detach(), None)
         return None
 

@@ -118,7 +118,7 @@ class Call(NamedTuple):
     reduces_replicas: bool  # hybrid: sum the shard across replicas at each wait_reduce
     traced: Any  # fz3.step.traced.TracedLayers: layers run as traced programs; None: not
     frames: bool  # False: compute ops make no Frame (nobody looks at them)
-    # ``update`` ops' step (``fz3.optim.Rows.update``: part, rows, reduced gradient), or None
+    # ``update`` ops' step (``fz3.optim.UnitStep.update``: part, rows, reduced gradient), or None
     update: Callable[[int, slice | None, torch.Tensor], None] | None = None
 
 

@@ -39,9 +39,13 @@ class ValueAndGrad:
         return self.run(params, batch, loss_scale, entry="value_and_grad's step")
 
     def run(self, params: Params, batch: Any, loss_scale: float | torch.Tensor = 1.0, *,
-            update=None, entry: str) -> tuple:
-        """The step, its ``update`` ops stepping with ``update`` (``fz3.train_step``'s
-        schedule: no gradients are returned then)."""
+            update: Callable[[int, slice | None, torch.Tensor], None] | None = None,
+            entry: str) -> tuple:
+        """The step; a schedule with ``update`` ops (``fz3.train_step``'s) steps each unit's
+        parameters with ``update`` and returns no gradients. **Collective**: every rank."""
+        if self.schedule.updates != (update is not None):  # local, before any collective
+            raise ValueError(f"{entry}: a schedule with update ops runs only with the "
+                             f"optimizer's per-unit step (fz3.train_step), and only it")
         empty = check_call(self.model, params, batch, entry=entry)
         if self.check_sync:
             check_in_sync(self.model, self.steps, entry, [batch], empty)
@@ -98,17 +102,17 @@ def value_and_grad(model: ShardedModel, schedule: Schedule | Policy | None = Non
     raises ``NotImplementedError``: graph capture awaits a GPU measurement of the traced
     engine.
     """
-    return made(model, schedule, "value_and_grad", loss=loss, has_aux=has_aux,
-                recorder=recorder, check_finite=check_finite, check_sync=check_sync,
-                compile=compile, strict=strict, cuda_graphs=cuda_graphs, trace=trace,
-                fixed_buffers=fixed_buffers)
+    return step_function(model, schedule, "value_and_grad", loss=loss, has_aux=has_aux,
+                         recorder=recorder, check_finite=check_finite, check_sync=check_sync,
+                         compile=compile, strict=strict, cuda_graphs=cuda_graphs, trace=trace,
+                         fixed_buffers=fixed_buffers)
 
 
-def made(model: ShardedModel, schedule: Schedule | Policy | None, entry: str, *, loss=None,
-         has_aux: bool = False, recorder=None, check_finite: bool = False,
-         check_sync: bool | None = None, compile: bool = False, strict: bool = False,
-         cuda_graphs: bool = False, trace: bool = True, fixed_buffers: object = None,
-         updates: bool = False) -> ValueAndGrad:
+def step_function(model: ShardedModel, schedule: Schedule | Policy | None, entry: str, *,
+                  loss=None, has_aux: bool = False, recorder=None, check_finite: bool = False,
+                  check_sync: bool | None = None, compile: bool = False, strict: bool = False,
+                  cuda_graphs: bool = False, trace: bool = True, fixed_buffers: object = None,
+                  updates: bool = False) -> ValueAndGrad:
     """``value_and_grad``'s step for ``entry``, its schedule with ``update`` ops where
     ``updates`` (``fz3.train_step``). **Collective** (``prepare``)."""
     refuse_fixed_buffers(fixed_buffers, f"fz3.{entry}")
