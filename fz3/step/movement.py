@@ -2,7 +2,7 @@
 and wait (or its accumulation across micro-batches). ``fz3.step.executor`` lowers a schedule
 into such steps beside its compute ones; ``memory.py``'s Note says each buffer's lifetime.
 
-Each is made once per op, ``(model, schedule, op, index, memory) -> step``, with everything
+Each is made once per op, ``(model, schedule, op, index, memories) -> step``, with everything
 that does not change between steps decided then (the unit's shapes, its dtypes, the
 collective's kind and name, its memory: ``fz3.step.memory``); the step, ``(state) -> None``,
 is what runs.
@@ -10,27 +10,26 @@ is what runs.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
 from ..comm.collectives import all_gather, all_reduce, reduce_scatter, wait
 from ..schedule.ops import Op
-from ..schedule.schedule import Schedule
+from ..schedule.schedule import Schedule, Unit
 from ..schedule.structure import Role
 from ..sharding.model import ShardedModel
 from . import shapes
 from .memory import UnitMemory
-from .state import Gathering, Reducing, Step, StepState
-from .unit_io import result_lander
+from .state import Gathering, Reducing, Shard, Step, StepState
 
 
 def gather_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
-              memory: UnitMemory) -> Step:
+              memories: tuple[UnitMemory, ...]) -> Step:
     """The unit's trained shard (cast to the compute dtype before a gather across ranks: bf16
     moves half the bytes; at one rank the copy casts) and its frozen one, gathered into its
     memory (``fz3.step.memory``)."""
-    u, comm, unit = op.unit, model.comm, schedule.units[op.unit]
+    u, comm, unit, memory = op.unit, model.comm, schedule.units[op.unit], memories[op.unit]
     part, label, dtype = unit.part, Label(schedule, op), model.precision.compute
     pick = shapes.shard_picker(unit, model.frozen[unit.part])
     cast = not comm.local and dtype != torch.float32
@@ -48,9 +47,9 @@ def gather_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
 
 
 def wait_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
-            memory: UnitMemory) -> Step:
+            memories: tuple[UnitMemory, ...]) -> Step:
     """The unit's gathered memory, one ``Pieces`` record (``UnitMemory.arrange``)."""
-    u = op.unit
+    u, memory = op.unit, memories[op.unit]
 
     def wait_(s: StepState) -> None:
         # out of the table before waiting, as wait_reduce's: a wait that raises leaves no record
@@ -64,8 +63,8 @@ def wait_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
 
 
 def free_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
-            memory: UnitMemory) -> Step:
-    u = op.unit
+            memories: tuple[UnitMemory, ...]) -> Step:
+    u, memory = op.unit, memories[op.unit]
 
     def free(s: StepState) -> None:
         if s.params.pop(u, None) is not None:
@@ -75,9 +74,9 @@ def free_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
 
 
 def reduce_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
-              memory: UnitMemory) -> Step:
+              memories: tuple[UnitMemory, ...]) -> Step:
     """This rank's shard of the unit's flat gradient (plus what earlier micro-batches carried)
-    into where the step's result holds it (``unit_io.result_lander``)."""
+    into where the step's result holds it (``result_lander``)."""
     u, comm, unit = op.unit, model.comm, schedule.units[op.unit]
     land, label = result_lander(model, schedule, unit), Label(schedule, op)
     if schedule.reduce == "all_reduce":  # in place, on the layer-major memory of g
@@ -112,8 +111,8 @@ def _with_carry(s: StepState, u: int) -> torch.Tensor:
 
 
 def wait_reduce_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
-                   memory: UnitMemory) -> Step:
-    u, comm, label = op.unit, model.comm, Label(schedule, op)
+                   memories: tuple[UnitMemory, ...]) -> Step:
+    u, comm, label, memory = op.unit, model.comm, Label(schedule, op), memories[op.unit]
     replicate = comm.replicas > 1
     every = schedule.reduce == "all_reduce"
     stack = schedule.units[u].role is Role.STACK
@@ -137,10 +136,10 @@ def wait_reduce_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
 
 
 def accumulate_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
-                  memory: UnitMemory) -> Step:
+                  memories: tuple[UnitMemory, ...]) -> Step:
     """The unit's flat gradient carried to the next micro-batch: the first taken over from
     its memory (``UnitMemory.hand_over_grad``), later ones added into it."""
-    u, stack = op.unit, schedule.units[op.unit].role is Role.STACK
+    u, stack, memory = op.unit, schedule.units[op.unit].role is Role.STACK, memories[op.unit]
 
     def accumulate(s: StepState) -> None:
         g, carry = s.grad.pop(u), s.call.carry
@@ -154,6 +153,39 @@ def accumulate_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
                 memory.hand_over_grad()
 
     return accumulate
+
+
+def result_lander(model: ShardedModel, schedule: Schedule, unit: Unit
+                  ) -> Callable[[StepState], torch.Tensor]:
+    """``land(state)``: where this rank's reduced gradient of ``unit`` lands: its rows of the
+    part's gradient shard in the step's result, allocated at the part's first reduce (and
+    split into rows once: one op for all the part's units); for a part in
+    ``Schedule.join_grads``, the unit's own ``(k, shard)`` rows, joined into the part's shard
+    after the backward (``joined``)."""
+    p, part, device = unit.part, model.parts[unit.part], model.device
+    first, stop = unit.layers.start, unit.layers.stop
+    if p in schedule.join_grads:
+        shape = (stop - first, part.layout.shard_numel)
+
+        def own_rows(s: StepState) -> torch.Tensor:
+            rows = s.results.setdefault(p, {})[first] = torch.empty(
+                shape, dtype=torch.float32, device=device)
+            return rows.view(-1)
+
+        return own_rows
+    stack = part.role is Role.STACK
+    shape = (part.rows, part.layout.shard_numel) if stack else (part.layout.shard_numel,)
+
+    def shard(s: StepState) -> Shard:
+        grad = torch.empty(shape, dtype=torch.float32, device=device)
+        got = s.results[p] = Shard(grad, grad.unbind(0) if stack else ())
+        return got
+
+    if unit.role is not Role.STACK:
+        return lambda s: (s.results.get(p) or shard(s)).grad
+    if stop - first == 1:
+        return lambda s: (s.results.get(p) or shard(s)).rows[first]
+    return lambda s: (s.results.get(p) or shard(s)).grad[first:stop].view(-1)
 
 
 class Label(NamedTuple):
