@@ -6,10 +6,9 @@ them in order, all sharing a ``StepState``; it yields a ``Frame`` after every co
 (unless told no one reads them) and returns the ``Result``.
 ``fz3.value_and_grad`` drains it, ``fz3.step_through`` hands the frames to the user. Closing
 it early drains every collective still in flight, so no rank is left inside one. The
-compute steps follow (every unit's compute goes through one protocol,
-``fz3.step.engine``); those that move memory are ``movement.py``'s;
-what they call a unit's function with, and where its results go, is ``unit_io.py``'s; each
-unit's memory, and its lifetime, is ``memory.py``'s.
+compute steps follow: every unit runs through one protocol (``fz3.step.engine``), what its
+engine is given and where its results go decided at lowering (``unit_io.py``); the steps
+that move memory are ``movement.py``'s; each unit's memory, and its lifetime, ``memory.py``'s.
 
 [Note: a new op kind]
 It touches: ``fz3/schedule/ops.py`` (the ``OpKind`` enum and the state transition table),
@@ -98,9 +97,7 @@ def execute(model: ShardedModel, program: Program, params: Params, batch: Any, r
         state.drain(wait)
 
 
-# The compute steps: (model, schedule, op, index, memories) -> step; those that move memory
-# are fz3.step.movement's. Every unit runs through one protocol (``fz3.step.engine``); what
-# its engine is given and where its results go is decided at lowering (``unit_io``).
+# The compute steps: (model, schedule, op, index, memories) -> step.
 
 
 def _forward(model: ShardedModel, schedule: Schedule, op: Op, index: int,

@@ -19,7 +19,6 @@ from ..schedule.ops import Op
 from ..schedule.schedule import Schedule, Unit
 from ..schedule.structure import Role
 from ..sharding.model import ShardedModel
-from . import shapes
 from .memory import UnitMemory
 from .state import Gathering, Reducing, Shard, Step, StepState
 
@@ -31,7 +30,7 @@ def gather_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
     memory (``fz3.step.memory``)."""
     u, comm, unit, memory = op.unit, model.comm, schedule.units[op.unit], memories[op.unit]
     part, label, dtype = unit.part, Label(schedule, op), model.precision.compute
-    pick = shapes.shard_picker(unit, model.frozen[unit.part])
+    pick = _picker(unit, model.frozen[unit.part])
     cast = not comm.local and dtype != torch.float32
 
     def gather(s: StepState) -> None:
@@ -44,6 +43,22 @@ def gather_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
         s.params[u] = Gathering(t, f)
 
     return gather
+
+
+def _picker(unit: Unit, frozen: torch.Tensor | None
+            ) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]:
+    """What a unit gathers, ``pick(trained) -> (trained, frozen)``, both 1-D: from its
+    part's trained shard (``(L, shard)`` for a stack) a one-layer unit its row, a unit of k
+    layers its ``(k, shard)`` rows flat, any other unit the shard; likewise from ``frozen``."""
+    if unit.role is not Role.STACK:
+        flat = None if frozen is None else frozen.reshape(-1)
+        return lambda trained: (trained.reshape(-1), flat)
+    first, stop = unit.layers.start, unit.layers.stop
+    if stop - first == 1:
+        row = None if frozen is None else frozen[first]
+        return lambda trained: (trained[first], row)
+    rows_k = None if frozen is None else frozen[first:stop].reshape(-1)
+    return lambda trained: (trained[first:stop].reshape(-1), rows_k)
 
 
 def wait_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,

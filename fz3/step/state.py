@@ -6,9 +6,8 @@ others ask about a running step: which bytes it owns and moves (for ``Recorder``
 collectives are still in flight (to drain them when a step ends early).
 
 Each buffer's lifetime: ``fz3.step.memory``'s [Note: a unit's memory]. The rest, per unit:
-- forward: keeps what its op's predicate saves (``Op.saves``): the unit's input and the RNG
-  state it started from (``recompute``: run again in backward), or its residuals (``save``'s
-  autograd graph, or the traced programs' tensors a predicate keeps, ``fz3.step.traced``).
+- forward: keeps its engine's residuals (``fz3.step.engine``; recompute's: its inputs and
+  RNG state).
 - reduce: writes this rank's fp32 shard straight into the step's result: the part's whole
   gradient shard is allocated at the first reduce of any of its units (as activations are
   freed, like autograd's own ``.grad``), and nothing is copied at the end of the step. A

@@ -19,7 +19,6 @@ from ..schedule.schedule import Schedule, Unit
 from ..schedule.structure import Role
 from ..sharding import compute
 from ..sharding.model import ShardedModel
-from . import shapes
 from .engine import INFER, KEEP, REPLAY, AutogradUnit, Produced
 from .state import Call, Frame, Loss, Shard, StepState
 
@@ -258,8 +257,8 @@ def frame_of(s: StepState, op: Op, index: int, inputs: Any, outputs: Any,
         return None
     unit = call.schedule.units[op.unit]
     reads = unit.reads
-    if grad is not None:
-        grad = shapes.frame_grad(unit, grad, call.model.world_size)
+    if grad is not None and grad.dim() == 1 and unit.role is Role.STACK:  # (world, k, n)
+        grad = grad.view(call.model.world_size, 1, -1)
     gathered = s.params[op.unit]
     return Frame(index, op, gathered.buffer, inputs, outputs, grad,
                  {r: s.params[r].buffer for r in reads} if reads else None, gathered.frozen,
