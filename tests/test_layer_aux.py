@@ -1,7 +1,7 @@
 """A per-layer auxiliary output in the scan (``fz3.shard(..., layer_aux=True)``): each layer
 returns ``(h, aux)``, the stack's aux outputs reach the loss stacked ``(layers, *shape)``, one
 tensor per stack, and their gradient flows back into each layer's backward as a second
-cotangent (``fz3/step/engine.py``, [Note: the layer protocol]).
+cotangent (``fz3/step/engine.py``, [Note: the unit protocol]).
 
 Reference: plain autograd on the unsharded model, each rank's batch on its own (the loss is
 not a mean over tokens of the aux, so a rank's loss is its own batch's, as under DDP), the

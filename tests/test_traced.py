@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+from types import SimpleNamespace
 
 import optree
 import pytest
@@ -630,10 +631,11 @@ def test_programs_run_below_autograd():
     grad_row, grad_h = programs.backward([other, *residuals, g])
     layers = Layers((programs,), buffers=((),))
     extras = Produced((), [], traced=Extras((), [], (), (), 0))
-    pieces = Pieces(row.view(1, -1), (row,), None)
-    got, aux, kept = layers.forward(pieces, h, extras)
-    assert aux is None and not any(r._is_view() for r in kept[0])
-    got_row, got_h, summed = layers.backward(pieces, kept, g, None, extras)
+    memory = SimpleNamespace(pieces=Pieces(row.view(1, -1), (row,), None),
+                             grad_into=lambda: None)  # (no gradient memory: a new tensor)
+    (got,), kept = layers.forward(memory, (h, extras))
+    assert not any(r._is_view() for r in kept[0])
+    (got_row,), (got_h, summed) = layers.backward(memory, kept, (g,))
     assert summed == [] and torch.equal(got, out) and torch.equal(got_h, grad_h)
     assert torch.equal(got_row.view(-1), grad_row)
 

@@ -1,53 +1,45 @@
-"""The one protocol a layer unit's compute runs through, and its autograd implementation.
+"""The one protocol every unit's compute runs through, and its autograd implementation.
 
-[Note: the layer protocol]
-The executor calls a unit of a stack's layers only through four methods:
+[Note: the unit protocol]
+The executor runs every unit (pre, a between function, a stack's layers, the loss) through
+two methods of its engine:
 
-- ``forward(pieces, h, extras) -> (h, aux, residuals)``: the unit's forward, keeping what its
-  backward needs;
-- ``inference(pieces, h, extras) -> (h, aux)``: the forward alone (nothing kept: forward-only
-  steps, and ``recompute``'s first forward, which runs ``forward`` again in backward from
-  the saved input and RNG state);
-- ``backward(pieces, residuals, g, g_aux, extras, into) -> (grad_buffer, grad_h,
-  grad_extras)``: the gradient of the unit's trained buffer (``(padded,)`` or ``(1, padded)``
-  for one layer, ``(k, padded)`` for k), of its input, and of each extra that carries
-  gradient (``Produced.positions``' order, summed over its layers); ``into``: the unit's
-  gradient memory (``UnitMemory.grad_into``) the buffer's gradient may be written into and
-  returned, or None;
-- ``recompute(pieces, h, g, g_aux, extras, into)``: what ``backward`` returns for the
-  residuals ``forward(pieces, h, extras)`` would keep (``recompute``'s backward, the
-  forward's RNG restored first): traced programs run the unit's last layer's forward and
-  backward as one program, which skips what only that layer's output needed.
+- ``forward(memory, inputs) -> (outputs, residuals)``
+- ``backward(memory, residuals, cotangents) -> (param_grads, input_grads)``
 
-``aux`` is the unit's layers' auxiliary outputs, ``(k, *shape)`` (``ShardedModel.layer_aux``:
-every layer returns ``(h, aux)``, an MoE router's statistics), or None; ``g_aux`` its
-cotangent from the loss (or None: the loss did not use it). ``pieces`` are the unit's
-gathered memory (``Pieces``), ``extras`` the record of the pre or between unit whose extra
-outputs the layers take (``Produced``). Two implementations:
-``fz3.step.programs.Layers`` (traced programs, compiled by inductor with ``compile=True``) and
-``AutogradLayers`` below (the layer's Python through autograd: ``trace=False``, and layers
-that cannot be traced).
+``memory`` is the unit's ``UnitMemory`` (a layer unit's) or the tuple of its own and those of
+the shared units it reads (``Unit.reads``); engines read its gathered ``pieces`` at call
+time. ``inputs`` is ``(h, batch)`` (pre: ``(None, batch)``; the loss: ``(h, batch,
+stacked_aux)``, ``stacked_aux`` the layers' aux outputs, one per stack, or None) or, for a
+layer unit, ``(h, produced)`` (``Produced``: its producer's extra outputs). ``outputs`` is
+``(h, *extras)`` (pre, between), ``(h,)`` or ``(h, aux)`` (layers, ``layer_aux``) or ``(loss,
+aux)``, detached. ``cotangents`` is aligned with ``outputs`` (shorter, or None inside: no
+cotangent); ``param_grads``: one per trained buffer of ``memory`` (None: zeros);
+``input_grads``: aligned with ``inputs``, h's zero-filled, a ``Produced``'s one per position
+that carries gradient, the stacks' aux one per stack, None for what is not differentiated.
 
-Pre, between and post units run through the first three (``Stage``): ``h`` is their
-input (none for pre: the batch is theirs), ``extras`` the batch, ``forward`` returns their
-outputs (``(h, extras)``, or post's ``(loss, aux)``) and keeps their graph, ``backward``
-takes the cotangent of h (post: the loss's seed) and their extras' summed cotangents, and
-returns one gradient per trained buffer they read (``StagePieces``), h's, and (post) the
-gradients of the layers' aux outputs it was given (one per stack).
+An engine's ``mode``, fixed when it is made, says what its forward keeps: ``KEEP`` (its
+residuals: autograd's graph, or what a predicate saves of traced programs), ``REPLAY``
+(``recompute``: ``Replay``, the inputs and RNG state, its backward runs the forward again)
+or ``INFER`` (nothing: a forward-only unit). The residuals decide the backward, never the
+executor. Two implementations: ``AutogradUnit`` below (every pre, between and loss unit;
+layers with ``trace=False`` or that cannot be traced) and ``fz3.step.programs.Layers``
+(traced programs, compiled by inductor with ``compile=True``). An aux output's cotangent the
+loss did not give is zeros inside ``Layers`` (autograd leaves the output out): never in the
+executor, where autograd through a zero cotangent could differ (``0 * inf``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple
 
 import torch
 
-from ..schedule.saveable import save
-from ..schedule.structure import Role
+from .. import rng
+from ..rng import RngState
 from ..sharding import compute
-from ..sharding.binding import Binding
-from ..sharding.parts import Part
-from . import shapes
+
+KEEP, REPLAY, INFER = "keep", "replay", "infer"  # an engine's ``mode``
 
 
 class Pieces(NamedTuple):
@@ -63,8 +55,7 @@ class Pieces(NamedTuple):
 
 
 class Produced(NamedTuple):
-    """A pre or between unit's extra outputs, as the layers after it take them (their gradient
-    sums: the unit's ``StepState.grad`` record until its backward)."""
+    """A pre or between unit's extra outputs, as the layers after it take them."""
 
     extras: tuple  # detached (rotary tables, masks, ...)
     positions: list[int]  # those that carry gradient
@@ -72,132 +63,86 @@ class Produced(NamedTuple):
 
 
 class Graph(NamedTuple):
-    """``AutogradLayers``' residuals: the forward's autograd graph, by its ends."""
+    """``AutogradUnit``'s residuals: the forward's autograd graph, by its ends."""
 
-    out: torch.Tensor
-    aux: torch.Tensor | None  # the layers' stacked aux outputs (``layer_aux``), or None
-    leaf: torch.Tensor  # aliasing the trained buffer
-    x: torch.Tensor  # the input's leaf
-    extras: tuple  # the extras as called (leaves where they carry gradient)
+    outputs: tuple  # as autograd made them
+    leaves: tuple[torch.Tensor, ...]  # aliasing the trained buffers
+    inputs: tuple  # the inputs as called (leaves where they are differentiated)
 
 
-class AutogradLayers:
-    """Layers ``first, ...`` of a stack part through autograd (see the module's Note)."""
+class Replay(NamedTuple):
+    """``REPLAY``'s residuals: what the backward runs the forward again from."""
 
-    # autograd keeps its graph (``fz3.step.programs.Layers.saves``): another predicate runs
-    # as recompute (a staticmethod: the function itself, not a method bound to the engine)
-    saves = staticmethod(save)
+    inputs: tuple
+    rng: RngState  # the RNG state before (dropout draws the same)
 
-    def __init__(self, bindings: Sequence[Binding], part: Part, first: int, writes: dict,
-                 aux: bool = False):
-        self.bindings, self.part, self.first, self.writes = tuple(bindings), part, first, writes
-        self.aux = aux
 
-    def forward(self, pieces: Pieces, h: torch.Tensor, extras: Produced) -> tuple:
-        leaf, x = compute.leaf(pieces.buffer), h.detach().requires_grad_()
-        called = compute.detach_extras(extras.extras, extras.positions, grad=True)
-        with torch.enable_grad():
-            out, aux = self._run(leaf, pieces.frozen, x, called)
-        return (out.detach(), None if aux is None else aux.detach(),
-                Graph(out, aux, leaf, x, called))
+class AutogradUnit:
+    """A unit through autograd (see the module's Note): ``run(tensors, inputs) -> outputs``
+    its function; ``trained(memory)`` its trained buffers, ``views(memory, trained)`` the
+    tensors ``run`` takes, views of ``trained`` (or of leaves aliasing them)."""
 
-    def inference(self, pieces: Pieces, h: torch.Tensor, extras: Produced) -> tuple:
+    def __init__(self, run: Callable, trained: Callable, views: Callable, mode: str,
+                 device: torch.device):
+        self.run, self.trained, self.views = run, trained, views
+        self.mode, self.device = mode, device
+
+    def forward(self, memory, inputs: tuple) -> tuple:
+        if self.mode == KEEP:
+            return self._keep(memory, inputs)
+        state = rng.capture(self.device) if self.mode == REPLAY else None
         with torch.no_grad():
-            return self._run(pieces.buffer, pieces.frozen, h, extras.extras)
+            outputs = self.run(self.views(memory, self.trained(memory)), inputs)
+        return outputs, (None if state is None else Replay(inputs, state))
 
-    def backward(self, pieces: Pieces, graph: Graph, g: torch.Tensor,
-                 g_aux: torch.Tensor | None, extras: Produced, into=None) -> tuple:
-        """``into`` is not used: autograd makes the buffer's gradient."""
-        wrt = [graph.leaf, graph.x, *(graph.extras[j] for j in extras.positions)]
-        outputs, cotangents = [graph.out], [g]
-        if g_aux is not None and graph.aux is not None and graph.aux.requires_grad:
-            outputs.append(graph.aux)
-            cotangents.append(g_aux)
-        grads = torch.autograd.grad(outputs, wrt, cotangents, allow_unused=True)
-        return grads[0], grads[1], grads[2:]
-
-    def recompute(self, pieces: Pieces, h: torch.Tensor, g: torch.Tensor,
-                  g_aux: torch.Tensor | None, extras: Produced, into=None) -> tuple:
-        """``backward`` of ``forward`` run again from ``h`` (the RNG restored by the caller)."""
-        return self.backward(pieces, self.forward(pieces, h, extras)[2], g, g_aux, extras, into)
-
-    def _run(self, buffer: torch.Tensor, frozen: torch.Tensor | None, h: torch.Tensor,
-             extras: tuple) -> tuple:
-        """``(h, aux)``: the layers on ``h``, their parameters views of ``buffer`` (k, padded)."""
-        part = self.part
-        rows = shapes.leaf_rows(buffer)
-        tensors = [part.layout.views(row) + ([] if frozen is None else part.frozen.views(frozen[j]))
-                   for j, row in enumerate(rows)]
-        return compute.run_layers(self.bindings, tensors, h, extras, part.path,
-                                  part.first + self.first, self.writes, self.aux)
-
-
-class StagePieces(NamedTuple):
-    """A pre, between or post unit's gathered memory."""
-
-    # its trained buffer, then those of the shared units it reads (``Unit.reads``' order)
-    trained: tuple[torch.Tensor, ...]
-    # views(trained or leaves of them) -> what its function is called with (frozen ones too)
-    views: Callable[[Sequence[torch.Tensor] | None], list[torch.Tensor]]
-
-
-class StageGraph(NamedTuple):
-    """``Stage``'s residuals: its graph, by its ends."""
-
-    x: torch.Tensor | None  # its input's leaf (None for pre)
-    out: tuple  # (h, extras), or post's (loss, aux)
-    leaves: tuple[torch.Tensor, ...]  # aliasing ``StagePieces.trained``
-    layer_aux: tuple = ()  # post: the layers' aux outputs it was given, as leaves (one per stack)
-
-
-class Stage:
-    """Pre, a between function or the loss (post) through autograd (see the module's Note).
-    Its graph is kept whenever gradients are wanted: pre's decides which extras (rotary
-    tables, masks, ...) carry gradient, and costs one activation."""
-
-    def __init__(self, binding: Binding, role: Role, name: str, has_aux: bool = False):
-        self.binding, self.role, self.name, self.has_aux = binding, role, name, has_aux
-
-    def forward(self, pieces: StagePieces, h: torch.Tensor | None, batch: Any,
-                layer_aux: tuple | None = None) -> tuple:
-        """``layer_aux`` (post, ``ShardedModel.layer_aux``): the layers' aux outputs, one
-        ``(layers, *shape)`` tensor per stack, handed to the loss (and differentiated)."""
-        leaves = tuple(compute.leaf(b) for b in pieces.trained)
-        x = None if self.role is Role.PRE else h.detach().requires_grad_()
-        aux = None if layer_aux is None else tuple(compute.leaf(a) for a in layer_aux)
+    def _keep(self, memory, inputs: tuple) -> tuple:
+        leaves = tuple(compute.leaf(b) for b in self.trained(memory))
+        called = tuple(_leaves(x, i) for i, x in enumerate(inputs))
         with torch.enable_grad():
-            out = self._run(pieces.views(leaves), x, batch, aux)
-        return out, StageGraph(x, out, leaves, () if aux is None else aux)
+            outputs = self.run(self.views(memory, leaves), called)
+        return (tuple(o.detach() if isinstance(o, torch.Tensor) and o.requires_grad else o
+                      for o in outputs), Graph(outputs, leaves, called))
 
-    def inference(self, pieces: StagePieces, h: torch.Tensor | None, batch: Any,
-                  layer_aux: tuple | None = None) -> tuple:
-        with torch.no_grad():
-            return self._run(pieces.views(None), h, batch, layer_aux)
+    def backward(self, memory, residuals: Graph | Replay, cotangents: tuple) -> tuple:
+        if type(residuals) is Replay:
+            # Nothing after the loss draws but recompute, which sets its own state; the
+            # executor leaves the RNG as plain autograd would (``rng_after``).
+            rng.restore(residuals.rng, self.device)
+            residuals = self._keep(memory, residuals.inputs)[1]
+        pairs = [(o, c) for o, c in zip(residuals.outputs, cotangents)
+                 if c is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+        inputs = residuals.inputs
+        wrt = [*residuals.leaves, *(t for i, x in enumerate(inputs) for t in _wrt(x, i))]
+        grads = (torch.autograd.grad([o for o, _ in pairs], wrt, [c for _, c in pairs],
+                                     allow_unused=True) if pairs else (None,) * len(wrt))
+        n = len(residuals.leaves)
+        params, rest, out = grads[:n], iter(grads[n:]), []
+        for i, x in enumerate(inputs):
+            got = tuple(next(rest) for _ in _wrt(x, i))
+            out.append(_zeros_or(got[0], x) if i == 0 and x is not None else got or None)
+        return params, tuple(out)
 
-    def backward(self, pieces: StagePieces, graph: StageGraph, g: torch.Tensor,
-                 extras: Produced | None = None, sums: dict | None = None) -> tuple:
-        """``(one gradient per trained buffer, h's, the layer aux outputs')``: through its
-        outputs that require grad and have a cotangent (``g`` for h or the loss; ``sums``,
-        by position, for its ``extras``)."""
-        first, rest = graph.out
-        if self.role is Role.POST and not first.requires_grad:
-            raise RuntimeError(f"{self.name} returned a loss that does not require grad (it was "
-                               f"detached, or computed from no parameter and not from h): "
-                               f"there is nothing to differentiate")
-        cotangents = [(first, g)] + ([] if not sums else
-                                     [(rest[j], sums.get(j)) for j in extras.positions])
-        outputs = [(t, c) for t, c in cotangents if t.requires_grad and c is not None]
-        wrt = [*graph.leaves, *(() if graph.x is None else (graph.x,)), *graph.layer_aux]
-        grads = (torch.autograd.grad([t for t, _ in outputs], wrt, [c for _, c in outputs],
-                                     allow_unused=True)
-                 if outputs else (None,) * len(wrt))
-        n, m = len(graph.leaves), len(graph.leaves) + (graph.x is not None)
-        return grads[:n], (None if graph.x is None else grads[n]), grads[m:]
 
-    def _run(self, tensors: list[torch.Tensor], x: torch.Tensor | None, batch: Any,
-             layer_aux: tuple | None) -> tuple:
-        if self.role is Role.POST:
-            return compute.run_loss(self.binding, self.has_aux, tensors, x, batch, self.name,
-                                    layer_aux)
-        args = (batch,) if self.role is Role.PRE else (x, batch)
-        return compute.run_stage(self.binding, tensors, args, self.name)
+def _leaves(x: Any, i: int) -> Any:
+    """Input ``i`` as the forward differentiates it: h an autograd leaf, a ``Produced``'s
+    extras that carry gradient leaves, the stacks' aux outputs leaves; the batch as it is."""
+    if x is None or i == 1 and not isinstance(x, Produced):
+        return x
+    if i == 0:
+        return x.detach().requires_grad_()
+    if i == 1:
+        return x._replace(extras=compute.detach_extras(x.extras, x.positions, grad=True))
+    return tuple(a.detach().requires_grad_() for a in x)
+
+
+def _wrt(x: Any, i: int) -> tuple:
+    """The leaves ``_leaves`` made of input ``i``."""
+    if x is None or i == 1 and not isinstance(x, Produced):
+        return ()
+    if i == 0:
+        return (x,)
+    return tuple(x.extras[j] for j in x.positions) if i == 1 else x
+
+
+def _zeros_or(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like) if g is None else g

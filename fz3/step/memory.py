@@ -26,7 +26,7 @@ comes and goes:
 - ``backward`` writes the gradient into the gradient buffer (a traced program's flatten is a
   copy into its rows' views, ``fz3.step.into``; autograd's result is copied); its reduce reads
   it, and ``wait_reduce`` releases it. Every reduce lands in the step's result (the part's
-  gradient shard, ``unit_io.result_lander``; with ``join_grads`` a buffer per unit joined into
+  gradient shard, ``movement.result_lander``; with ``join_grads`` a buffer per unit joined into
   it at the end), never here. ``accumulate``'s carry takes the first micro-batch's gradient
   tensor over (``hand_over_grad``; the memory makes a new one at its next backward), later
   ones are added into it and released.
@@ -199,6 +199,11 @@ class UnitMemory:
         ``(padded,)``) gradient ``g`` (copied unless written in place; None: zeros):
         ``(world, k, n)`` rank-major, one layer's ``(world*n,)``, or with an all-reduce a
         ``(world, k, n)`` view of layer-major memory."""
+        if self.grad is None:  # (handed over or out)
+            self._make_grad()
+        for storage, size in self.grad_storages:  # (autograd's: not written by backward)
+            if storage.nbytes() != size:
+                storage.resize_(size)
         rows, grad, k, world = self.grad_layered, self.grad, self.k, self.world
         if g is None:
             rows.zero_()

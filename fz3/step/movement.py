@@ -3,7 +3,7 @@ and wait (or its accumulation across micro-batches), and the update that steps i
 parameters with the reduced gradient and lets it go. ``fz3.step.executor`` lowers a schedule
 into such steps beside its compute ones; ``memory.py``'s Note says each buffer's lifetime.
 
-Each is made once per op, ``(model, schedule, op, index, memory) -> step``, with everything
+Each is made once per op, ``(model, schedule, op, index, memories) -> step``, with everything
 that does not change between steps decided then (the unit's shapes, its dtypes, the
 collective's kind and name, its memory: ``fz3.step.memory``); the step, ``(state) -> None``,
 is what runs.
@@ -11,29 +11,27 @@ is what runs.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
 from ..comm.collectives import all_gather, all_reduce, reduce_scatter, wait
 from ..schedule.ops import Op
-from ..schedule.schedule import Schedule
+from ..schedule.schedule import Schedule, Unit
 from ..schedule.structure import Role
 from ..sharding.model import ShardedModel
-from . import shapes
 from .memory import UnitMemory
-from .state import Frame, Gathering, Reduced, Reducing, Step, StepState
-from .unit_io import result_lander
+from .state import Frame, Gathering, Reduced, Reducing, Shard, Step, StepState
 
 
 def gather_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
-              memory: UnitMemory) -> Step:
+              memories: tuple[UnitMemory, ...]) -> Step:
     """The unit's trained shard (cast to the compute dtype before a gather across ranks: bf16
     moves half the bytes; at one rank the copy casts) and its frozen one, gathered into its
     memory (``fz3.step.memory``)."""
-    u, comm, unit = op.unit, model.comm, schedule.units[op.unit]
+    u, comm, unit, memory = op.unit, model.comm, schedule.units[op.unit], memories[op.unit]
     part, label, dtype = unit.part, Label(schedule, op), model.precision.compute
-    pick = shapes.shard_picker(unit, model.frozen[unit.part])
+    pick = _picker(unit, model.frozen[unit.part])
     cast = not comm.local and dtype != torch.float32
 
     def gather(s: StepState) -> None:
@@ -48,10 +46,26 @@ def gather_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
     return gather
 
 
+def _picker(unit: Unit, frozen: torch.Tensor | None
+            ) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]:
+    """What a unit gathers, ``pick(trained) -> (trained, frozen)``, both 1-D: from its
+    part's trained shard (``(L, shard)`` for a stack) a one-layer unit its row, a unit of k
+    layers its ``(k, shard)`` rows flat, any other unit the shard; likewise from ``frozen``."""
+    if unit.role is not Role.STACK:
+        flat = None if frozen is None else frozen.reshape(-1)
+        return lambda trained: (trained.reshape(-1), flat)
+    first, stop = unit.layers.start, unit.layers.stop
+    if stop - first == 1:
+        row = None if frozen is None else frozen[first]
+        return lambda trained: (trained[first], row)
+    rows_k = None if frozen is None else frozen[first:stop].reshape(-1)
+    return lambda trained: (trained[first:stop].reshape(-1), rows_k)
+
+
 def wait_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
-            memory: UnitMemory) -> Step:
+            memories: tuple[UnitMemory, ...]) -> Step:
     """The unit's gathered memory, one ``Pieces`` record (``UnitMemory.arrange``)."""
-    u = op.unit
+    u, memory = op.unit, memories[op.unit]
 
     def wait_(s: StepState) -> None:
         # out of the table before waiting, as wait_reduce's: a wait that raises leaves no record
@@ -65,8 +79,8 @@ def wait_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
 
 
 def free_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
-            memory: UnitMemory) -> Step:
-    u = op.unit
+            memories: tuple[UnitMemory, ...]) -> Step:
+    u, memory = op.unit, memories[op.unit]
 
     def free(s: StepState) -> None:
         if s.params.pop(u, None) is not None:
@@ -76,9 +90,9 @@ def free_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
 
 
 def reduce_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
-              memory: UnitMemory) -> Step:
+              memories: tuple[UnitMemory, ...]) -> Step:
     """This rank's shard of the unit's flat gradient (plus what earlier micro-batches carried)
-    into where the step's result holds it (``unit_io.result_lander``)."""
+    into where the step's result holds it (``result_lander``)."""
     u, comm, unit = op.unit, model.comm, schedule.units[op.unit]
     land, label = result_lander(model, schedule, unit), Label(schedule, op)
     if schedule.reduce == "all_reduce":  # in place, on the layer-major memory of g
@@ -113,8 +127,8 @@ def _with_carry(s: StepState, u: int) -> torch.Tensor:
 
 
 def wait_reduce_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
-                   memory: UnitMemory) -> Step:
-    u, comm, label = op.unit, model.comm, Label(schedule, op)
+                   memories: tuple[UnitMemory, ...]) -> Step:
+    u, comm, label, memory = op.unit, model.comm, Label(schedule, op), memories[op.unit]
     replicate = comm.replicas > 1
     every = schedule.reduce == "all_reduce"
     stack, updates = schedule.units[u].role is Role.STACK, schedule.updates
@@ -143,10 +157,10 @@ def wait_reduce_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
 
 
 def accumulate_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
-                  memory: UnitMemory) -> Step:
+                  memories: tuple[UnitMemory, ...]) -> Step:
     """The unit's flat gradient carried to the next micro-batch: the first taken over from
     its memory (``UnitMemory.hand_over_grad``), later ones added into it."""
-    u, stack = op.unit, schedule.units[op.unit].role is Role.STACK
+    u, stack, memory = op.unit, schedule.units[op.unit].role is Role.STACK, memories[op.unit]
 
     def accumulate(s: StepState) -> None:
         g, carry = s.grad.pop(u), s.call.carry
@@ -160,6 +174,43 @@ def accumulate_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
                 memory.hand_over_grad()
 
     return accumulate
+
+
+def result_lander(model: ShardedModel, schedule: Schedule, unit: Unit
+                  ) -> Callable[[StepState], torch.Tensor]:
+    """``land(state)``: where this rank's reduced gradient of ``unit`` lands: its rows of the
+    part's gradient shard in the step's result, allocated at the part's first reduce (and
+    split into rows once: one op for all the part's units); for a part in
+    ``Schedule.join_grads``, the unit's own ``(k, shard)`` rows, joined into the part's shard
+    after the backward (``joined``); with ``update`` ops, the unit's own rows, stepped and
+    let go by its update (``update_op``)."""
+    p, part, device = unit.part, model.parts[unit.part], model.device
+    first, stop = unit.layers.start, unit.layers.stop
+    if schedule.updates:  # its own, until its update (``fz3.train_step``): nothing is joined
+        size = (stop - first if unit.role is Role.STACK else 1) * part.layout.shard_numel
+        return lambda s: torch.empty(size, dtype=torch.float32, device=device)
+    if p in schedule.join_grads:
+        shape = (stop - first, part.layout.shard_numel)
+
+        def own_rows(s: StepState) -> torch.Tensor:
+            rows = s.results.setdefault(p, {})[first] = torch.empty(
+                shape, dtype=torch.float32, device=device)
+            return rows.view(-1)
+
+        return own_rows
+    stack = part.role is Role.STACK
+    shape = (part.rows, part.layout.shard_numel) if stack else (part.layout.shard_numel,)
+
+    def shard(s: StepState) -> Shard:
+        grad = torch.empty(shape, dtype=torch.float32, device=device)
+        got = s.results[p] = Shard(grad, grad.unbind(0) if stack else ())
+        return got
+
+    if unit.role is not Role.STACK:
+        return lambda s: (s.results.get(p) or shard(s)).grad
+    if stop - first == 1:
+        return lambda s: (s.results.get(p) or shard(s)).rows[first]
+    return lambda s: (s.results.get(p) or shard(s)).grad[first:stop].view(-1)
 
 
 def update_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,

@@ -1,4 +1,4 @@
-"""A unit's traced programs behind the layer protocol (``Layers``), and what programs are
+"""A unit's traced programs behind the unit protocol (``Layers``), and what programs are
 specialized to (``Extras``, ``Signature``). ``fz3.step.traced.TracedLayers`` makes them.
 
 [Note: programs run below autograd]
@@ -23,10 +23,10 @@ from typing import NamedTuple
 
 import torch
 
+from .. import rng
 from ..schedule.saveable import Saveable, save
 from ..sharding.compute import stacked
-from . import shapes
-from .engine import Pieces, Produced
+from .engine import KEEP, REPLAY, Pieces, Produced, Replay
 from .joint import Programs
 
 # (``Layers`` enters it around its programs: [Note: programs run below autograd])
@@ -34,7 +34,7 @@ below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
 
 
 class Layers(NamedTuple):
-    """The programs of a unit's layers: the layer protocol (``fz3.step.engine``) over them.
+    """The programs of a unit's layers: the unit protocol (``fz3.step.engine``) over them.
     No autograd here: the programs get gathered buffers, detached activations and detached
     extras, none of which requires grad, so nothing records a graph."""
 
@@ -53,50 +53,45 @@ class Layers(NamedTuple):
     # each layer's buffers, its programs' last inputs (``fz3.step.traced``): one tuple per
     # layer, empty where it has none (read as it is: no call on the per-layer path)
     buffers: tuple[tuple[torch.Tensor, ...], ...] = ()
+    mode: str = KEEP  # ``fz3.step.engine``'s; ``KEEP``: residuals of programs cut by ``saves``
 
-    def forward(self, pieces: Pieces, h: torch.Tensor, extras: Produced) -> tuple:
-        """``(h, aux, residuals)``: residuals a list, one tuple per layer, in layer order."""
+    def forward(self, memory, inputs: tuple) -> tuple:
+        """Residuals (``KEEP``): a list, one tuple per layer, in layer order."""
+        h, produced = inputs
+        keep, pieces = self.mode == KEEP, memory.pieces
+        state = rng.capture(h.device) if self.mode == REPLAY else None
         with below_autograd():
-            tensors, frozen, residuals, auxes = extras.traced.tensors, pieces.frozen_rows, [], []
+            tensors, frozen, residuals, auxes = produced.traced.tensors, pieces.frozen_rows, [], []
             buffers = self.buffers
             n = 2 if self.aux else 1  # the programs' outputs before their residuals
             for j, (programs, row) in enumerate(zip(self.programs, pieces.rows)):
                 if j and self.h_strides is not None and h.stride() != self.h_strides:
                     h = laid_out(h, self.h_strides)
-                out = programs.forward(*((row, frozen[j]) if frozen else (row,)), h, *tensors,
-                                       *buffers[j])
+                out = (programs.forward if keep else programs.inference)(
+                    *((row, frozen[j]) if frozen else (row,)), h, *tensors, *buffers[j])
                 h = out[0]
                 if self.aux:
                     auxes.append(out[1])
-                residuals.append(out[n:])
-            return h, stacked(auxes) if self.aux else None, residuals
+                if keep:
+                    residuals.append(out[n:])
+            outputs = (h, stacked(auxes)) if self.aux else (h,)
+            return outputs, (residuals if keep else
+                             None if state is None else Replay(inputs, state))
 
-    def inference(self, pieces: Pieces, h: torch.Tensor, extras: Produced) -> tuple:
-        with below_autograd():
-            tensors, frozen, auxes = extras.traced.tensors, pieces.frozen_rows, []
-            buffers = self.buffers
-            for j, (programs, row) in enumerate(zip(self.programs, pieces.rows)):
-                if j and self.h_strides is not None and h.stride() != self.h_strides:
-                    h = laid_out(h, self.h_strides)
-                out = programs.inference(*((row, frozen[j]) if frozen else (row,)), h, *tensors,
-                                         *buffers[j])
-                h = out[0]
-                if self.aux:
-                    auxes.append(out[1])
-            return h, stacked(auxes) if self.aux else None
-
-    def backward(self, pieces: Pieces, residuals: list, g: torch.Tensor,
-                 g_aux: torch.Tensor | None, extras: Produced, into=None,
-                 joined: bool = False) -> tuple:
+    def backward(self, memory, residuals: list | Replay, cotangents: tuple) -> tuple:
         """Last layer first; the buffer's gradient is ``(padded,)`` for one layer, ``(k,
-        padded)`` for k. Empties ``residuals``: each is freed inside its program after its
-        last use. A layer's aux cotangent is ``g_aux``'s row (zeros where the loss gave
-        none). ``into``: ``(rows, each row)`` of the unit's gradient memory
-        (``UnitMemory.grad_into``), each layer's gradient written into its row where its
-        program can (``Programs.backward_into``): then ``rows`` is the buffer's gradient.
-        ``joined`` (``recompute``'s): the last layer's entry in ``residuals`` is its inputs,
-        for its ``Programs.recompute``."""
+        padded)`` for k, written into the unit's gradient memory (``UnitMemory.grad_into``)
+        where each layer's program can (``Programs.backward_into``). Empties ``residuals``:
+        each is freed inside its program after its last use."""
+        joined = type(residuals) is Replay
+        if joined:
+            # Nothing after the loss draws but recompute, which sets its own state; the
+            # executor leaves the RNG as plain autograd would (``rng_after``).
+            rng.restore(residuals.rng, residuals.inputs[0].device)
+            residuals, joined = self._replay(memory.pieces, *residuals.inputs)
         with below_autograd():
+            g, g_aux = cotangents[0], cotangents[1] if len(cotangents) > 1 else None
+            pieces, into = memory.pieces, memory.grad_into()
             rows, frozen, k = pieces.rows, pieces.frozen_rows, len(self.programs)
             if self.aux and g_aux is None:
                 shape, dtype = self.programs[0].aux
@@ -126,32 +121,32 @@ class Layers(NamedTuple):
                     written += 1
                 grads[j], g = out[0], out[1]
                 summed = list(out[2:]) if not summed else [a + b for a, b in zip(summed, out[2:])]
-            return into[0] if written == k else shapes.buffer_grad(grads), g, summed
+            grad = into[0] if written == k else grads[0] if k == 1 else torch.stack(grads)
+            return (grad,), (g, summed)
 
-    def recompute(self, pieces: Pieces, h: torch.Tensor, g: torch.Tensor,
-                  g_aux: torch.Tensor | None, extras: Produced, into=None) -> tuple:
-        """``backward`` of ``forward`` run again from the unit's input ``h`` (the forward's
-        RNG restored by the caller): the last layer's forward and backward as one program
+    def _replay(self, pieces: Pieces, h: torch.Tensor, produced: Produced) -> tuple:
+        """``(residuals, joined)`` for ``backward``, from the unit's input ``h`` (the
+        forward's RNG restored): the last layer's forward and backward as one program
         (``Programs.recompute``: what only its output needed is not computed, no residual
-        tuple), the layers before it forward, then backward."""
-        if self.programs[-1].recompute is None:
-            return self.backward(pieces, self.forward(pieces, h, extras)[2], g, g_aux, extras,
-                                 into)
-        tensors, frozen, residuals = extras.traced.tensors, pieces.frozen_rows, []
-        buffers = self.buffers
-        with below_autograd():  # (``backward`` enters it itself)
-            for j, (programs, row) in enumerate(zip(self.programs[:-1], pieces.rows)):
+        tuple: its entry is its inputs), the layers before it forward; without that
+        program, every layer's forward."""
+        joined = self.programs[-1].recompute is not None
+        tensors, frozen, residuals = produced.traced.tensors, pieces.frozen_rows, []
+        buffers, n = self.buffers, 2 if self.aux else 1
+        with below_autograd():
+            for j, (programs, row) in enumerate(zip(self.programs, pieces.rows)):
+                if j and self.h_strides is not None and h.stride() != self.h_strides:
+                    h = laid_out(h, self.h_strides)
+                if joined and j == len(self.programs) - 1:
+                    break
                 out = programs.forward(*((row, frozen[j]) if frozen else (row,)), h, *tensors,
                                        *buffers[j])
                 h = out[0]
-                if self.h_strides is not None and h.stride() != self.h_strides:
-                    h = laid_out(h, self.h_strides)
-                residuals.append(out[programs.outputs:])
+                residuals.append(out[n:])
                 del out
-        residuals.append((h, *tensors, *buffers[-1]))  # the last layer's inputs, for its
-        # joined program
-        del h
-        return self.backward(pieces, residuals, g, g_aux, extras, into, joined=True)
+        if joined:
+            residuals.append((h, *tensors, *buffers[-1]))  # the last layer's inputs
+        return residuals, joined
 
 
 def laid_out(t: torch.Tensor, stride: tuple) -> torch.Tensor:

@@ -6,9 +6,8 @@ others ask about a running step: which bytes it owns and moves (for ``Recorder``
 collectives are still in flight (to drain them when a step ends early).
 
 Each buffer's lifetime: ``fz3.step.memory``'s [Note: a unit's memory]. The rest, per unit:
-- forward: keeps what its op's predicate saves (``Op.saves``): the unit's input and the RNG
-  state it started from (``recompute``: run again in backward), or its residuals (``save``'s
-  autograd graph, or the traced programs' tensors a predicate keeps, ``fz3.step.traced``).
+- forward: keeps its engine's residuals (``fz3.step.engine``; recompute's: its inputs and
+  RNG state).
 - reduce: writes this rank's fp32 shard straight into the step's result: the part's whole
   gradient shard is allocated at the first reduce of any of its units (as activations are
   freed, like autograd's own ``.grad``), and nothing is copied at the end of the step. A
@@ -32,7 +31,7 @@ from ..schedule.ops import Op, OpKind
 from ..schedule.schedule import Schedule
 from ..sharding.binding import Binding
 from ..sharding.model import Params, ShardedModel
-from .engine import Pieces, Produced
+from .engine import Pieces, Replay
 
 
 class Frame(NamedTuple):
@@ -67,19 +66,6 @@ class Loss(NamedTuple):
 
     fn: Binding
     has_aux: bool = False
-
-
-class Kept(NamedTuple):
-    """What a unit's forward kept (its ``StepState.activation`` record): its residuals (pre's
-    and between's graphs, a layer unit's under a predicate other than ``recompute``: an
-    autograd graph, or traced programs' tensors), or none (``recompute``: its backward runs
-    its forward again from its input and the RNG state it started from)."""
-
-    x: Any  # the unit's input (h; None for pre, and in a forward-only step)
-    engine: Any  # what runs it (``fz3.step.engine``'s protocol)
-    residuals: Any  # None: recompute
-    rng: RngState | None = None  # recompute's: the RNG state before (dropout draws the same)
-    aux: torch.Tensor | None = None  # a layer unit's aux outputs (k, *shape), until the loss
 
 
 # One op of a lowered schedule (``fz3.step.executor.lower``): everything about the op that
@@ -136,29 +122,24 @@ class Shard(NamedTuple):
     rows: tuple[torch.Tensor, ...]  # a stack part's: each layer's row of ``grad``
 
 
-class AuxCotangent(NamedTuple):
-    """A layer unit's grad record before its backward: its aux outputs' cotangent."""
-
-    g: torch.Tensor  # (k, *shape), from the loss (``ShardedModel.layer_aux``)
-
-
 @dataclass(eq=False)
 class StepState:
     """By unit, a record for each state ``fz3.schedule.ops.UnitState`` names:
-    ``params``: ``Gathering``, then ``Pieces`` (its memory); ``activation``: what its forward
-    kept (``Kept``, with a layer unit's aux outputs until the loss); ``grad``: its flat
-    unreduced gradient ((world, k, n); (world*n,) for a one-layer unit whose reduce is a
-    reduce-scatter, (padded,) for a part that is not a stack), then ``Reducing`` (then
-    ``Reduced`` until its update, ``fz3.train_step``); before its
-    backward, a layer unit's ``AuxCotangent``, a pre or between unit's extras' gradient sums
-    (by position: the layers add them)."""
+    ``params``: ``Gathering``, then ``Pieces`` (its memory); ``activation``: ``(engine,
+    residuals)``, what its forward kept (``fz3.step.engine``); ``grad``: before its backward
+    the cotangents of its outputs after h, by output position (a dict: the layers add their
+    extras' gradients into their producer's, the loss gives a layer unit's aux outputs'),
+    then its flat unreduced gradient ((world, k, n); (world*n,) for a one-layer unit whose
+    reduce is a reduce-scatter, (padded,) for a part that is not a stack), then
+    ``Reducing`` (then ``Reduced`` until its update, ``fz3.train_step``)."""
 
     call: Call
     params: dict[int, Gathering | Pieces] = field(default_factory=dict)
-    activation: dict[int, Kept] = field(default_factory=dict)
+    activation: dict[int, tuple] = field(default_factory=dict)
     grad: dict[int, Any] = field(default_factory=dict)
-    # by pre or between unit: its extras, as the layers after it take them
-    extras: dict[int, Produced] = field(default_factory=dict)
+    # its outputs after h: a pre or between unit's extras as the layers after it take them
+    # (``Produced``), a layer unit's aux outputs until the loss
+    outputs: dict[int, Any] = field(default_factory=dict)
     # by part, the step's result: its gradient ``Shard``, or (``Schedule.join_grads``) its units'
     # reduced (k, shard) rows by first layer, joined at the step's end (``unit_io.joined``)
     results: dict[int, Shard | dict[int, torch.Tensor]] = field(default_factory=dict)
@@ -179,8 +160,8 @@ class StepState:
                                else (p.buffer, p.frozen)) if b is not None)
         grads = sum(nbytes(g) if isinstance(g, torch.Tensor) else pending_bytes(g.pending)
                     for g in self.grad.values() if isinstance(g, (torch.Tensor, Reducing)))
-        inputs = sum(nbytes(a.x) for a in self.activation.values()
-                     if a.residuals is None and a.x is not None)
+        inputs = sum(nbytes(r.inputs[0]) for _, r in self.activation.values()
+                     if type(r) is Replay)
         return params, grads, inputs
 
     def moved_bytes(self, op: Op) -> int:

@@ -21,7 +21,7 @@ own (``fz3.step.layer_buffers``): their values are never frozen into a program.
 A layer that cannot be traced (it reads a tensor's value on the host, branches on data,
 writes into an extra, a buffer or a parameter row, makes a tensor from Python values, has
 hooks; one that writes into h writes into a copy, ``fz3.step.joint``) runs through autograd
-(``fz3.step.engine.AutogradLayers``), with one WARNING (``fz3.comm.say``); ``failed`` says
+(``fz3.step.engine.AutogradUnit``), with one WARNING (``fz3.comm.say``); ``failed`` says
 why.
 """
 

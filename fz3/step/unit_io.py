@@ -1,9 +1,9 @@
 """What a unit's function is called with, and where its results go.
 
 The executor's steps (``fz3/step/executor.py``) decide when a unit runs; these functions
-say how: which shards it gathers, which tensors (views of its gathered buffers) its function
-gets, which autograd leaves stand for them, and where its gradients and outputs land (its
-unreduced gradient, the shared units it reads, the step's result, the ``Frame``).
+say how: its engine and what it is given (``fz3.step.engine``), which tensors (views of its
+gathered buffers) its function gets, and where its outputs and gradients land (the layers
+after it, the loss, its unreduced gradient, the shared units it reads, the ``Frame``).
 """
 
 from __future__ import annotations
@@ -17,60 +17,150 @@ from ..schedule.ops import Op
 from ..schedule.saveable import Saveable, recompute, save
 from ..schedule.schedule import Schedule, Unit
 from ..schedule.structure import Role
+from ..sharding import compute
 from ..sharding.model import ShardedModel
-from . import shapes
-from .engine import AutogradLayers, Produced, Stage, StagePieces
-from .state import AuxCotangent, Frame, Loss, Shard, StepState
+from .engine import INFER, KEEP, REPLAY, AutogradUnit, Produced
+from .state import Call, Frame, Loss, Shard, StepState
 
 
-def stage_pieces(s: StepState, u: int) -> StagePieces:
-    """A pre, between or post unit's gathered memory (``fz3.step.engine.StagePieces``): its
-    trained buffer and those of the shared units it reads, and the views its function takes
-    (``fz3.sharding.model.layouts``' order: each unit's trained, then frozen, parameters)."""
-    units = (u, *s.call.schedule.units[u].reads)
+def unit_engine(model: ShardedModel, schedule: Schedule, op: Op, memories: tuple
+                ) -> tuple[Any, Callable[[Call, Any, Any], Any]]:
+    """``(memory, find)``: what a unit's engine (``fz3.step.engine``'s protocol) is given as
+    its memory, and ``find(call, h, second) -> its engine``. A layer unit's: its traced
+    programs (``fz3.step.programs.Layers``, cut by ``op.saves``; ``recompute`` runs
+    ``save``'s), or for layers that cannot be traced and with ``trace=False``, autograd (its
+    predicate ``save`` or run as recompute); on the per-layer path, a dict lookup. Any other
+    unit's: autograd over its and the shared units' memories it reads (the loss's made from
+    the call's loss function)."""
+    unit, grad = schedule.units[op.unit], schedule.grad
+    if unit.role is Role.STACK:
+        return memories[op.unit], _layers(model, unit, op.saves, grad)
+    reads = (op.unit, *unit.reads)
+    parts = [model.parts[schedule.units[v].part] for v in reads]
 
-    def views(trained: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+    def trained(memory: tuple) -> tuple:
+        return tuple(m.pieces.buffer for m in memory)
+
+    def views(memory: tuple, buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """(``fz3.sharding.model.layouts``' order: each unit's trained, then frozen, ones)"""
         out = []
-        for i, v in enumerate(units):
-            part = s.call.model.parts[s.call.schedule.units[v].part]
-            out += part.layout.views(s.params[v].buffer if trained is None else trained[i])
+        for part, m, b in zip(parts, memory, buffers):
+            out += part.layout.views(b)
             if part.frozen is not None:
-                out += part.frozen.views(s.params[v].frozen)
+                out += part.frozen.views(m.pieces.frozen)
         return out
 
-    return StagePieces(tuple(s.params[v].buffer for v in units), views)
-
-
-def stage_engine(model: ShardedModel, unit: Unit) -> Callable[[Loss], Stage]:
-    """What runs a pre, between or post unit, given the step's loss function (post's; the
-    others' are made here, once)."""
+    memory, mode = tuple(memories[v] for v in reads), KEEP if grad else INFER
     if unit.role is Role.POST:
-        return lambda loss: Stage(loss.fn, Role.POST, "post" if loss.fn is model.post
-                                  else "the loss function", loss.has_aux)
-    stage = Stage(model.functions[unit.part], unit.role, unit.name)
-    return lambda loss: stage
+        return memory, lambda call, h, batch: AutogradUnit(
+            _loss(model, call.loss_fn), trained, views, mode, model.device)
+    binding, pre = model.functions[unit.part], unit.role is Role.PRE
+
+    def run(tensors: list, inputs: tuple) -> tuple:
+        h, batch = inputs
+        h, extras = compute.run_stage(binding, tensors, (batch,) if pre else (h, batch),
+                                      unit.name)
+        return (h, *extras)
+
+    engine = AutogradUnit(run, trained, views, mode, model.device)
+    return memory, lambda call, h, batch: engine
 
 
-def layer_engine(model: ShardedModel, unit: Unit, saves: Saveable = save
-                 ) -> Callable[[Any, torch.Tensor, Produced], Any]:
-    """``find(traced, x, produced)``: what runs a layer unit on ``x`` and its producer's
-    extras ``produced`` (``fz3.step.engine``'s protocol): its traced programs
-    (``fz3.step.programs.Layers``, cut by ``saves``; ``recompute`` runs ``save``'s), or, for
-    layers that cannot be traced and with ``trace=False`` (``traced`` None), autograd (made
-    here, once; its ``saves`` is ``save``). On the per-layer path: a dict lookup."""
+def _loss(model: ShardedModel, loss: Loss) -> Callable:
+    name = "post" if loss.fn is model.post else "the loss function"
+
+    def run(tensors: list, inputs: tuple) -> tuple:
+        out = compute.run_loss(loss.fn, loss.has_aux, tensors, *inputs[:2], name, inputs[2])
+        if torch.is_grad_enabled() and not out[0].requires_grad:
+            raise RuntimeError(f"{name} returned a loss that does not require grad (it was "
+                               f"detached, or computed from no parameter and not from h): "
+                               f"there is nothing to differentiate")
+        return out
+
+    return run
+
+
+def _layers(model: ShardedModel, unit: Unit, saves: Saveable, grad: bool) -> Callable:
+    """``unit_engine``'s ``find`` for a layer unit."""
     cut = save if saves is recompute else saves
-    part, first, stop = unit.part, unit.layers.start, unit.layers.stop
-    autograd = AutogradLayers(model.functions[part][first:stop], model.parts[part], first,
-                              model.writes_input, model.layer_aux)
+    p, first, stop = unit.part, unit.layers.start, unit.layers.stop
+    part, bindings = model.parts[p], model.functions[p][first:stop]
 
-    def find(traced, x: torch.Tensor, produced: Produced):
-        if traced is not None:
-            layers = traced.layers(part, first, stop, x, produced.traced, cut)
+    def views(memory, buffers: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+        frozen, (buffer,) = memory.pieces.frozen, buffers
+        # one row is a view whose backward is free, unbind's stacks the rows'
+        rows = (buffer.view(-1),) if buffer.shape[0] == 1 else buffer.unbind(0)
+        return [part.layout.views(row) + ([] if frozen is None else
+                                          part.frozen.views(frozen[j]))
+                for j, row in enumerate(rows)]
+
+    def run(tensors: list, inputs: tuple) -> tuple:
+        h, produced = inputs
+        h, aux = compute.run_layers(bindings, tensors, h, produced.extras, part.path,
+                                    part.first + first, model.writes_input, model.layer_aux)
+        return (h,) if aux is None else (h, aux)
+
+    replays = REPLAY if grad else INFER
+    autograd = AutogradUnit(run, lambda memory: (memory.pieces.buffer,), views,
+                            KEEP if saves is save else replays, model.device)
+    mode, last = KEEP if saves is not recompute else replays, [None, None]
+
+    def find(call: Call, h: torch.Tensor, produced: Produced):
+        if call.traced is not None:
+            layers = call.traced.layers(p, first, stop, h, produced.traced, cut)
             if layers is not None:
-                return layers
+                if mode == KEEP:
+                    return layers
+                if layers is not last[0]:  # (made once per programs: ``Layers`` cut by save)
+                    last[:] = layers, layers._replace(mode=mode)
+                return last[1]
         return autograd
 
     return find
+
+
+def output_lander(model: ShardedModel, schedule: Schedule, op: Op
+                  ) -> Callable[[StepState, tuple, Any], Any] | None:
+    """``land(state, outputs, residuals) -> the frame's outputs``: where a unit's outputs
+    after h go (a pre or between unit's extras, as the layers take them; a layer unit's aux
+    outputs, until the loss), h set apart from its memory too; None: it has no others."""
+    u, unit = op.unit, schedule.units[op.unit]
+    if unit.role is Role.STACK:
+        if not model.layer_aux:
+            return None
+
+        def land_aux(s: StepState, outputs: tuple, residuals: Any) -> tuple:
+            aux = s.outputs[u] = apart(outputs[1], s, (u,))
+            return s.h, aux
+
+        return land_aux
+    reads = (u, *unit.reads)
+
+    def land(s: StepState, outputs: tuple, residuals: Any) -> tuple:
+        positions = compute.differentiable((outputs if residuals is None
+                                            else residuals.outputs)[1:])
+        s.h, extras = apart((outputs[0], outputs[1:]), s, reads)
+        traced = s.call.traced
+        s.outputs[u] = Produced(extras, positions,
+                                None if traced is None else traced.extras(extras, positions))
+        return (s.h, *extras)
+
+    return land
+
+
+def grad_lander(schedule: Schedule, op: Op, memory: Any
+                ) -> Callable[[StepState, tuple], tuple]:
+    """``land(state, param_grads) -> (its unreduced gradient, read_grads)``: a layer unit's
+    into its memory (``UnitMemory.unreduced``); any other's by ``add_gradients``."""
+    u = op.unit
+    if schedule.units[u].role is not Role.STACK:
+        return lambda s, grads: add_gradients(s, u, grads)
+
+    def land(s: StepState, grads: tuple) -> tuple:
+        s.grad[u] = unreduced = memory.unreduced(grads[0])
+        return unreduced, None
+
+    return land
 
 
 def aux_units(schedule: Schedule) -> list[list[int]]:
@@ -86,13 +176,11 @@ def aux_units(schedule: Schedule) -> list[list[int]]:
 
 def stacked_aux(s: StepState, stacks: list[list[int]]) -> tuple[torch.Tensor, ...]:
     """The layers' aux outputs as the loss takes them: one ``(layers, *shape)`` tensor per
-    stack, in compute order (each unit's activation record lets them go; forward-only, it
-    goes). A ValueError names the first unit whose aux differs from its stack's first."""
-    out, grad = [], s.call.schedule.grad
+    stack, in compute order (out of each unit's outputs record). A ValueError names the first
+    unit whose aux differs from its stack's first."""
+    out = []
     for units in stacks:
-        kept = [s.activation.pop(u) for u in units]
-        s.activation.update((u, k._replace(aux=None)) for u, k in zip(units, kept) if grad)
-        auxes = [k.aux for k in kept]
+        auxes = [s.outputs.pop(u) for u in units]
         for u, a in zip(units, auxes):
             if a.shape[1:] != auxes[0].shape[1:] or a.dtype != auxes[0].dtype:
                 unit = s.call.schedule.units[u]
@@ -118,25 +206,27 @@ def apart(tree: Any, s: StepState, units: Sequence[int]) -> Any:
 def aux_cotangents(s: StepState, stacks: list[list[int]],
                    grads: Sequence[torch.Tensor | None]) -> None:
     """The loss's gradients of the stacks' aux outputs, split back into each unit's rows
-    (views), its grad record until its backward; none where the loss did not use them."""
-    for units, g in zip(stacks, grads):
+    (views): the cotangent of its output 1, its grad record until its backward; none where
+    the loss did not use them."""
+    for units, g in zip(stacks, grads or ()):
         if g is None:
             continue
         for u in units:
             layers = s.call.schedule.units[u].layers
-            s.grad[u] = AuxCotangent(g[layers.start:layers.stop])
+            s.grad[u] = {1: g[layers.start:layers.stop]}
 
 
-def add_gradients(s: StepState, u: int, grads, leaves: Sequence[torch.Tensor]
+def add_gradients(s: StepState, u: int, grads: tuple
                   ) -> tuple[torch.Tensor, dict[int, torch.Tensor] | None]:
-    """Flat gradients of a single unit and of the shared units it reads (``stage_pieces``' order)
+    """Flat gradients of a single unit and of the shared units it reads (``Unit.reads``' order;
+    None: zeros)
     -> the unit's unreduced gradient, and contributions added into the shared units'; with
     frames on, this unit's contribution to each shared unit (a copy: the sum goes on)."""
     call, table = s.call, s.grad
     reads = call.schedule.units[u].reads
     own, mine = None, {} if call.frames and reads else None
-    for v, g, leaf in zip((u, *reads), grads, leaves):
-        flat = or_zeros(g, leaf).to(call.model.precision.reduce)
+    for v, g in zip((u, *reads), grads):
+        flat = or_zeros(g, s.params[v].buffer).to(call.model.precision.reduce)
         if v == u:
             own = table[u] = flat
             continue
@@ -147,43 +237,6 @@ def add_gradients(s: StepState, u: int, grads, leaves: Sequence[torch.Tensor]
         else:
             table[v] = flat
     return own, mine
-
-
-def result_lander(model: ShardedModel, schedule: Schedule, unit: Unit
-                  ) -> Callable[[StepState], torch.Tensor]:
-    """``land(state)``: where this rank's reduced gradient of ``unit`` lands: its rows of the
-    part's gradient shard in the step's result, allocated at the part's first reduce (and
-    split into rows once: one op for all the part's units); for a part in
-    ``Schedule.join_grads``, the unit's own ``(k, shard)`` rows, joined into the part's shard
-    after the backward (``joined``); with ``update`` ops, the unit's own rows, stepped and
-    let go by its update (``fz3.step.movement.update_op``)."""
-    p, part, device = unit.part, model.parts[unit.part], model.device
-    first, stop = unit.layers.start, unit.layers.stop
-    if schedule.updates:  # its own, until its update (``fz3.train_step``): nothing is joined
-        size = (stop - first if unit.role is Role.STACK else 1) * part.layout.shard_numel
-        return lambda s: torch.empty(size, dtype=torch.float32, device=device)
-    if p in schedule.join_grads:
-        shape = (stop - first, part.layout.shard_numel)
-
-        def own_rows(s: StepState) -> torch.Tensor:
-            rows = s.results.setdefault(p, {})[first] = torch.empty(
-                shape, dtype=torch.float32, device=device)
-            return rows.view(-1)
-
-        return own_rows
-    stack = part.role is Role.STACK
-    shape = (part.rows, part.layout.shard_numel) if stack else (part.layout.shard_numel,)
-
-    def shard(s: StepState) -> Shard:
-        grad = torch.empty(shape, dtype=torch.float32, device=device)
-        got = s.results[p] = Shard(grad, grad.unbind(0) if stack else ())
-        return got
-
-    if unit.role is not Role.STACK:
-        return lambda s: (s.results.get(p) or shard(s)).grad
-    if stop - first == 1:
-        return lambda s: (s.results.get(p) or shard(s)).rows[first]
-    return lambda s: (s.results.get(p) or shard(s)).grad[first:stop].view(-1)
 
 
 def joined(s: StepState, parts: int) -> tuple[torch.Tensor, ...]:
@@ -204,8 +257,8 @@ def frame_of(s: StepState, op: Op, index: int, inputs: Any, outputs: Any,
         return None
     unit = call.schedule.units[op.unit]
     reads = unit.reads
-    if grad is not None:
-        grad = shapes.frame_grad(unit, grad, call.model.world_size)
+    if grad is not None and grad.dim() == 1 and unit.role is Role.STACK:  # (world, k, n)
+        grad = grad.view(call.model.world_size, 1, -1)
     gathered = s.params[op.unit]
     return Frame(index, op, gathered.buffer, inputs, outputs, grad,
                  {r: s.params[r].buffer for r in reads} if reads else None, gathered.frozen,
