@@ -144,10 +144,19 @@ def long_functions(path: pathlib.Path, limit: int = 60) -> list[str]:
             and n.end_lineno - n.lineno + 1 > limit]
 
 
+# Files longer than 300 lines because one concept needs it, with their bound and the reason.
+LONGER = {
+    # issue 52: one step is read from the executor and one memory file; every op's step in one
+    # file is better than six grab-bags
+    "step/executor.py": 460,
+}
+
+
 def test_small_files_and_functions():
     files = sorted(ROOT.rglob("*.py"))
     big = [f"{p.relative_to(ROOT.parent)} {n} lines" for p in files
-           if (n := len(p.read_text().splitlines())) > 300]
+           if (n := len(p.read_text().splitlines()))
+           > LONGER.get(str(p.relative_to(ROOT)), 300)]
     assert not big, f"files over 300 lines: {big}"
     long = [f for p in files for f in long_functions(p)]
     assert not long, f"functions over 60 lines: {long}"

@@ -87,7 +87,7 @@ def frozen_low_precision_ranks(rank, world):
     """Frozen weights stored in bf16 beside trained ones cast to it, in pre (``tok``) and in
     the layers (``qkv``): at one rank a unit's gathered buffers are the cast and the frozen
     shard itself, which no ``free`` may release (a step function keeps the buffers it
-    gathers into at more ranks: ``fz3.step.movement.free_op``), also where a graph holds
+    gathers into at more ranks: ``fz3.step.executor.free_op``), also where a graph holds
     them (pre's; the layers' with ``trace=False`` and ``save``). Three steps of each policy
     equal a new step function's bit for bit, and the frozen shards stay unchanged."""
     model, params = shard_gpt(freeze(gpt(CFG), names=("tok.", ".attn.qkv.")),

@@ -258,6 +258,6 @@ def aux_of_a_parameter_ranks(rank, world):
 def test_an_aux_viewing_a_parameter_outlives_the_units_buffer():
     """A layer's aux that views its parameter waits for the loss after its unit's gathered
     buffer is freed (at two ranks the storage is released and kept for the next gather,
-    ``fz3.step.movement.free_op``): it is copied off first (``fz3.step.unit_io.apart``).
+    ``fz3.step.executor.free_op``): it is copied off first (``fz3.step.unit_io.apart``).
     Without the copy the loss read released memory (a crash, with or without tracing)."""
     assert dist.run(2, aux_of_a_parameter_ranks, timeout=180) == ["ok"] * 2

@@ -23,11 +23,13 @@ comes and goes:
   lifetime, whoever else views it. So a unit that stays gathered (``resident`` parts,
   ``reshard_after_forward=False``) is one whose schedule frees it later, and a graph kept
   until backward holds no memory between ``free`` and the re-gather.
-- ``backward`` writes the gradient into the gradient buffer (a traced program's flatten is a
-  copy into its rows' views, ``fz3.step.into``; autograd's result is copied); its reduce reads
-  it, and ``wait_reduce`` releases it. Every reduce lands in the step's result (the part's
-  gradient shard, ``movement.result_lander``; with ``join_grads`` a buffer per unit joined into
-  it at the end), never here. ``accumulate``'s carry takes the first micro-batch's gradient
+- ``backward`` writes a stack unit's gradient into the gradient buffer (a traced program's
+  flatten is a copy into its rows' views, ``fz3.step.into``; autograd's result is copied); its
+  reduce reads it, and ``wait_reduce`` releases it (other units' flat gradients are autograd's
+  tensors, let go when their reduce is waited). Every reduce lands in the step's result (the
+  part's gradient shard, ``executor.result_lander``; with ``join_grads`` a buffer per unit
+  joined into it at the end; with ``update`` ops a buffer per unit its update lets go), never
+  here. ``accumulate``'s carry takes the first micro-batch's gradient
   tensor over (``hand_over_grad``; the memory makes a new one at its next backward), later
   ones are added into it and released.
 - What must outlive ``free`` is copied first or handed over: a layer's aux output or an

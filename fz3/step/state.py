@@ -1,6 +1,6 @@
 """``StepState``: everything one step's ops share, by unit, for one call of the executor.
 
-The steps of ``fz3/step/executor.py`` and ``fz3/step/movement.py`` (and the ``unit_io``
+The steps of ``fz3/step/executor.py`` (and the ``unit_io``
 functions they call) read and write it; nothing else does. It answers the two questions
 others ask about a running step: which bytes it owns and moves (for ``Recorder``) and which
 collectives are still in flight (to drain them when a step ends early).
