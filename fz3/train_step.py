@@ -48,8 +48,15 @@ class TrainStep:
 
     def __call__(self, params: Params, opt_state: Any, batch: Any, *,
                  loss_scale: float | torch.Tensor = 1.0) -> tuple[Any, Params, Any]:
-        """``loss_scale`` multiplies the gradients (pair it with ``fz3.optim.unscale``).
-        **Collective**, as ``value_and_grad``'s step: every rank calls it."""
+        """**Collective**, as ``value_and_grad``'s step: every rank calls it. ``loss_scale``
+        is refused: fp16 loss scaling checks the whole gradient before any update, and skips
+        the step on overflow (``value_and_grad(...)(params, batch, loss_scale=)``, then
+        ``fz3.optim.unscale`` and ``fz3.optim.step``)."""
+        if not (isinstance(loss_scale, (int, float)) and loss_scale == 1.0):  # local
+            raise ValueError(f"fz3.train_step's step(loss_scale={loss_scale!r}): a loss-scaled "
+                             f"step is checked for overflow on the whole gradient and skipped "
+                             f"before any update; use value_and_grad(model)(params, batch, "
+                             f"loss_scale=...), fz3.optim.unscale and fz3.optim.step")
         if not self.each_unit:
             refuse_donated_tree(params, "params")  # before the step's collectives
             refuse_donated_tree(opt_state, "optimizer state")

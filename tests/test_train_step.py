@@ -156,6 +156,8 @@ def _equal_to_value_and_grad_then_step(rank: int, world: int) -> dict:
     want = step(donated, state, batch)[1:]
     with pytest.raises(ValueError, match="donate"):
         step(donated, state, batch)
+    with pytest.raises(ValueError, match="loss-scaled step is checked for overflow"):
+        step(*want, batch, loss_scale=1024.0)  # refused locally, the trees kept
     out["step_through"] = _stepped_through(model, step, through, batch, want)
     return out
 
