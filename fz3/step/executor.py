@@ -246,6 +246,7 @@ def wait_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
 
 def free_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
             memories: tuple[UnitMemory, ...]) -> Step:
+    """The unit's gathered parameters released (``UnitMemory.free``)."""
     u, memory = op.unit, memories[op.unit]
 
     def free(s: StepState) -> None:
@@ -258,7 +259,8 @@ def free_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
 def reduce_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
               memories: tuple[UnitMemory, ...]) -> Step:
     """This rank's shard of the unit's flat gradient (plus what earlier micro-batches carried)
-    into where the step's result holds it (``result_lander``)."""
+    into where the step's result holds it, or a buffer of its own with update ops
+    (``result_lander``)."""
     u, comm, unit = op.unit, model.comm, schedule.units[op.unit]
     land, label = result_lander(model, schedule, unit), Label(schedule, op)
     if schedule.reduce == "all_reduce":  # in place, on the layer-major memory of g
@@ -294,6 +296,9 @@ def _with_carry(s: StepState, u: int) -> torch.Tensor:
 
 def wait_reduce_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
                    memories: tuple[UnitMemory, ...]) -> Step:
+    """The unit's reduce waited (its chunk copied into the shard where the reduce is an
+    all-reduce, or in another dtype), a stack unit's gradient memory released, and with hybrid
+    sharding the shard's sum across replicas issued (waited here before an update)."""
     u, comm, label, memory = op.unit, model.comm, Label(schedule, op), memories[op.unit]
     replicate = comm.replicas > 1
     every = schedule.reduce == "all_reduce"
@@ -382,7 +387,8 @@ def result_lander(model: ShardedModel, schedule: Schedule, unit: Unit
 def update_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
               memories: tuple[UnitMemory, ...]) -> Step:
     """The unit's parameter shard (its layers of its part's) stepped with its reduced gradient
-    shard by the call's optimizer (``Call.update``, ``fz3.train_step``), which lets it go."""
+    shard by the call's optimizer (``Call.update``, ``fz3.train_step``); the shard's buffer goes
+    with its record (a frame may still hold it)."""
     u, unit = op.unit, schedule.units[op.unit]
     part, n = unit.part, model.parts[unit.part].layout.shard_numel
     stack = unit.role is Role.STACK

@@ -14,15 +14,15 @@ tensors never change (but for ``handed_out`` and ``hand_over_grad``, below); onl
 comes and goes:
 - ``gather`` writes into the buffers (their storage regrown first): across ranks the
   collective, at one rank a copy of the shard (as FSDP2 does; with bf16 compute the cast is
-  that copy). ``wait`` copies a k-layer unit's staging into layer order and releases it (at
-  more than one rank), and sets the buffers' autograd version counters back to those they had
-  when made (the collective's or the copy's write bumped them): a graph that saved views of
-  them (pre's, a saved layer's, a shared unit's reader) sees the re-gathered values as
-  unchanged.
-- ``free`` releases the storage (``untyped_storage().resize_(0)``): that is the memory's whole
-  lifetime, whoever else views it. So a unit that stays gathered (``resident`` parts,
-  ``reshard_after_forward=False``) is one whose schedule frees it later, and a graph kept
-  until backward holds no memory between ``free`` and the re-gather.
+  that copy). ``wait`` copies a k-layer unit's staging into layer order and releases it
+  (where the unit has one: k layers at more than one rank), and sets the buffers' autograd
+  version counters back to those they had when made (the collective's or the copy's write
+  bumped them): a graph that saved views of them (pre's, a saved layer's, a shared unit's
+  reader) sees the re-gathered values as unchanged.
+- ``free`` releases the storage (``untyped_storage().resize_(0)``): that is the gathered
+  parameters' whole lifetime, whoever else views them. So a unit that stays gathered
+  (``resident`` parts, ``reshard_after_forward=False``) is one whose schedule frees it later,
+  and a graph kept until backward holds no memory between ``free`` and the re-gather.
 - ``backward`` writes a stack unit's gradient into the gradient buffer (a traced program's
   flatten is a copy into its rows' views, ``fz3.step.into``; autograd's result is copied); its
   reduce reads it, and ``wait_reduce`` releases it (other units' flat gradients are autograd's
