@@ -8,7 +8,7 @@ model's whole fp32 gradient shard is never alive at once, and each update runs w
 layers below are still in their backward (``adamw``; ``muon``, whose stack units' matrices
 are exchanged and orthogonalized among themselves as each lands). An optimizer without a
 per-unit form (one that needs the whole gradient first: ``clip_by_global_norm``,
-``unscale``), and ``check_finite`` (it raises after the step), run the step as
+and ``check_finite`` (it raises after the step) run the step as
 ``value_and_grad`` then ``fz3.optim.step(..., donate=True)``, said once. Either way the
 result is bit for bit that of ``value_and_grad`` followed by ``fz3.optim.step(...,
 donate=True)`` (``fz3.optim.aligned``).
@@ -61,6 +61,7 @@ class TrainStep:
             refuse_donated_tree(params, "params")  # before the step's collectives
             refuse_donated_tree(opt_state, "optimizer state")
             value, grads = self.steps.run(params, batch, loss_scale, entry="train_step")
+            # (fails after its checks, a step written in part is given up there)
             new = step(self.opt, grads, opt_state, params, donate=True)
             # (an optimizer without an in-place path leaves the trees as they were: gone too)
             return value, give_up(params, new[0]), give_up(opt_state, new[1])
@@ -106,7 +107,7 @@ def _after_backward(opt: GradientTransformation, check_finite: bool) -> str | No
     """Why the optimizer must step after the backward, or None (a unit at a time)."""
     if opt.per_unit is None:
         return ("the optimizer has no per-unit form (it needs the whole gradient first, as "
-                "clip_by_global_norm and unscale do, or is a chain of several)")
+                "clip_by_global_norm does, or is a chain of several)")
     if check_finite:
         return "check_finite raises after the step, before anything is stepped"
     return None

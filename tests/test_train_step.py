@@ -46,7 +46,8 @@ def _masks(kind: str, rows: int, n: int, g: torch.Generator):
 
 def test_adamw_per_unit_is_its_fused_step_bit_for_bit():
     rnd, g = random.Random(0), torch.Generator().manual_seed(0)
-    for rows, n in [(6, 1037), (5, 3), (4, 16), (3, 2 * SLICE_MIN_ELEMENTS + 7)]:
+    # (3, 0): a rank whose shard of a Muon stack's rest is empty (its mask has no elements)
+    for rows, n in [(6, 1037), (5, 3), (4, 16), (3, 2 * SLICE_MIN_ELEMENTS + 7), (3, 0)]:
         for kind in ("none", "shared", "per_row"):
             params = Params((torch.randn(rows, n, generator=g), torch.randn(37, generator=g)))
             opt = fz3.optim.adamw(lr=lambda t: 1e-2 / t, weight_decay=0.1,

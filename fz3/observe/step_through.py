@@ -129,7 +129,7 @@ def _rows(opt: GradientTransformation, params: Params, state: Any) -> UnitStep:
     rows = per_unit(opt, params, state)
     if rows is None:
         raise ValueError("fz3.step_through(opt=...): this optimizer has no per-unit form (it "
-                         "needs the whole gradient first: clipping, loss-scale unscaling, a "
+                         "needs the whole gradient first: clipping, or is a "
                          "chain of several): step through without opt= and call "
                          "fz3.optim.step on the final frame's gradients")
     return rows

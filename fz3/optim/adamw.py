@@ -195,7 +195,10 @@ def fused_adamw(params, grads, mus, nus, steps, *, lr, beta1, beta2, weight_deca
 
 def _decay_runs(keep: torch.Tensor) -> list[list[tuple[int, int, bool]]]:
     """Per row of a mask (its last dimension; one row for ``fz3.decay_mask``'s ``(1, shard)``
-    stack masks), its ``(start, stop, decays)`` runs: one small host read per row."""
+    stack masks), its ``(start, stop, decays)`` runs: one small host read per row. A mask of
+    no elements (a rank whose shard of a Muon stack's rest is empty) has no runs."""
+    if keep.numel() == 0:
+        return [[]]
     rows = keep.reshape(-1, keep.shape[-1] if keep.dim() else 1).bool()
     out = []
     for row in rows:
@@ -218,7 +221,7 @@ def _leaf_groups(tensors: tuple, mask_rows: list | None, keep: torch.Tensor | No
     those layers whole (after the masked decay applied in a pass of its own, where the mask is
     mixed and its slices small); else contiguous slices of each row, one per run of the mask
     where they are large (the fused kernel takes one decay per call and contiguous tensors)."""
-    if mask_rows is None or not weight_decay:
+    if mask_rows is None or not weight_decay or tensors[0].numel() == 0:
         return [(weight_decay, None)]
     flags = {f for row in mask_rows for _, _, f in row}
     if len(flags) == 1:  # uniform

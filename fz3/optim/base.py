@@ -74,7 +74,8 @@ def step(opt: GradientTransformation, grads: Tree, state: Any, params: Tree, *,
     """``(params, state)`` after one optimizer step.
 
     ``donate=False``: pure, ``apply_updates(params, opt.update(...))``; the inputs are untouched.
-    ``donate=True``: ``params`` and ``state`` are given up (as with JAX's ``donate_argnums``):
+    ``donate=True``: ``params`` and ``state`` are given up (as with JAX's ``donate_argnums``;
+    also when the step fails after its checks, a collective say, written in part):
     their buffers are updated in place by a fused kernel where ``opt`` has one, so the step
     reads and writes each element once and allocates nothing. Do not use the donated
     ``params``/``state`` afterwards; use the returned ones.
@@ -82,7 +83,14 @@ def step(opt: GradientTransformation, grads: Tree, state: Any, params: Tree, *,
     refuse_donated_tree(params, "params")
     refuse_donated_tree(state, "optimizer state")
     if donate and opt.update_inplace is not None:
-        new_params, new_state = opt.update_inplace(grads, state, params)
+        try:
+            new_params, new_state = opt.update_inplace(grads, state, params)
+        except (ValueError, TypeError):  # refused before anything was written: kept
+            raise
+        except BaseException:  # written in part, maybe (a collective failed midway): gone
+            give_up(params, None)
+            give_up(state, None)
+            raise
         return give_up(params, new_params), give_up(state, new_state)
     updates, state = opt.update(grads, state, params)
     return apply_updates(params, updates), state

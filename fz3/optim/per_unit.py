@@ -16,7 +16,7 @@ from .checks import refuse_donated_tree
 
 def per_unit(opt: GradientTransformation, params: Tree, state: Any) -> UnitStep | None:
     """``opt``'s step a unit at a time, or None where it has no per-unit form (it needs the
-    whole gradient: ``clip_by_global_norm``, ``unscale``; or is not separable by layers:
+    whole gradient: ``clip_by_global_norm``; or is not separable by layers:
     ``freeze`` after ``adamw``, a longer ``chain``). As ``step(..., donate=True)``:
     ``params`` and ``state`` are given up, ``finish`` returns the new ones (a layer stepped
     twice, or never, is refused); ``abandon`` gives them up when the step ends after some

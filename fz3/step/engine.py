@@ -18,7 +18,7 @@ cotangent); ``param_grads``: one per trained buffer of ``memory`` (None: zeros);
 ``input_grads``: aligned with ``inputs``, h's zero-filled, a ``Produced``'s one per position
 that carries gradient, the stacks' aux one per stack, None for what is not differentiated.
 
-An engine's ``mode``, fixed when it is made, says what its forward keeps: ``KEEP`` (its
+An engine's ``mode``, fixed when it is made, says what its forward keeps (``Mode``): ``SAVED`` (its
 residuals: autograd's graph, or what a predicate saves of traced programs), ``REPLAY``
 (``recompute``: ``Replay``, the inputs and RNG state, its backward runs the forward again)
 or ``INFER`` (nothing: a forward-only unit). The residuals decide the backward, never the
@@ -31,6 +31,7 @@ executor, where autograd through a zero cotangent could differ (``0 * inf``).
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -39,7 +40,15 @@ from .. import rng
 from ..rng import RngState
 from ..sharding import compute
 
-KEEP, REPLAY, INFER = "keep", "replay", "infer"  # an engine's ``mode``
+class Mode(Enum):
+    """An engine's mode: what its forward keeps for its backward."""
+
+    SAVED = "saved"  # its residuals
+    REPLAY = "replay"  # what runs the forward again (``Replay``)
+    INFER = "infer"  # nothing: no backward follows
+
+
+SAVED, REPLAY, INFER = Mode.SAVED, Mode.REPLAY, Mode.INFER
 
 
 class Pieces(NamedTuple):
@@ -88,14 +97,14 @@ class AutogradUnit:
         self.mode, self.device = mode, device
 
     def forward(self, memory, inputs: tuple) -> tuple:
-        if self.mode == KEEP:
-            return self._keep(memory, inputs)
+        if self.mode == SAVED:
+            return self._record_graph(memory, inputs)
         state = rng.capture(self.device) if self.mode == REPLAY else None
         with torch.no_grad():
             outputs = self.run(self.views(memory, self.trained(memory)), inputs)
         return outputs, (None if state is None else Replay(inputs, state))
 
-    def _keep(self, memory, inputs: tuple) -> tuple:
+    def _record_graph(self, memory, inputs: tuple) -> tuple:
         leaves = tuple(compute.leaf(b) for b in self.trained(memory))
         called = tuple(_leaves(x, i) for i, x in enumerate(inputs))
         with torch.enable_grad():
@@ -108,7 +117,7 @@ class AutogradUnit:
             # Nothing after the loss draws but recompute, which sets its own state; the
             # executor leaves the RNG as plain autograd would (``rng_after``).
             rng.restore(residuals.rng, self.device)
-            residuals = self._keep(memory, residuals.inputs)[1]
+            residuals = self._record_graph(memory, residuals.inputs)[1]
         pairs = [(o, c) for o, c in zip(residuals.outputs, cotangents)
                  if c is not None and isinstance(o, torch.Tensor) and o.requires_grad]
         inputs = residuals.inputs

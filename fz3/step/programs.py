@@ -26,7 +26,7 @@ import torch
 from .. import rng
 from ..schedule.saveable import Saveable, save
 from ..sharding.compute import stacked
-from .engine import KEEP, REPLAY, Pieces, Produced, Replay
+from .engine import REPLAY, SAVED, Mode, Pieces, Produced, Replay
 from .joint import Programs
 
 # (``Layers`` enters it around its programs: [Note: programs run below autograd])
@@ -53,12 +53,12 @@ class Layers(NamedTuple):
     # each layer's buffers, its programs' last inputs (``fz3.step.traced``): one tuple per
     # layer, empty where it has none (read as it is: no call on the per-layer path)
     buffers: tuple[tuple[torch.Tensor, ...], ...] = ()
-    mode: str = KEEP  # ``fz3.step.engine``'s; ``KEEP``: residuals of programs cut by ``saves``
+    mode: Mode = SAVED  # ``fz3.step.engine``'s; ``SAVED``: residuals of programs cut by ``saves``
 
     def forward(self, memory, inputs: tuple) -> tuple:
-        """Residuals (``KEEP``): a list, one tuple per layer, in layer order."""
+        """Residuals (``SAVED``): a list, one tuple per layer, in layer order."""
         h, produced = inputs
-        keep, pieces = self.mode == KEEP, memory.pieces
+        keep, pieces = self.mode == SAVED, memory.pieces
         state = rng.capture(h.device) if self.mode == REPLAY else None
         with below_autograd():
             tensors, frozen, residuals, auxes = produced.traced.tensors, pieces.frozen_rows, [], []

@@ -19,7 +19,7 @@ from ..schedule.schedule import Schedule, Unit
 from ..schedule.structure import Role
 from ..sharding import compute
 from ..sharding.model import ShardedModel
-from .engine import INFER, KEEP, REPLAY, AutogradUnit, Produced
+from .engine import INFER, REPLAY, SAVED, AutogradUnit, Produced
 from .state import Call, Frame, Loss, Shard, StepState
 
 
@@ -50,7 +50,7 @@ def unit_engine(model: ShardedModel, schedule: Schedule, op: Op, memories: tuple
                 out += part.frozen.views(m.pieces.frozen)
         return out
 
-    memory, mode = tuple(memories[v] for v in reads), KEEP if grad else INFER
+    memory, mode = tuple(memories[v] for v in reads), SAVED if grad else INFER
     if unit.role is Role.POST:
         return memory, lambda call, h, batch: AutogradUnit(
             _loss(model, call.loss_fn), trained, views, mode, model.device)
@@ -102,14 +102,14 @@ def _layers(model: ShardedModel, unit: Unit, saves: Saveable, grad: bool) -> Cal
 
     replays = REPLAY if grad else INFER
     autograd = AutogradUnit(run, lambda memory: (memory.pieces.buffer,), views,
-                            KEEP if saves is save else replays, model.device)
-    mode, last = KEEP if saves is not recompute else replays, [None, None]
+                            SAVED if saves is save else replays, model.device)
+    mode, last = SAVED if saves is not recompute else replays, [None, None]
 
     def find(call: Call, h: torch.Tensor, produced: Produced):
         if call.traced is not None:
             layers = call.traced.layers(p, first, stop, h, produced.traced, cut)
             if layers is not None:
-                if mode == KEEP:
+                if mode == SAVED:
                     return layers
                 if layers is not last[0]:  # (made once per programs: ``Layers`` cut by save)
                     last[:] = layers, layers._replace(mode=mode)
