@@ -18,8 +18,8 @@ cotangent); ``param_grads``: one per trained buffer of ``memory`` (None: zeros);
 ``input_grads``: aligned with ``inputs``, h's zero-filled, a ``Produced``'s one per position
 that carries gradient, the stacks' aux one per stack, None for what is not differentiated.
 
-An engine's ``mode``, fixed when it is made, says what its forward keeps (``Mode``): ``SAVED`` (its
-residuals: autograd's graph, or what a predicate saves of traced programs), ``REPLAY``
+An engine's ``mode`` (``Mode``), fixed when it is made, says what its forward keeps: ``SAVED``
+(its residuals: autograd's graph, or what a predicate saves of traced programs), ``REPLAY``
 (``recompute``: ``Replay``, the inputs and RNG state, its backward runs the forward again)
 or ``INFER`` (nothing: a forward-only unit). The residuals decide the backward, never the
 executor. Two implementations: ``AutogradUnit`` below (every pre, between and loss unit;
@@ -39,6 +39,7 @@ import torch
 from .. import rng
 from ..rng import RngState
 from ..sharding import compute
+
 
 class Mode(Enum):
     """An engine's mode: what its forward keeps for its backward."""
