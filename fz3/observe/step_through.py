@@ -93,22 +93,22 @@ def step_through(model: ShardedModel, params: Params, batch: Any,
     stop, instead of waiting for them forever.
     """
     check_call(model, params, batch, entry="fz3.step_through")  # local, before any collective
-    rows = None if opt is None else _rows(opt, params, opt_state)
-    sched = prepare(model, schedule, grad=True, entry="step_through", updates=rows is not None)
+    unit_step = None if opt is None else _unit_step(opt, params, opt_state)
+    sched = prepare(model, schedule, grad=True, entry="step_through", updates=unit_step is not None)
     # through autograd (no traced programs): a forward whose predicate cuts programs runs as
     # recompute, said once, and its frames say so
     say_untraced_selective(sched, None)
     sched = replace(sched, ops=tuple(Op(op.kind, op.unit, recompute) if op.saves is not None
                                      and cuts(op.saves) else op for op in sched.ops))
     gen = execute(model, lower(model, sched, handed_out=True), params, batch, recorder,
-                  update=None if rows is None else rows.update)
+                  update=None if unit_step is None else unit_step.update)
     try:
         while True:
             try:
                 frame = next(gen)
             except StopIteration as stop:
                 result: Result = stop.value
-                stepped, rows = None if rows is None else rows.finish(), None
+                stepped, unit_step = None if unit_step is None else unit_step.finish(), None
                 yield StepFrame("done", None, "", None, -1, {}, None, None, None, result.loss,
                                 result.grads, stepped)
                 return
@@ -120,19 +120,19 @@ def step_through(model: ShardedModel, params: Params, batch: Any,
                 raise
     finally:
         gen.close()  # the executor drains its in-flight collectives
-        if rows is not None:  # stopped before the end: params and state stepped in part
-            rows.abandon()
+        if unit_step is not None:  # stopped before the end: params and state stepped in part
+            unit_step.abandon()
 
 
-def _rows(opt: GradientTransformation, params: Params, state: Any) -> UnitStep:
+def _unit_step(opt: GradientTransformation, params: Params, state: Any) -> UnitStep:
     """``opt``'s step a unit at a time, or a ValueError naming why not (local)."""
-    rows = per_unit(opt, params, state)
-    if rows is None:
+    unit_step = per_unit(opt, params, state)
+    if unit_step is None:
         raise ValueError("fz3.step_through(opt=...): this optimizer has no per-unit form (it "
                          "needs the whole gradient first: clipping, or is a "
                          "chain of several): step through without opt= and call "
                          "fz3.optim.step on the final frame's gradients")
-    return rows
+    return unit_step
 
 
 def describe(model: ShardedModel, schedule: Schedule, f: Frame) -> StepFrame:

@@ -92,7 +92,7 @@ class AutogradUnit:
     its function; ``trained(memory)`` its trained buffers, ``views(memory, trained)`` the
     tensors ``run`` takes, views of ``trained`` (or of leaves aliasing them)."""
 
-    def __init__(self, run: Callable, trained: Callable, views: Callable, mode: str,
+    def __init__(self, run: Callable, trained: Callable, views: Callable, mode: Mode,
                  device: torch.device):
         self.run, self.trained, self.views = run, trained, views
         self.mode, self.device = mode, device

@@ -39,7 +39,8 @@ from .record import observed
 from .state import (Call, Frame, Gathering, Loss, Reduced, Reducing, Result, Shard, Step,
                     StepState)
 from .unit_io import (add_gradients, apart, aux_cotangents, aux_units, detached, frame_of,
-                      grad_lander, joined, output_lander, stacked_aux, unit_engine)
+                      grad_lander, joined, output_lander, stacked_aux, unit_engine,
+                      unit_memory)
 
 
 class Program(NamedTuple):
@@ -165,7 +166,7 @@ def _backward(model: ShardedModel, schedule: Schedule, op: Op, index: int,
     layer unit's aux outputs', from the loss); the gradients of the extras it was given are
     summed into its producer's record."""
     u, producer = op.unit, schedule.producers.get(op.unit)
-    memory, _ = unit_engine(model, schedule, op, memories)
+    memory = unit_memory(schedule, op, memories)
     land = grad_lander(schedule, op, memory)
     pair = model.layer_aux and schedule.units[u].role is Role.STACK  # frames: (g, g_aux)
 
@@ -315,7 +316,7 @@ def wait_reduce_op(model: ShardedModel, schedule: Schedule, op: Op, index: int,
         if stack:
             memory.free_grad()
         # hybrid: sum the shard across replicas, waited at the end (or here, before its update)
-        if replicate and s.call.reduces_replicas:
+        if replicate and s.call.reduce_replicas:
             summing = all_reduce(comm, shard, group=comm.replicate_group, label=label)
             if updates:
                 wait(summing)

@@ -201,16 +201,16 @@ class UnitMemory:
         ``(padded,)``) gradient ``g`` (copied unless written in place; None: zeros):
         ``(world, k, n)`` rank-major, one layer's ``(world*n,)``, or with an all-reduce a
         ``(world, k, n)`` view of layer-major memory."""
-        if self.grad is None:  # (handed over or out)
-            self._make_grad()
-        for storage, size in self.grad_storages:  # (autograd's: not written by backward)
-            if storage.nbytes() != size:
-                storage.resize_(size)
-        rows, grad, k, world = self.grad_layered, self.grad, self.k, self.world
-        if g is None:
-            rows.zero_()
-        elif g.data_ptr() != rows.data_ptr():  # (written in place by a traced backward)
-            rows.copy_(g.view(rows.shape))
+        rows = None if self.grad is None else self.grad_layered
+        if g is None or rows is None or g.data_ptr() != rows.data_ptr():
+            # not written in place by a traced backward (``grad_into`` then grew the memory):
+            # autograd's, or none
+            rows = self.grad_into()[0]
+            if g is None:
+                rows.zero_()
+            else:
+                rows.copy_(g.view(rows.shape))
+        grad, k, world = self.grad, self.k, self.world
         if self.grad_apart:
             if self.all_reduce or k == 1:
                 grad.copy_(rows.view(-1))

@@ -58,7 +58,7 @@ class Layers(NamedTuple):
     def forward(self, memory, inputs: tuple) -> tuple:
         """Residuals (``SAVED``): a list, one tuple per layer, in layer order."""
         h, produced = inputs
-        keep, pieces = self.mode == SAVED, memory.pieces
+        saving, pieces = self.mode == SAVED, memory.pieces
         state = rng.capture(h.device) if self.mode == REPLAY else None
         with below_autograd():
             tensors, frozen, residuals, auxes = produced.traced.tensors, pieces.frozen_rows, [], []
@@ -67,15 +67,15 @@ class Layers(NamedTuple):
             for j, (programs, row) in enumerate(zip(self.programs, pieces.rows)):
                 if j and self.h_strides is not None and h.stride() != self.h_strides:
                     h = laid_out(h, self.h_strides)
-                out = (programs.forward if keep else programs.inference)(
+                out = (programs.forward if saving else programs.inference)(
                     *((row, frozen[j]) if frozen else (row,)), h, *tensors, *buffers[j])
                 h = out[0]
                 if self.aux:
                     auxes.append(out[1])
-                if keep:
+                if saving:
                     residuals.append(out[n:])
             outputs = (h, stacked(auxes)) if self.aux else (h,)
-            return outputs, (residuals if keep else
+            return outputs, (residuals if saving else
                              None if state is None else Replay(inputs, state))
 
     def backward(self, memory, residuals: list | Replay, cotangents: tuple) -> tuple:

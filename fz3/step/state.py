@@ -101,10 +101,10 @@ class Call(NamedTuple):
     loss_fn: Loss
     loss_scale: float | torch.Tensor  # multiplies the backward's seed (fp16 scaling, 1/k)
     carry: dict[int, torch.Tensor] | None  # flat gradients accumulated across micro-batches
-    reduces_replicas: bool  # hybrid: sum the shard across replicas at each wait_reduce
+    reduce_replicas: bool  # hybrid: sum the shard across replicas at each wait_reduce
     traced: Any  # fz3.step.traced.TracedLayers: layers run as traced programs; None: not
     frames: bool  # False: compute ops make no Frame (nobody looks at them)
-    # ``update`` ops' step (``fz3.optim.UnitStep.update``: part, rows, reduced gradient), or None
+    # ``update`` ops' step (``fz3.optim.UnitStep.update``: part, layers, reduced gradient), or None
     update: Callable[[int, slice | None, torch.Tensor], None] | None = None
 
 

@@ -23,20 +23,29 @@ from .engine import INFER, REPLAY, SAVED, AutogradUnit, Produced
 from .state import Call, Frame, Loss, Shard, StepState
 
 
+def unit_memory(schedule: Schedule, op: Op, memories: tuple) -> Any:
+    """What a unit's engine is given as its memory: a layer unit's ``UnitMemory``; any other
+    unit's, with those of the shared units it reads (``Unit.reads``' order), as a tuple."""
+    unit = schedule.units[op.unit]
+    if unit.role is Role.STACK:
+        return memories[op.unit]
+    return tuple(memories[v] for v in (op.unit, *unit.reads))
+
+
 def unit_engine(model: ShardedModel, schedule: Schedule, op: Op, memories: tuple
                 ) -> tuple[Any, Callable[[Call, Any, Any], Any]]:
-    """``(memory, find)``: what a unit's engine (``fz3.step.engine``'s protocol) is given as
-    its memory, and ``find(call, h, second) -> its engine``. A layer unit's: its traced
+    """``(memory, find)``: its ``unit_memory`` and ``find(call, h, second) -> its engine``
+    (``fz3.step.engine``'s protocol). A layer unit's: its traced
     programs (``fz3.step.programs.Layers``, cut by ``op.saves``; ``recompute`` runs
     ``save``'s), or for layers that cannot be traced and with ``trace=False``, autograd (its
     predicate ``save`` or run as recompute); on the per-layer path, a dict lookup. Any other
     unit's: autograd over its and the shared units' memories it reads (the loss's made from
     the call's loss function)."""
-    unit, grad = schedule.units[op.unit], schedule.grad
+    unit, grad, memory = schedule.units[op.unit], schedule.grad, unit_memory(schedule, op,
+                                                                             memories)
     if unit.role is Role.STACK:
-        return memories[op.unit], _layers(model, unit, op.saves, grad)
-    reads = (op.unit, *unit.reads)
-    parts = [model.parts[schedule.units[v].part] for v in reads]
+        return memory, _layers(model, unit, op.saves, grad)
+    parts = [model.parts[schedule.units[v].part] for v in (op.unit, *unit.reads)]
 
     def trained(memory: tuple) -> tuple:
         return tuple(m.pieces.buffer for m in memory)
@@ -50,7 +59,7 @@ def unit_engine(model: ShardedModel, schedule: Schedule, op: Op, memories: tuple
                 out += part.frozen.views(m.pieces.frozen)
         return out
 
-    memory, mode = tuple(memories[v] for v in reads), SAVED if grad else INFER
+    mode = SAVED if grad else INFER
     if unit.role is Role.POST:
         return memory, lambda call, h, batch: AutogradUnit(
             _loss(model, call.loss_fn), trained, views, mode, model.device)
