@@ -44,6 +44,7 @@ from fz3.models.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 CFG = GPTConfig(vocab=2048, seq=64, dim=256, heads=4, layers=4)
 # counted only, built on the meta device: a 6.5B GPT (fused qkv, MLP 4x) of Llama-7B's width
 BIG = GPTConfig(vocab=32000, seq=4096, dim=4096, heads=32, layers=32)
+TRAIN_STEP_CFG = GPTConfig(vocab=4096, seq=64, dim=512, heads=8, layers=8)  # train_step.py's
 MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95)
 ADAM = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.01)
 
@@ -74,6 +75,47 @@ def counts(cfg: GPTConfig, worlds=range(1, 9), device: str = "cpu") -> list[dict
                         / mean, bound=(1.1 * mean + biggest) / mean, bytes_sent_max=max(sent),
                         shard_bytes=max(shard), sent_over_shard=max(s / b for s, b in
                                                                     zip(sent, shard))))
+    return out
+
+
+def unit_paths(cfg: GPTConfig, worlds=(2, 3, 4, 8)) -> list[dict]:
+    """Per world size, counted: the Newton-Schulz critical path of ``fz3.train_step``'s
+    per-unit Muon (one layer a unit, last layer first) against ``optim.step``'s (the busiest
+    rank's total, one exchange): ``waited`` each unit's exchange waited in its own update
+    (each unit then costs its busiest rank: the sum over units), ``in_flight`` as
+    ``muon._per_unit`` runs it (each update sends its own unit, then orthogonalizes the unit
+    before's share, then waits for the one before that), with no backward between updates
+    to hide behind (the worst case)."""
+    from fz3.optim.newton_schulz import flops
+    from fz3.optim.owners import plan
+    from fz3.sharding.parts import partition
+
+    with torch.device("meta"):
+        module = GPT(cfg)
+    out = []
+    for world in worlds:
+        parts = partition(module, ["blocks"], world, between=[]).parts
+        stack = next(i for i, p in enumerate(parts) if p.role.value == "stack")
+        whole = plan(parts, world, 5)
+        units = []  # per unit, last layer first: per rank its NS FLOPs
+        for layer in reversed(range(parts[stack].rows)):
+            u = whole.only(stack, slice(layer, layer + 1))
+            load = [0] * world
+            for m, r in zip(u.matrices, u.owners):
+                load[r] += flops(m.shape, 5)
+            units.append(load)
+        t, sent, back = [0.0] * world, {}, {}  # per rank its clock; per unit issue times
+        for k in range(len(units) + 2):  # the updates, then finish's two rounds
+            if k < len(units):  # its own unit sent first
+                sent[k] = list(t)
+            if k - 1 in sent:  # then the unit before orthogonalized (once all ranks sent it)
+                back[k - 1] = [max(t[r], max(sent[k - 1])) + units[k - 1][r] for r in range(world)]
+                t = list(back[k - 1])
+            if k - 2 in back:  # then the one before that landed (once every owner sent it)
+                t = [max(x, max(back[k - 2])) for x in t]
+        best = max(whole.flops)
+        out.append(dict(world=world, waited=sum(max(u) for u in units) / best,
+                        in_flight=max(t) / best))
     return out
 
 
@@ -219,6 +261,9 @@ def main() -> None:
     a = ap.parse_args()
     repeats, steps = (1, 2) if a.quick else (a.repeats, a.steps)
     print(f"model: GPT {CFG}")
+    for row in unit_paths(CFG) + unit_paths(TRAIN_STEP_CFG):
+        print(f"counted train_step critical path w={row['world']}: each unit waited "
+              f"{row['waited']:.2f}x optim.step's, in flight {row['in_flight']:.2f}x")
     table = counts(CFG)
     big = counts(BIG, (2, 4, 8, 16, 32, 64), device="meta")
     for row in table + big:

@@ -1,17 +1,20 @@
 """``fz3.train_step`` against ``fz3.value_and_grad`` + ``fz3.optim.step(..., donate=True)``
-(issue 53): peak memory and time, same model, data, optimizer and policy, at world size 1,
-for fz3's AdamW (torch's fused kernel) and for Muon (``others``: the same AdamW).
+(issue 53): peak memory and time, same model, data, optimizer and policy, at world size 1
+(or ``--world``), for fz3's AdamW (torch's fused kernel) and for Muon (``others``: the same
+AdamW).
 
     python benchmarks/train_step.py                 # 5 interleaved repeats
     python benchmarks/train_step.py --repeats 1     # a smoke run
+    python benchmarks/train_step.py --world 2 --only muon    # Muon across two ranks
 
-Each job runs in a fresh process (one thread, gloo): a GPT whose parameters are about 100 MB
-(25.4M fp32), the default policy; 2 warm-up steps (the first traces), then ``--steps`` timed
-steps. Reported per job: the step's live bytes beyond params and optimizer state (the second
-step, under ``fz3.observe.live_bytes.LiveBytes``: every storage it makes, while alive), the
-process's peak RSS after all steps (``ru_maxrss``: its whole life, parameters, state and
-tracing included), and the median step time (forward, backward and optimizer: in
-``train_step`` they interleave). Each pair's two jobs alternate; medians over repeats.
+Each job runs in fresh processes (a rank each, one thread, gloo): a GPT whose parameters
+are about 100 MB (25.4M fp32), the default policy; 2 warm-up steps (the first traces), then
+``--steps`` timed steps. Reported per job (rank 0's): the step's live bytes beyond params
+and optimizer state (the second step, under ``fz3.observe.live_bytes.LiveBytes``: every
+storage it makes, while alive), the process's peak RSS after all steps (``ru_maxrss``: its
+whole life, parameters, state and tracing included), and the median step time (forward,
+backward and optimizer: in ``train_step`` they interleave). Each pair's two jobs alternate;
+medians over repeats.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95)
 PAIRS = (("value_and_grad+step", "train_step"), ("muon value_and_grad+step", "muon train_step"))
 
 
-def job(kind: str, steps: int) -> dict:
+def job(kind: str, steps: int, rank: int) -> dict:
     import fz3
     from fz3.models import shard_gpt
     from fz3.observe.live_bytes import LiveBytes
@@ -52,7 +55,7 @@ def job(kind: str, steps: int) -> dict:
         opt = fz3.optim.muon(model, **MUON, others=fz3.optim.adamw(**ADAM))
     grad_bytes = sum(p.numel() * 4 for p in params.parts)  # (params are donated below)
     box = [params, opt.init(params)]
-    batch = synthetic_batch(CFG, 4, seed=0)
+    batch = synthetic_batch(CFG, 4, seed=rank)
     if kind.endswith("train_step"):
         step = fz3.train_step(model, opt)
 
@@ -78,20 +81,22 @@ def job(kind: str, steps: int) -> dict:
         grad_mib=grad_bytes / 2**20)
 
 
-def _rank(rank: int, store: str, kind: str, steps: int, out: str) -> None:
+def _rank(rank: int, store: str, kind: str, steps: int, out: str, world: int) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    with open(out, "w") as f:
-        json.dump(job(kind, steps), f)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    got = job(kind, steps, rank)  # rank 0's numbers
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(got, f)
     dist.destroy_process_group()
 
 
-def run(kind: str, steps: int) -> dict:
+def run(kind: str, steps: int, world: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
-        mp.spawn(_rank, args=(os.path.join(tmp, "store"), kind, steps, out), nprocs=1)
+        mp.spawn(_rank, args=(os.path.join(tmp, "store"), kind, steps, out, world), nprocs=world)
         with open(out) as f:
             return json.load(f)
 
@@ -100,22 +105,27 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--world", type=int, default=1)
+    ap.add_argument("--only", choices=("adamw", "muon"), default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    got: dict[str, list[dict]] = {k: [] for pair in PAIRS for k in pair}
+    pairs = [p for p in PAIRS if args.only is None or p[0].startswith("muon") == (
+        args.only == "muon")]
+    got: dict[str, list[dict]] = {k: [] for pair in pairs for k in pair}
     for r in range(args.repeats):
-        for pair in PAIRS:
+        for pair in pairs:
             for kind in pair if r % 2 == 0 else pair[::-1]:
-                got[kind].append(run(kind, args.steps))
+                got[kind].append(run(kind, args.steps, args.world))
                 print(kind, got[kind][-1], flush=True)
     summary = {k: {f: statistics.median(x[f] for x in v) for f in v[0]} for k, v in got.items()}
-    for base_kind, kind in PAIRS:
+    for base_kind, kind in pairs:
         base, mine = summary[base_kind], summary[kind]
         mine["ratios"] = {f: mine[f] / base[f] for f in ("live_peak_mib", "rss_peak_mib",
                                                          "step_s")}
         mine["live_saved_over_grad"] = (base["live_peak_mib"] - mine["live_peak_mib"]) / \
             base["grad_mib"]
-    summary["versions"] = dict(torch=torch.__version__, python=sys.version.split()[0])
+    summary["versions"] = dict(torch=torch.__version__, python=sys.version.split()[0],
+                               world=args.world)
     print(json.dumps(summary, indent=1))
     if args.out:
         with open(args.out, "w") as f:

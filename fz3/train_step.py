@@ -6,7 +6,7 @@ own, its parameter rows are stepped with it by the optimizer's per-unit form
 (``GradientTransformation.per_unit``, ``fz3.optim.base.UnitStep``) and it is let go, so the
 model's whole fp32 gradient shard is never alive at once, and each update runs while the
 layers below are still in their backward (``adamw``; ``muon``, whose stack units' matrices
-are exchanged and orthogonalized among themselves as each lands). An optimizer without a
+go to their owners as each lands, and come back orthogonalized over the next two updates). An optimizer without a
 per-unit form (one that needs the whole gradient first: ``clip_by_global_norm``,
 and ``check_finite`` (it raises after the step) run the step as
 ``value_and_grad`` then ``fz3.optim.step(..., donate=True)``, said once. Either way the
@@ -69,10 +69,10 @@ class TrainStep:
         try:
             value, _ = self.steps.run(params, batch, loss_scale, update=unit_step.update,
                                       entry="train_step")
+            params, opt_state = unit_step.finish()  # (collective: Muon's last exchanges land)
         except BaseException:
             unit_step.abandon()
             raise
-        params, opt_state = unit_step.finish()
         return value, params, opt_state
 
 

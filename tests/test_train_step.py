@@ -160,7 +160,28 @@ def _equal_to_value_and_grad_then_step(rank: int, world: int) -> dict:
     with pytest.raises(ValueError, match="loss-scaled step is checked for overflow"):
         step(*want, batch, loss_scale=1024.0)  # refused locally, the trees kept
     out["step_through"] = _stepped_through(model, step, through, batch, want)
+    out["in_flight"] = _muon_in_flight(model, params, batch)
     return out
+
+
+def _muon_in_flight(model, params, batch) -> tuple[list, list]:
+    """Under Muon a stack unit's exchange is in flight while the units below run their
+    backward: its matrices are written by the second update after its own (the first sends
+    the orthogonalized slices back), the last ones when the step finishes. Per update frame,
+    the stack layers whose rows have changed, and those that should have."""
+    opt = fz3.optim.muon(model, lr=0.02)
+    units = fz3.train_step(model, opt, trace=False).schedule.units  # step_through's
+    start = optree.tree_map(torch.clone, params)
+    stack = next(i for i, p in enumerate(model.parts) if p.role.name == "STACK")
+    live, before = start.parts[stack], start.parts[stack].clone()  # stepped in place
+    seen, want, updated = [], [], []  # updated: per update so far, the stack layers it sent
+    for f in fz3.step_through(model, start, batch, opt=opt, opt_state=opt.init(start)):
+        if f.phase == "update":
+            u = units[f.unit]
+            updated.append(list(u.layers) if u.part == stack else [])
+            seen.append([j for j in range(live.shape[0]) if not torch.equal(live[j], before[j])])
+            want.append(sorted(j for layers in updated[:-2] for j in layers))
+    return seen, want
 
 
 def _stepped_through(model, step, start, batch, want) -> bool:
@@ -184,6 +205,8 @@ def _stepped_through(model, step, start, batch, want) -> bool:
 def test_train_step_is_value_and_grad_then_step_bit_for_bit():
     for result in dist.run(2, _equal_to_value_and_grad_then_step):
         assert result.pop("step_through")
+        seen, want = result.pop("in_flight")
+        assert seen == want and any(seen) and len(want[-1]) < CFG.layers, (seen, want)
         assert result == {(p, n): (True, n != "clip") for p in (None, "save", "k2")
                           for n in ("adamw", "muon", "clip") if (p, n) != ("k2", "clip")}
 

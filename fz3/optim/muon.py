@@ -27,7 +27,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from ..comm.collectives import Comm, all_to_all, wait
+from ..comm.collectives import Comm
 from ..schedule.structure import Role
 from ..sharding.matrices import Rest, is_matrix, matrix_runs, rest_columns, rest_of
 from ..sharding.model import ShardedModel
@@ -36,7 +36,7 @@ from .adamw import adamw
 from .base import GradientTransformation, UnitStep, model_comm
 from .checks import FIX_STATE
 from .muon_checks import check_hyper, check_matrices, check_state
-from .newton_schulz import orthogonalize
+from .muon_exchange import Exchanging, exchange
 from .owners import Exchange, Plan, plan
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,8 @@ def _step(m: "Setup", ex: Exchange, grads: Params, state: MuonState, params: Par
         m.comm.heartbeat.inside("fz3.optim.muon's update")  # never came is named by the others
     mom, u = _momentum(grads, state.momentum, m.runs, m.momentum, m.nesterov, inplace)
     got = exchange(m.comm, ex, u, m.ns)
-    upd = _matrix_updates(got, ex, u, params, m.runs, m.ratios, rate, m.weight_decay)
+    zeros = {i: torch.zeros_like(t) for i, t in u.items()}
+    upd = _matrix_updates(got, ex, zeros, params, m.runs, m.ratios, rate, m.weight_decay)
     return count, mom, upd
 
 
@@ -155,34 +156,55 @@ class Setup(NamedTuple):
 
 def _per_unit(m: Setup, state: MuonState, params: Params) -> UnitStep:
     """``update_inplace``'s step a unit at a time (``fz3.train_step``): a stack unit's
-    matrices exchanged and orthogonalized as its gradient lands (each by its owner in the
-    whole model's plan), ``others`` on its rest per unit too. Collective: each stack unit's
-    update (two all-to-alls; every rank steps every unit, in the schedule's order)."""
+    matrices are sent to their owners (in the whole model's plan) as its gradient lands, and
+    then every exchange already in flight moves one stage on (``Exchanging``): the next
+    update orthogonalizes them and sends the results back, the one after writes them. So
+    each all-to-all travels while the units below run their backward, and no rank waits for
+    the others' Newton-Schulz of a unit before it has sent the next and done its share of the
+    one before: the critical path nears the busiest rank's total, not the sum of each unit's
+    busiest (``benchmarks/muon.py`` counts both). ``finish`` lands the rest; ``others`` steps
+    the rest per unit. Collective: every update and ``finish`` (the all-to-alls)."""
     count, rate = _tick(m, params, state, params)
     rest = rest_of(m.model, params, m.columns)
     inner = m.others.per_unit(state.others, rest)
-    parts = len(m.model.parts)
+    one = functools.partial(_one, len(m.model.parts))
+    # (part, exchange, under way, its parameter rows, the gradient's dtype), oldest first
+    flying: list[tuple[int, Exchange, Exchanging, torch.Tensor, torch.dtype]] = []
+
+    def advance(older: list) -> None:
+        """Each exchange of ``older`` (newest first) one stage on, those done written into
+        their rows: a rank orthogonalizes its share of one unit before it waits for the
+        others' share of the unit before."""
+        for entry in older:
+            i, ex, going, mine, dtype = entry
+            got = going.advance()
+            if got is not None:
+                flying.remove(entry)
+                zeros = {i: torch.zeros_like(mine, dtype=dtype)}
+                upd = _matrix_updates(got, ex, zeros, one(i, mine),
+                                      {i: m.runs[i]}, {i: m.ratios[i]}, rate, m.weight_decay)
+                mine.add_(upd[i])
 
     def step_layers(i: int, layers: slice | None, grad: torch.Tensor) -> None:
-        if i in m.runs:  # a stack part: its matrices, then its rest
-            if m.comm.heartbeat is not None:
-                m.comm.heartbeat.inside("fz3.optim.muon's update")
+        if m.comm.heartbeat is not None and (flying or i in m.runs):
+            m.comm.heartbeat.inside("fz3.optim.muon's update")
+        older = flying[::-1]
+        if i in m.runs:  # a stack part: its matrices on their way first, then its rest
             ex = m.exchanges.get((i, layers.start, layers.stop))
             if ex is None:  # the whole model's owners: a step's loads are the same
                 ex = m.exchanges[i, layers.start, layers.stop] = m.owners.only(i, layers).exchange(
                     m.comm.rank)
-            one = lambda t: Params(tuple(t if j == i else None for j in range(parts)))
-            _, u = _momentum(one(grad), one(state.momentum.parts[i][layers]), {i: m.runs[i]},
-                             m.momentum, m.nesterov, inplace=True)
-            got = exchange(m.comm, ex, u, m.ns)
-            mine = params.parts[i][layers]
-            upd = _matrix_updates(got, ex, u, one(mine), {i: m.runs[i]}, {i: m.ratios[i]}, rate,
-                                  m.weight_decay)
-            mine.add_(upd[i])
+            _, u = _momentum(one(i, grad), one(i, state.momentum.parts[i][layers]),
+                             {i: m.runs[i]}, m.momentum, m.nesterov, inplace=True)
+            going = Exchanging(m.comm, ex, u, m.ns)
+            flying.append((i, ex, going, params.parts[i][layers], grad.dtype))
+        advance(older)
         cols = m.columns[i]
         inner.update(i, layers, grad if cols is None else grad.index_select(1, cols))
 
     def finish() -> tuple[Params, MuonState]:
+        while flying:
+            advance(flying[::-1])
         _, others_state = inner.finish()
         # the stacks' rest columns back, once every row is stepped: ``others`` may step a
         # row's first elements with the next unit's (``fz3.optim.aligned``)
@@ -192,6 +214,11 @@ def _per_unit(m: Setup, state: MuonState, params: Params) -> UnitStep:
         return params, MuonState(count, state.momentum, others_state)
 
     return UnitStep(step_layers, finish)
+
+
+def _one(parts: int, i: int, t: torch.Tensor) -> Params:
+    """A ``Params`` of ``parts`` parts holding ``t`` as part ``i``, None elsewhere."""
+    return Params(tuple(t if j == i else None for j in range(parts)))
 
 
 def _others_inplace(others: GradientTransformation, grads: Rest, state: Any, params: Params,
@@ -207,35 +234,6 @@ def _others_inplace(others: GradientTransformation, grads: Rest, state: Any, par
         if cols is not None:
             params.parts[i].index_copy_(1, cols, rest.parts[i])
     return state
-
-
-def exchange(comm: Comm, ex: Exchange, u: dict[int, torch.Tensor], ns: dict) -> torch.Tensor:
-    """This rank's slices of every matrix's orthogonalized U: ``u`` (per stack part, (k, shard)
-    fp32) to the owners, NS there, the results back; 1-D bf16, the slices in ``ex.send``
-    order. Collective: two all-to-alls over the model's gradient group, on every rank (one
-    that owns nothing, or holds nothing, sends and receives nothing)."""
-    device = next(iter(u.values())).device if u else torch.device("cpu")
-    bf16 = dict(dtype=torch.bfloat16, device=device)
-    sent = torch.empty(sum(ex.send_sizes), **bf16)
-    if ex.send:  # rounds to bf16 as it packs: NS's first step, the same bits
-        torch.cat([u[p.part][p.row, p.first:p.stop] for p in ex.send], out=sent)
-    got = torch.empty(sum(ex.recv_sizes), **bf16)
-    wait(all_to_all(comm, got, sent, list(ex.recv_sizes), list(ex.send_sizes),
-                    label="Muon: matrix slices to their owners"))
-    owned = torch.empty(sum(n * a * b for (a, b), n in ex.groups), **bf16)
-    if ex.runs:
-        runs = torch.split(got, list(ex.runs))
-        torch.cat([runs[i] for i in ex.assemble], out=owned)
-    at = 0
-    for (a, b), n in ex.groups:  # same-shape matrices as one batch
-        batch = owned[at:at + n * a * b].view(n, a, b)
-        batch.copy_(orthogonalize(batch, ns["coefficients"], ns["steps"], ns["eps"]))
-        at += n * a * b
-    if ex.back:
-        torch.cat([owned[lo:hi] for lo, hi in ex.back], out=got)
-    back = torch.empty_like(sent)
-    return wait(all_to_all(comm, back, got, list(ex.send_sizes), list(ex.recv_sizes),
-                           label="Muon: orthogonalized slices back"))
 
 
 def _momentum(grads: Params, momentum: Params, runs: dict[int, list[tuple[int, int]]], mu: float,
@@ -255,13 +253,12 @@ def _momentum(grads: Params, momentum: Params, runs: dict[int, list[tuple[int, i
     return Params(tuple(new)), u
 
 
-def _matrix_updates(got: torch.Tensor, ex: Exchange, like: dict[int, torch.Tensor],
+def _matrix_updates(got: torch.Tensor, ex: Exchange, upd: dict[int, torch.Tensor],
                     params: Params | None,
                     runs: dict[int, list[tuple[int, int]]], ratios: dict[int, list],
                     rate: float, weight_decay: float) -> dict[int, torch.Tensor]:
-    """Per stack part, (k, shard) fp32: ``-lr ratio O - lr wd W`` on the matrices' columns,
-    zero elsewhere."""
-    upd = {i: torch.zeros_like(t) for i, t in like.items()}
+    """``upd`` (per stack part, (k, shard) fp32 zeros) filled: ``-lr ratio O - lr wd W`` on
+    the matrices' columns, zero elsewhere."""
     sizes = [p.stop - p.first for p in ex.send]
     for p, piece in zip(ex.send, torch.split(got, sizes) if sizes else ()):
         upd[p.part][p.row, p.first:p.stop].copy_(piece)
