@@ -6,12 +6,15 @@ own, its parameter rows are stepped with it by the optimizer's per-unit form
 (``GradientTransformation.per_unit``, ``fz3.optim.base.UnitStep``) and it is let go, so the
 model's whole fp32 gradient shard is never alive at once, and each update runs while the
 layers below are still in their backward (``adamw``; ``muon``, whose stack units' matrices
-go to their owners as each lands, and come back orthogonalized over the next two updates). An optimizer without a
-per-unit form (one that needs the whole gradient first: ``clip_by_global_norm``,
-and ``check_finite`` (it raises after the step) run the step as
+go to their owners as each lands and come back orthogonalized over the next two updates).
+``chain(clip_by_global_norm, opt)`` needs the whole gradient's norm first: its update ops
+follow the backward, each unit's gradient kept until then and scaled in place
+(``fz3.optim.base.after_scaling``: the whole gradient alive once, not twice as in
+``optim.step``). An optimizer without a per-unit form (a longer chain, ``freeze`` after
+``adamw``), and ``check_finite`` (it raises after the step), run the step as
 ``value_and_grad`` then ``fz3.optim.step(..., donate=True)``, said once. Either way the
 result is bit for bit that of ``value_and_grad`` followed by ``fz3.optim.step(...,
-donate=True)`` (``fz3.optim.aligned``).
+donate=True)`` (``fz3.optim.aligned``, ``fz3.optim.base.row_norms``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 from .comm.say import once
 from .optim.base import GradientTransformation, give_up, step
 from .optim.checks import refuse_donated_tree
-from .optim.per_unit import per_unit
+from .optim.per_unit import per_unit, placement
 from .schedule.planner import Policy
 from .schedule.schedule import Schedule
 from .sharding.model import Params, ShardedModel
@@ -99,15 +102,16 @@ def train_step(model: ShardedModel, opt: GradientTransformation,
              f"fz3.optim.step)")
     steps = step_function(model, schedule_or_policy, "train_step", loss=loss, has_aux=has_aux,
                recorder=recorder, check_finite=check_finite, check_sync=check_sync,
-               compile=compile, strict=strict, trace=trace, updates=why is None)
+               compile=compile, strict=strict, trace=trace,
+               updates=placement(opt) if why is None else None)
     return TrainStep(model, opt, steps, why is None)
 
 
 def _after_backward(opt: GradientTransformation, check_finite: bool) -> str | None:
     """Why the optimizer must step after the backward, or None (a unit at a time)."""
     if opt.per_unit is None:
-        return ("the optimizer has no per-unit form (it needs the whole gradient first, as "
-                "clip_by_global_norm does, or is a chain of several)")
+        return ("the optimizer has no per-unit form (a chain of several, or one that is not "
+                "separable by layers: freeze after adamw)")
     if check_finite:
         return "check_finite raises after the step, before anything is stepped"
     return None

@@ -11,7 +11,7 @@ import torch
 from ..comm.arrival import DEFAULT_TIMEOUT_S, arrive
 from ..comm.collectives import all_reduce, wait
 from ..optim.base import GradientTransformation, UnitStep
-from ..optim.per_unit import per_unit
+from ..optim.per_unit import per_unit, placement
 from ..schedule.ops import FORWARD_KINDS, Op, OpKind
 from ..schedule.saveable import cuts, name_of, recompute
 from ..schedule.structure import Role
@@ -94,7 +94,8 @@ def step_through(model: ShardedModel, params: Params, batch: Any,
     """
     check_call(model, params, batch, entry="fz3.step_through")  # local, before any collective
     unit_step = None if opt is None else _unit_step(opt, params, opt_state)
-    sched = prepare(model, schedule, grad=True, entry="step_through", updates=unit_step is not None)
+    sched = prepare(model, schedule, grad=True, entry="step_through",
+                    updates=None if unit_step is None else placement(opt))
     # through autograd (no traced programs): a forward whose predicate cuts programs runs as
     # recompute, said once, and its frames say so
     say_untraced_selective(sched, None)

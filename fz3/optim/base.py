@@ -23,6 +23,15 @@ class GradientTransformation(NamedTuple):
     # as its gradient lands (``fz3.train_step``), where the update is separable by layers
     # (``fz3.optim.per_unit``).
     per_unit: Callable[[Any, Tree], "UnitStep"] | None = None
+    # Optional, for a transformation that multiplies the whole gradient by one factor computed
+    # from its row norms (``clip_by_global_norm``): (state, row norms) -> (factor, state); the
+    # norms are ``row_norms`` of every leaf, in tree order. ``chain(it, opt)`` then steps per
+    # unit once the backward ends (``after_scaling``). Collective where the factor is.
+    scaling: Callable[[Any, list[torch.Tensor]], tuple[torch.Tensor, Any]] | None = None
+    # Whether the per-unit form steps nothing before every unit's gradient has landed (it
+    # scales the whole gradient first): ``fz3.train_step`` puts its update ops after the
+    # backward (``fz3.optim.per_unit.placement``)
+    per_unit_last: bool = False
 
 
 class UnitStep(NamedTuple):
@@ -55,8 +64,10 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     if len(transforms) == 1:  # its own fast paths, its state in a tuple
         return GradientTransformation(init, update, _one(last.update_inplace),
                                       _one(last.per_unit))
+    per_unit = _scaled_first(*transforms) if len(transforms) == 2 else None
+    last_ = per_unit is not None
     if last is None or last.update_inplace is None:
-        return GradientTransformation(init, update)
+        return GradientTransformation(init, update, None, per_unit, per_unit_last=last_)
 
     def update_inplace(grads: Tree, state: tuple, params: Tree) -> tuple[Tree, tuple]:
         new = []
@@ -66,7 +77,48 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         params, s = last.update_inplace(grads, state[-1], params)
         return params, tuple(new) + (s,)
 
-    return GradientTransformation(init, update, update_inplace)
+    return GradientTransformation(init, update, update_inplace, per_unit, per_unit_last=last_)
+
+
+def _scaled_first(first: GradientTransformation, last: GradientTransformation
+                  ) -> Callable[[tuple, Tree], UnitStep] | None:
+    """``chain(first, last)``'s per-unit form where ``first`` is a whole-gradient scaling and
+    ``last`` has one (``after_scaling``), else None."""
+    if first.scaling is None or last.per_unit is None:
+        return None
+    return lambda state, params: after_scaling(first.scaling, state[0],
+                                               last.per_unit(state[1], params))
+
+
+def row_norms(g: torch.Tensor) -> list[torch.Tensor]:
+    """``g``'s L2 norms in fp32: one per row of a stack part's ``(k, shard)`` leaf, else one:
+    the same bits whether the rows are a whole leaf's or one unit's (``after_scaling``)."""
+    rows = g.unbind(0) if g.dim() == 2 else (g,)
+    return [torch.linalg.vector_norm(r, dtype=torch.float32) for r in rows]
+
+
+def after_scaling(scaling: Callable, state: Any, inner: UnitStep) -> UnitStep:
+    """``inner`` (the next transformation's per-unit step) after a whole-gradient scaling
+    (``GradientTransformation.scaling``): each unit's gradient is kept as it lands, with its
+    row norms; ``finish`` computes the factor from all of them in tree order (the same bits
+    as the transformation's ``update``), multiplies each gradient by it in place and steps
+    it. The whole gradient is alive once (the update path's copy is not made). Collective:
+    ``finish`` (the factor's, and ``inner``'s own)."""
+    kept: dict[tuple[int, int], tuple] = {}  # (leaf, first row) -> (layers, grad, its norms)
+
+    def update(leaf: int, layers: slice | None, grad: torch.Tensor) -> None:
+        kept[leaf, 0 if layers is None else layers.start] = (layers, grad, row_norms(grad))
+
+    def finish() -> tuple[Tree, tuple]:
+        order = sorted(kept)
+        factor, new = scaling(state, [n for key in order for n in kept[key][2]])
+        for leaf, _ in order:
+            layers, grad, _ = kept.pop((leaf, _))
+            inner.update(leaf, layers, grad.mul_(factor.to(grad.dtype)))
+        params, inner_state = inner.finish()
+        return params, (new, inner_state)
+
+    return UnitStep(update, finish)
 
 
 def step(opt: GradientTransformation, grads: Tree, state: Any, params: Tree, *,

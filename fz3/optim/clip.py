@@ -1,6 +1,7 @@
 """Gradient clipping by the global norm across all shards (Pascanu et al. 2013).
 
     norm = sqrt(sum over the sharding group's shards of g^2)   one all-reduce of one number
+           (each rank's sum: the square of each layer row's norm, in order: ``row_norms``)
     g   <- g * min(1, max_norm / (norm + 1e-6))               as torch.nn.utils.clip_grad_norm_
 
 The sum runs over the model's sharding group, never the world: under hybrid sharding each
@@ -18,7 +19,7 @@ import optree
 import torch
 
 from ..comm.collectives import all_reduce, wait
-from .base import GradientTransformation, Tree, model_comm
+from .base import GradientTransformation, Tree, model_comm, row_norms
 
 if TYPE_CHECKING:
     from ..sharding.model import ShardedModel
@@ -32,9 +33,13 @@ def global_norm(grads: Tree, model: ShardedModel) -> torch.Tensor:
     """The L2 norm of the full gradient: local sum of squares, sqrt of its sum over the
     sharding group. Collective: one all-reduce of one fp32 number over ``model.comm.group``
     (a dead peer raises ``fz3.RankLostError``)."""
+    return _total([n for g in optree.tree_leaves(grads) for n in row_norms(g)], model)
+
+
+def _total(norms: list[torch.Tensor], model: ShardedModel) -> torch.Tensor:
+    """The global norm from this rank's ``row_norms`` (each row's in fp32, without an fp32 copy
+    of it; squared and summed in order). Collective (``global_norm``)."""
     comm = model_comm(model, "global_norm")
-    # per leaf, in fp32 without an fp32 copy of the leaf: its norm, then squared
-    norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in optree.tree_leaves(grads)]
     sq = torch.stack(norms).square().sum()
     return wait(all_reduce(comm, sq, group=comm.group, label="the global gradient norm")).sqrt()
 
@@ -51,9 +56,12 @@ def clip_by_global_norm(max_norm: float, model: ShardedModel) -> GradientTransfo
         leaf = optree.tree_leaves(params)[0]
         return ClipState(torch.zeros((), dtype=torch.float32, device=leaf.device))
 
-    def update(grads: Tree, state: ClipState, params: Tree | None = None) -> tuple[Tree, ClipState]:
-        norm = global_norm(grads, model)
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        return optree.tree_map(lambda g: g * coef.to(g.dtype), grads), ClipState(norm)
+    def scaling(state: ClipState, norms: list[torch.Tensor]) -> tuple[torch.Tensor, ClipState]:
+        norm = _total(norms, model)
+        return (max_norm / (norm + 1e-6)).clamp(max=1.0), ClipState(norm)
 
-    return GradientTransformation(init, update)
+    def update(grads: Tree, state: ClipState, params: Tree | None = None) -> tuple[Tree, ClipState]:
+        coef, state = scaling(state, [n for g in optree.tree_leaves(grads) for n in row_norms(g)])
+        return optree.tree_map(lambda g: g * coef.to(g.dtype), grads), state
+
+    return GradientTransformation(init, update, scaling=scaling)

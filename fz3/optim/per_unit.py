@@ -14,6 +14,16 @@ from .base import GradientTransformation, Tree, UnitStep, give_up
 from .checks import refuse_donated_tree
 
 
+def placement(opt: GradientTransformation) -> str | None:
+    """Where ``fz3.train_step``'s schedule puts ``opt``'s update ops: ``"each"`` right after
+    each unit's ``wait_reduce``, ``"last"`` after the backward (its per-unit form scales the
+    whole gradient first: ``chain(clip_by_global_norm, ...)``), None where it has no per-unit
+    form."""
+    if opt.per_unit is None:
+        return None
+    return "last" if opt.per_unit_last else "each"
+
+
 def per_unit(opt: GradientTransformation, params: Tree, state: Any) -> UnitStep | None:
     """``opt``'s step a unit at a time, or None where it has no per-unit form (it needs the
     whole gradient: ``clip_by_global_norm``; or is not separable by layers:

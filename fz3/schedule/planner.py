@@ -20,7 +20,7 @@ from typing import Any, Iterable, Literal, Sequence
 from .ops import Op, OpKind
 from .saveable import Keep, Saveable, problem, recompute, save, selective
 from .structure import PartShape, Role, check_structure, layers_only
-from .schedule import REDUCES, Schedule, Unit, compute_order, validate
+from .schedule import REDUCES, Schedule, ScheduleError, Unit, compute_order, validate
 
 ACTIVATIONS = ("recompute", "save", "save_unsharded", "selective")
 
@@ -228,13 +228,27 @@ def deferred(schedule: Schedule) -> Schedule:
     return validate(replace(schedule, ops=ops))
 
 
-def updating(schedule: Schedule) -> Schedule:
+def updating(schedule: Schedule, last: bool = False) -> Schedule:
     """``schedule`` with an ``update`` op right after each unit's ``wait_reduce`` (as is, if
     it has update ops already): ``fz3.train_step``'s, stepping each unit's parameters as soon
-    as its gradient shard lands. Nothing is joined then (``join_grads`` cleared: each unit's
-    shard is a buffer of its own anyway)."""
+    as its gradient shard lands. ``last``: all of them after the schedule's last op instead,
+    in the same order (an optimizer that steps nothing before the whole gradient has landed:
+    ``chain(clip_by_global_norm, ...)``), so the memory plan keeps each unit's gradient to
+    the end, as the step does; a hand-made schedule that updates before then is refused.
+    Nothing is joined (``join_grads`` cleared: each unit's shard is a buffer of its own)."""
     if schedule.updates:
+        kinds = [op.kind for op in schedule.ops]
+        early = [i for i, k in enumerate(kinds) if k == OpKind.UPDATE
+                 and any(k2 != OpKind.UPDATE for k2 in kinds[i:])]
+        if last and early:
+            raise ScheduleError(early[0], str(schedule.ops[early[0]]), "this optimizer steps "
+                                "nothing before the whole gradient has landed (it scales it "
+                                "first: clip_by_global_norm): put every update op after the "
+                                "step's other ops, or pass a policy")
         return validate(schedule)
-    ops = [o for op in schedule.ops for o in ((op, Op(OpKind.UPDATE, op.unit))
-                                             if op.kind == OpKind.WAIT_REDUCE else (op,))]
-    return validate(replace(schedule, ops=tuple(ops), join_grads=frozenset()))
+    updates = [Op(OpKind.UPDATE, op.unit) for op in schedule.ops
+               if op.kind == OpKind.WAIT_REDUCE]
+    ops = schedule.ops + tuple(updates) if last else tuple(
+        o for op in schedule.ops for o in ((op, Op(OpKind.UPDATE, op.unit))
+                                           if op.kind == OpKind.WAIT_REDUCE else (op,)))
+    return validate(replace(schedule, ops=ops, join_grads=frozenset()))

@@ -33,14 +33,15 @@ log = logging.getLogger(__name__)
 
 
 def prepare(model: ShardedModel, schedule: Schedule | Policy | None, *, grad: bool,
-            entry: str, updates: bool = False) -> Schedule:
+            entry: str, updates: str | None = None) -> Schedule:
     """The schedule ``entry`` runs: planned from a ``Policy`` (None: the default policy) or a
     hand-made ``Schedule`` validated, refused if it holds ``accumulate`` ops, with an
-    ``update`` op after each ``wait_reduce`` where ``updates`` asks for them and it has none
-    (``fz3.train_step``), then compared across ranks. **Collective**: one small all-gather
+    ``update`` op after each ``wait_reduce`` where ``updates`` is ``"each"``, or all after
+    the backward where it is ``"last"`` (``fz3.train_step``: ``fz3.optim.per_unit.placement``),
+    and it has none, then compared across ranks. **Collective**: one small all-gather
     over the sharding group."""
     sched = check_schedule(model, schedule, grad=grad, entry=entry)
-    sched = updating(sched) if updates else sched
+    sched = updating(sched, last=updates == "last") if updates else sched
     differ, _ = differing_ranks(model.comm, list(sched.fingerprint()), model.device,
                                 f"{entry}'s schedule check")
     if differ:

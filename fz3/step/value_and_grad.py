@@ -112,9 +112,10 @@ def step_function(model: ShardedModel, schedule: Schedule | Policy | None, entry
                   loss=None, has_aux: bool = False, recorder=None, check_finite: bool = False,
                   check_sync: bool | None = None, compile: bool = False, strict: bool = False,
                   cuda_graphs: bool = False, trace: bool = True, fixed_buffers: object = None,
-                  updates: bool = False) -> ValueAndGrad:
+                  updates: str | None = None) -> ValueAndGrad:
     """``value_and_grad``'s step for ``entry``, its schedule with ``update`` ops where
-    ``updates`` (``fz3.train_step``). **Collective** (``prepare``)."""
+    ``updates`` asks for them (``prepare``'s; ``fz3.train_step``). **Collective**
+    (``prepare``)."""
     refuse_fixed_buffers(fixed_buffers, f"fz3.{entry}")
     if cuda_graphs:
         raise NotImplementedError(
