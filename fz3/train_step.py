@@ -10,9 +10,10 @@ go to their owners as each lands and come back orthogonalized over the next two 
 ``chain(clip_by_global_norm, opt)`` needs the whole gradient's norm first: its update ops
 follow the backward, each unit's gradient kept until then and scaled in place
 (``fz3.optim.base.after_scaling``: the whole gradient alive once, not twice as in
-``optim.step``). An optimizer without a per-unit form (a longer chain, ``freeze`` after
-``adamw``), and ``check_finite`` (it raises after the step), run the step as
-``value_and_grad`` then ``fz3.optim.step(..., donate=True)``, said once. Either way the
+``optim.step``). ``chain(opt, freeze(...))`` steps per unit and puts the frozen elements
+back at the end. An optimizer without a per-unit form (a longer chain), and
+``check_finite`` (it raises after the step), run the step as ``value_and_grad`` then
+``fz3.optim.step(..., donate=True)``, said once. Either way the
 result is bit for bit that of ``value_and_grad`` followed by ``fz3.optim.step(...,
 donate=True)`` (``fz3.optim.aligned``, ``fz3.optim.base.row_norms``).
 """
@@ -110,8 +111,8 @@ def train_step(model: ShardedModel, opt: GradientTransformation,
 def _after_backward(opt: GradientTransformation, check_finite: bool) -> str | None:
     """Why the optimizer must step after the backward, or None (a unit at a time)."""
     if opt.per_unit is None:
-        return ("the optimizer has no per-unit form (a chain of several, or one that is not "
-                "separable by layers: freeze after adamw)")
+        return ("the optimizer has no per-unit form (a chain of three or more, or a "
+                "transformation of your own without one)")
     if check_finite:
         return "check_finite raises after the step, before anything is stepped"
     return None

@@ -127,6 +127,9 @@ def _optimizers(model, policy=None):
             "muon": fz3.optim.muon(model, lr=0.02),
             "clip": fz3.optim.chain(fz3.optim.clip_by_global_norm(0.05, model),
                                     fz3.optim.adamw(lr=1e-2)),
+            "freeze": fz3.optim.chain(fz3.optim.adamw(lr=1e-2, weight_decay=0.1),
+                                      fz3.optim.freeze(model, {"blocks.1.fc.weight",
+                                                               "tok.weight"})),
             # no per-unit form (a longer chain): after the backward, said once
             "chain3": fz3.optim.chain(fz3.optim.clip_by_global_norm(0.05, model),
                                       fz3.optim.clip_by_global_norm(0.04, model),
@@ -143,7 +146,7 @@ def _equal_to_value_and_grad_then_step(rank: int, world: int) -> dict:
         trace = policy != "k2"
         vg = fz3.value_and_grad(model, pol, trace=trace)
         for name, opt in _optimizers(model, policy).items():
-            if policy == "k2" and name == "chain3":
+            if policy == "k2" and name in ("chain3", "freeze"):
                 continue
             with fz3_said(logging.WARNING) as said:
                 step = fz3.train_step(model, opt, pol, trace=trace)
@@ -218,8 +221,8 @@ def test_train_step_is_value_and_grad_then_step_bit_for_bit():
         seen, want = result.pop("in_flight")
         assert seen == want and any(seen) and len(want[-1]) < CFG.layers, (seen, want)
         assert result == {(p, n): (True, n != "chain3") for p in (None, "save", "k2")
-                          for n in ("adamw", "muon", "clip", "chain3")
-                          if (p, n) != ("k2", "chain3")}
+                          for n in ("adamw", "muon", "clip", "freeze", "chain3")
+                          if p != "k2" or n not in ("chain3", "freeze")}
 
 
 def _peaks(rank: int, world: int) -> dict[str, tuple]:

@@ -32,6 +32,10 @@ class GradientTransformation(NamedTuple):
     # scales the whole gradient first): ``fz3.train_step`` puts its update ops after the
     # backward (``fz3.optim.per_unit.placement``)
     per_unit_last: bool = False
+    # Optional, for a transformation that zeroes the updates outside a mask (``freeze``): the
+    # mask, bool, shaped like params (True where updates apply). ``chain(opt, it)`` then runs
+    # ``opt``'s in-place and per-unit forms and puts the masked elements back (``_kept_last``)
+    keeps: Tree | None = None
 
 
 class UnitStep(NamedTuple):
@@ -66,6 +70,9 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
                                       _one(last.per_unit))
     per_unit = _scaled_first(*transforms) if len(transforms) == 2 else None
     last_ = per_unit is not None
+    if len(transforms) == 2 and last.keeps is not None:
+        inplace, per_unit = _kept_last(transforms[0], last.keeps)
+        return GradientTransformation(init, update, inplace, per_unit)
     if last is None or last.update_inplace is None:
         return GradientTransformation(init, update, None, per_unit, per_unit_last=last_)
 
@@ -88,6 +95,38 @@ def _scaled_first(first: GradientTransformation, last: GradientTransformation
         return None
     return lambda state, params: after_scaling(first.scaling, state[0],
                                                last.per_unit(state[1], params))
+
+
+def _kept_last(first: GradientTransformation, keeps: Tree) -> tuple:
+    """``chain(first, freeze)``'s in-place and per-unit forms (each None where ``first`` has
+    none): ``first``'s, the elements outside ``keeps`` copied before and put back after, so
+    they keep their values exactly, as ``update``'s zeroed updates leave them (``first``'s
+    moments move on for them in both)."""
+    def held(params: Tree) -> list[torch.Tensor]:
+        return [p.masked_select(~k) for p, k in zip(optree.tree_leaves(params),
+                                                      optree.tree_leaves(keeps))]
+
+    def put_back(params: Tree, saved: list[torch.Tensor]) -> Tree:
+        for p, k, s in zip(optree.tree_leaves(params), optree.tree_leaves(keeps), saved):
+            p.masked_scatter_(~k, s)
+        return params
+
+    def inplace(grads: Tree, state: tuple, params: Tree) -> tuple[Tree, tuple]:
+        saved = held(params)
+        params, s = first.update_inplace(grads, state[0], params)
+        return put_back(params, saved), (s, state[1])
+
+    def per_unit(state: tuple, params: Tree) -> UnitStep:
+        saved, inner = held(params), first.per_unit(state[0], params)
+
+        def finish() -> tuple[Tree, tuple]:
+            params_, s = inner.finish()
+            return put_back(params_, saved), (s, state[1])
+
+        return UnitStep(inner.update, finish)
+
+    return (inplace if first.update_inplace is not None else None,
+            per_unit if first.per_unit is not None else None)
 
 
 def row_norms(g: torch.Tensor) -> list[torch.Tensor]:

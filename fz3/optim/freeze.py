@@ -11,8 +11,10 @@ The parameters stay trained as far as the step is concerned: their gradients are
 reduced, and AdamW's moments for them are kept (and saved with the optimizer state): a mask
 can change between steps without re-sharding. To save the gradient and optimizer memory
 too, make them really frozen (``requires_grad=False`` before ``fz3.shard``, or
-``fz3.refreeze`` between steps). ``fz3.optim.step(..., donate=True)`` takes the pure path
-for such a chain (the fused kernel cannot skip elements). Elementwise: no communication.
+``fz3.refreeze`` between steps). ``fz3.optim.step(..., donate=True)`` and ``fz3.train_step``
+run the optimizer's fused (in-place, per-unit) step on every element and put the named ones
+back (``GradientTransformation.keeps``): their values are the same, the others' are the fused
+step's. Elementwise: no communication.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def freeze(
     ) -> tuple[Tree, FreezeState]:
         return optree.tree_map(lambda u, k: u * k, updates, keep), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, keeps=keep)
 
 
 def keep_mask(model: ShardedModel, names: Collection[str] | Callable[[str], bool]) -> Params:
