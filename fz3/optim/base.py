@@ -65,9 +65,9 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         return grads, tuple(new)
 
     last = transforms[-1] if transforms else None
-    if len(transforms) == 1:  # its own fast paths, its state in a tuple
+    if len(transforms) == 1:  # its own fast paths (and placement), its state in a tuple
         return GradientTransformation(init, update, _one(last.update_inplace),
-                                      _one(last.per_unit))
+                                      _one(last.per_unit), per_unit_last=last.per_unit_last)
     per_unit = _scaled_first(*transforms) if len(transforms) == 2 else None
     last_ = per_unit is not None
     if len(transforms) == 2 and last.keeps is not None:
