@@ -1,7 +1,7 @@
 """``fz3.train_step`` against ``fz3.value_and_grad`` + ``fz3.optim.step(..., donate=True)``
 (issue 53): peak memory and time, same model, data, optimizer and policy, at world size 1
-(or ``--world``), for fz3's AdamW (torch's fused kernel) and for Muon (``others``: the same
-AdamW).
+(or ``--world``), for fz3's AdamW (torch's fused kernel), Muon (``others``: the same AdamW)
+and ``chain(clip_by_global_norm, adamw)``.
 
     python benchmarks/train_step.py                 # 5 interleaved repeats
     python benchmarks/train_step.py --repeats 1     # a smoke run
@@ -40,7 +40,8 @@ CFG = GPTConfig(vocab=4096, seq=64, dim=512, heads=8, layers=8)  # 25.4M paramet
 ADAM = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.01)
 MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95)
 # the like-for-like pairs: each optimizer's train_step against its value_and_grad + optim.step
-PAIRS = (("value_and_grad+step", "train_step"), ("muon value_and_grad+step", "muon train_step"))
+PAIRS = (("value_and_grad+step", "train_step"), ("muon value_and_grad+step", "muon train_step"),
+         ("clip value_and_grad+step", "clip train_step"))
 
 
 def job(kind: str, steps: int, rank: int) -> dict:
@@ -53,6 +54,8 @@ def job(kind: str, steps: int, rank: int) -> dict:
     opt = fz3.optim.adamw(**ADAM, mask=fz3.decay_mask(model))
     if kind.startswith("muon"):
         opt = fz3.optim.muon(model, **MUON, others=fz3.optim.adamw(**ADAM))
+    if kind.startswith("clip"):
+        opt = fz3.optim.chain(fz3.optim.clip_by_global_norm(1.0, model), opt)
     grad_bytes = sum(p.numel() * 4 for p in params.parts)  # (params are donated below)
     box = [params, opt.init(params)]
     batch = synthetic_batch(CFG, 4, seed=rank)
@@ -106,11 +109,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--world", type=int, default=1)
-    ap.add_argument("--only", choices=("adamw", "muon"), default=None)
+    ap.add_argument("--only", choices=("adamw", "muon", "clip"), default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    pairs = [p for p in PAIRS if args.only is None or p[0].startswith("muon") == (
-        args.only == "muon")]
+    pairs = [p for p in PAIRS if args.only is None or p[0].split()[0] == (
+        args.only if args.only != "adamw" else "value_and_grad+step")]
     got: dict[str, list[dict]] = {k: [] for pair in pairs for k in pair}
     for r in range(args.repeats):
         for pair in pairs:

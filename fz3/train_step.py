@@ -8,8 +8,8 @@ model's whole fp32 gradient shard is never alive at once, and each update runs w
 layers below are still in their backward (``adamw``; ``muon``, whose stack units' matrices
 go to their owners as each lands and come back orthogonalized over the next two updates).
 ``chain(clip_by_global_norm, opt)`` needs the whole gradient's norm first: its update ops
-follow the backward, each unit's gradient kept until then and scaled in place
-(``fz3.optim.base.after_scaling``: the whole gradient alive once, not twice as in
+follow the backward, each unit's gradient kept until then, then scaled and stepped a unit at
+a time (``fz3.optim.base.after_scaling``: the whole gradient alive once, not twice as in
 ``optim.step``). ``chain(opt, freeze(...))`` steps per unit and puts the frozen elements
 back at the end. An optimizer without a per-unit form (a longer chain), and
 ``check_finite`` (it raises after the step), run the step as ``value_and_grad`` then

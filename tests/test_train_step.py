@@ -1,9 +1,10 @@
 """``fz3.train_step``: the optimizer in the schedule.
 
 Its step equals ``value_and_grad`` followed by ``fz3.optim.step(..., donate=True)`` bit for
-bit: per unit for AdamW and Muon (an ``update`` op after each ``wait_reduce``; Muon's
-matrices exchanged per unit), after the backward for a clipping chain, which needs the whole
-gradient. AdamW's per-unit form
+bit: per unit for AdamW, Muon and a freeze chain (an ``update`` op after each
+``wait_reduce``; Muon's exchanges in flight across updates), per unit after the backward for
+a clipping chain (it needs the whole gradient's norm first), after the backward for a
+longer chain. AdamW's per-unit form
 is checked against its fused whole-tree step here too, in one process, on moments as a few
 steps leave them (the CPU kernel's scalar tail rounds ``exp_avg_sq`` otherwise than its
 vector loop: rows stepped as tensors of their own differ in the last bit, ``fz3.optim.aligned``).

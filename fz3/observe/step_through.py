@@ -84,13 +84,14 @@ def step_through(model: ShardedModel, params: Params, batch: Any,
     after an update, they are given up, stepped in part).
 
     **Collective**: every rank must call it and iterate it alike. Stopping early (``break``,
-    or ``close()`` on the generator) drains every collective this rank has in flight, so
-    nothing is left half-done. **Every rank must stop at the same op**: decide from values
-    that are equal on every rank (the op index, the loss, a statistic passed through
-    ``fz3.any_rank``), never from a rank-local value alone. An early stop is checked like
-    any collective call: a rank that stops while another goes on raises
-    ``fz3.CollectiveMismatchError`` within ``timeout`` seconds, naming the ranks that did not
-    stop, instead of waiting for them forever.
+    or ``close()`` on the generator) drains every collective of the schedule's ops this rank
+    has in flight, so nothing is left half-done (an optimizer's own, Muon's exchanges, were
+    issued alike on every rank and complete on their own; the trees are given up). **Every
+    rank must stop at the same op**: decide from values that are equal on every rank (the op
+    index, the loss, a statistic passed through ``fz3.any_rank``), never from a rank-local
+    value alone. An early stop is checked like any collective call: a rank that stops while
+    another goes on raises ``fz3.CollectiveMismatchError`` within ``timeout`` seconds, naming
+    the ranks that did not stop, instead of waiting for them forever.
     """
     check_call(model, params, batch, entry="fz3.step_through")  # local, before any collective
     unit_step = None if opt is None else _unit_step(opt, params, opt_state)
@@ -129,10 +130,10 @@ def _unit_step(opt: GradientTransformation, params: Params, state: Any) -> UnitS
     """``opt``'s step a unit at a time, or a ValueError naming why not (local)."""
     unit_step = per_unit(opt, params, state)
     if unit_step is None:
-        raise ValueError("fz3.step_through(opt=...): this optimizer has no per-unit form (it "
-                         "needs the whole gradient first: clipping, or is a "
-                         "chain of several): step through without opt= and call "
-                         "fz3.optim.step on the final frame's gradients")
+        raise ValueError("fz3.step_through(opt=...): this optimizer has no per-unit form (a "
+                         "chain of three or more, or a transformation of your own without "
+                         "one): step through without opt= and call fz3.optim.step on the "
+                         "final frame's gradients")
     return unit_step
 
 

@@ -43,7 +43,8 @@ class UnitStep(NamedTuple):
 
     # (leaf, layers, grad): step leaf ``leaf`` of params (a part, for ``fz3.Params``): the
     # layers ``layers`` of a stack part's (k, shard) leaf, or the whole leaf (None), with
-    # their reduced gradient ``grad``, shaped like them; each layer once a step
+    # their reduced gradient ``grad``, shaped like them (kept until ``finish`` where the
+    # step needs every gradient first: ``after_scaling``; never written); each layer once
     update: Callable[[int, slice | None, torch.Tensor], None]
     finish: Callable[[], tuple[Tree, Any]]  # once every layer is stepped: (params, state)
     # a step that ends before ``finish``: params and state, stepped in part, are given up
@@ -140,9 +141,9 @@ def after_scaling(scaling: Callable, state: Any, inner: UnitStep) -> UnitStep:
     """``inner`` (the next transformation's per-unit step) after a whole-gradient scaling
     (``GradientTransformation.scaling``): each unit's gradient is kept as it lands, with its
     row norms; ``finish`` computes the factor from all of them in tree order (the same bits
-    as the transformation's ``update``), multiplies each gradient by it in place and steps
-    it. The whole gradient is alive once (the update path's copy is not made). Collective:
-    ``finish`` (the factor's, and ``inner``'s own)."""
+    as the transformation's ``update``), and steps each gradient times it (a unit's copy at
+    a time: the caller's tensors are not written). The whole gradient is alive once (the
+    update path's copy is not made). Collective: ``finish`` (the factor's, ``inner``'s)."""
     kept: dict[tuple[int, int], tuple] = {}  # (leaf, first row) -> (layers, grad, its norms)
 
     def update(leaf: int, layers: slice | None, grad: torch.Tensor) -> None:
@@ -153,7 +154,7 @@ def after_scaling(scaling: Callable, state: Any, inner: UnitStep) -> UnitStep:
         factor, new = scaling(state, [n for key in order for n in kept[key][2]])
         for leaf, _ in order:
             layers, grad, _ = kept.pop((leaf, _))
-            inner.update(leaf, layers, grad.mul_(factor.to(grad.dtype)))
+            inner.update(leaf, layers, grad * factor.to(grad.dtype))
         params, inner_state = inner.finish()
         return params, (new, inner_state)
 

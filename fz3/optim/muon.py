@@ -126,7 +126,6 @@ def _step(m: "Setup", ex: Exchange, grads: Params, state: MuonState, params: Par
     return count, mom, upd
 
 
-
 def _tick(m: "Setup", grads: Params, state: Any, params: Params | None) -> tuple:
     """``(count, lr)`` of the step about to be taken, the trees and state checked first."""
     if not isinstance(state, MuonState):
@@ -135,6 +134,7 @@ def _tick(m: "Setup", grads: Params, state: Any, params: Params | None) -> tuple
     check_state(m.model, grads, state, params, m.weight_decay)
     count = state.count + 1
     return count, m.lr(int(count)) if callable(m.lr) else m.lr
+
 
 class Setup(NamedTuple):
     """What ``muon`` decides once, for its per-unit form (``_per_unit``)."""
