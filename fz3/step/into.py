@@ -16,8 +16,9 @@ from .views import Views
 
 
 class BackwardInto:
-    """``backward_into(box, row)``: what ``backward(box)`` returns, its flat gradient
-    written into ``row`` (``fz3.step.memory.GradRow``), views of it made once per row."""
+    """``backward_into(box, row, made)``: what ``backward(box, made=made)`` returns, its
+    flat gradient written into ``row`` (``fz3.step.memory.GradRow``), views of it made once
+    per row."""
 
     __slots__ = ("graph", "slow", "run", "views")
 
@@ -31,13 +32,13 @@ class BackwardInto:
         ``constant_factories``) whose flat gradient one flatten makes; None otherwise."""
         return None if _flatten(graph) is None else BackwardInto(graph, slow)
 
-    def __call__(self, box: list, fixed) -> tuple:
+    def __call__(self, box: list, fixed, made: dict | None = None) -> tuple:
         if self.run is None:
             graph = copy_graph(self.graph)
             self.views = Views(flatten_into(graph))
             self.run = codegen(graph, "backward_into", boxed=True, slow=self.slow)[0]
         box.append(fixed.views(self.views))
-        return self.run(box)
+        return self.run(box, made=made)
 
 
 def _flatten(graph: fx.Graph) -> fx.Node | None:

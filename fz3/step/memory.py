@@ -117,7 +117,8 @@ class UnitMemory:
             frozen, frozen_layered, frozen_rows = self._buffers(self.frozen_numel,
                                                                 self.frozen_dtype)
         self.flat = (trained, frozen)  # the flat buffers gathers write into
-        self.pieces = Pieces(layered, rows, frozen_layered, frozen_rows)
+        self.pieces = Pieces(layered, rows, frozen_layered, frozen_rows,
+                             tuple({} for _ in rows))
         self.staged = self.stack and self.k > 1 and self.world > 1
         self.versioned = tuple(b for b in (layered, frozen_layered) if b is not None)
         # (storage, its bytes) of what gathers write, and of every buffer (``free``'s)

@@ -19,7 +19,7 @@ from ..schedule.schedule import Schedule, Unit
 from ..schedule.structure import Role
 from ..sharding import compute
 from ..sharding.model import ShardedModel
-from .engine import INFER, REPLAY, SAVED, AutogradUnit, Produced
+from .engine import INFER, REPLAY, SAVED, AutogradUnit, Produced, or_zeros
 from .state import Call, Frame, Loss, Shard, StepState
 
 
@@ -277,7 +277,3 @@ def frame_of(s: StepState, op: Op, index: int, inputs: Any, outputs: Any,
 def detached(aux: Any) -> Any:
     return optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, aux,
                            none_is_leaf=True)
-
-
-def or_zeros(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(like) if g is None else g
