@@ -71,22 +71,6 @@ def regrow(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-class GradRow:
-    """One layer's row of a unit's gradient staging, as ``fz3.step.into`` writes into it:
-    ``views(make) -> (row, make(row))``, made once per maker."""
-
-    __slots__ = ("row", "made")
-
-    def __init__(self, row: torch.Tensor):
-        self.row, self.made = row, {}
-
-    def views(self, make) -> tuple:
-        got = self.made.get(make)
-        if got is None:
-            got = self.made[make] = (self.row, make(self.row))
-        return got
-
-
 class UnitMemory:
     """One unit's memory (the module's Note)."""
 
@@ -183,12 +167,13 @@ class UnitMemory:
         self.grad_apart = rdt != dtype or (k > 1 and world > 1 and not self.all_reduce)
         self.grad_layered = (torch.empty(k, self.numel // k, dtype=dtype, device=self.device)
                              if self.grad_apart else self.grad.view(k, -1))
-        self.grad_each = tuple(GradRow(r) for r in self.grad_layered.unbind(0))
+        # each layer's row, with the views ``fz3.step.into`` keeps of it
+        self.grad_each = tuple((r, {}) for r in self.grad_layered.unbind(0))
         self.grad_storages = _storages((self.grad, self.grad_layered))
         for storage, _ in self.grad_storages:
             storage.resize_(0)
 
-    def grad_into(self) -> tuple[torch.Tensor, tuple[GradRow, ...]]:
+    def grad_into(self) -> tuple[torch.Tensor, tuple[tuple[torch.Tensor, dict], ...]]:
         """``(rows, each row)``: the ``(k, padded)`` gradient backward writes, storage regrown."""
         if self.grad is None:
             self._make_grad()
