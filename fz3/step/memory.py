@@ -219,9 +219,3 @@ class UnitMemory:
         """The gradient's tensor is someone else's now (``accumulate``'s carry)."""
         self.grad = None
 
-
-def memories(model: ShardedModel, units, *, all_reduce: bool, handed_out: bool
-             ) -> tuple[UnitMemory, ...]:
-    """Each unit's memory, in unit order."""
-    return tuple(UnitMemory(model, unit, all_reduce=all_reduce, handed_out=handed_out)
-                 for unit in units)
