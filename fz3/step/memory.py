@@ -5,13 +5,13 @@
 [Note: a unit's memory]
 Each unit has one ``UnitMemory``: its gathered trained and frozen flat buffers in the compute
 dtype, their ``(k, padded)`` layer-major form and layer rows (``Pieces``, the same tensor
-objects every step, so the parameter views a program makes of a row are made once), the
-rank-major staging a unit of k > 1 layers gathers into at more than one rank, and a stack unit's
-flat unreduced gradient (with its layer-major staging where the reduce wants rank-major rows or
-another dtype; pre's, between's and post's gradients are autograd's, made by their backward or
-the loss, and a shared unit's is its first reader's, which later readers add into). The
-tensors never change (but for ``handed_out`` and ``hand_over_grad``, below); only their storage
-comes and goes:
+objects every step, so the parameter views a program makes of a row are made once and kept in
+``Pieces.made``, ``fz3.step.views``), the rank-major staging a unit of k > 1 layers gathers into
+at more than one rank, and a stack unit's flat unreduced gradient (with its layer-major staging
+where the reduce wants rank-major rows or another dtype; pre's, between's and post's gradients
+are autograd's, made by their backward or the loss, and a shared unit's is its first reader's,
+which later readers add into). The tensors never change (but for ``handed_out`` and
+``hand_over_grad``, below); only their storage comes and goes:
 - ``gather`` writes into the buffers (their storage regrown first): across ranks the
   collective, at one rank a copy of the shard (as FSDP2 does; with bf16 compute the cast is
   that copy). ``wait`` copies a k-layer unit's staging into layer order and releases it
