@@ -12,8 +12,6 @@ parameters, the 16-layer count less the 8-layer one over 8.
 A frame counts when its file lies under fz3's package folder, matched exactly
 (``os.path.dirname(fz3.__file__) + os.sep``): a substring such as ``/fz3/`` also matched
 torch's own files in a clone named fz3 with its ``.venv`` inside (44 calls against 42).
-``step/views.py:forget`` (a row's weak-reference callback, run when gloo lets go of the
-row's last collective's tensors, sometimes in the next step) is reported apart.
 
 This was a bound in ``tests/test_lowered.py`` from issue 26 to issue 52, which moved it here:
 it pulled toward inlining while the file-size rule pulls toward splitting. Its history, calls
@@ -38,7 +36,9 @@ per layer, ``save``/``recompute`` at world size 1, then at world size 2:
   inside too (matching ``/fz3/`` instead counted 44 and 53 for recompute there);
 - each unit's memory made once (issue 52, item 1, ``fz3.step.memory``): every gather, wait
   and free calls it, and one rank gathers a copy too: 43/46 at world size 1, 46/49 at world
-  size 2 (the regrow and release now one call each).
+  size 2 (the regrow and release now one call each);
+- a row's parameter views kept by its unit's memory (a dict per layer, ``RowViews``' ``made``),
+  not by the maker with weak references: the same counts.
 """
 
 from __future__ import annotations
@@ -59,7 +59,6 @@ from fz3.models.gpt import GPT, GPTConfig, synthetic_batch
 
 POLICIES = ("save", "recompute")
 WORLDS = (1, 2)
-APART = "step/views.py:forget"  # a callback whose timing varies (see above)
 PACKAGE = os.path.dirname(os.path.abspath(fz3.__file__)) + os.sep
 
 
@@ -94,9 +93,7 @@ def per_layer(rank: int, world: int, policy: str, top: int) -> dict:
         step(params, batch)
         counts[layers] = fz3_calls(step, params, batch)
     more = counts[16] - counts[8]
-    apart = more.pop(APART, 0) / 8
-    return dict(calls=sum(more.values()) / 8, apart=apart,
-                top={k: v / 8 for k, v in more.most_common(top)})
+    return dict(calls=sum(more.values()) / 8, top={k: v / 8 for k, v in more.most_common(top)})
 
 
 def _rank(rank: int, world: int, store: str, top: int, out: str) -> None:
@@ -116,8 +113,7 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--top", type=int, default=0, help="list the N most frequent calls per layer")
     top = ap.parse_args().top
-    print(f"fz3 at {PACKAGE}\n\n| world size | policy | calls per layer | {APART} |\n"
-          "|---:|---|---:|---:|")
+    print(f"fz3 at {PACKAGE}\n\n| world size | policy | calls per layer |\n|---:|---|---:|")
     for world in WORLDS:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "out.json")
@@ -125,9 +121,9 @@ def main() -> None:
             with open(out) as f:
                 result = json.load(f)
         for policy, r in result.items():
-            print(f"| {world} | {policy} | {r['calls']:g} | {r['apart']:g} |")
+            print(f"| {world} | {policy} | {r['calls']:g} |")
             for name, n in r["top"].items():
-                print(f"|  |  | {n:g} | `{name}` |")
+                print(f"|  | `{name}` | {n:g} |")
 
 
 if __name__ == "__main__":

@@ -3,15 +3,14 @@
     python benchmarks/row_views.py        # ~15 s on one core
 
 A traced program reads a layer's parameters as views of its gathered row
-(``fz3.step.views.RowViews``: one C++ call for a dozen views, then each weight's ``t``), kept
-while that row tensor lives. A gather into a new buffer every step makes them again; a step
-function keeps each unit's buffer objects, their storage released at ``free`` and regrown by
-the next gather (``fz3.step.memory``), and reuses them. Per gather, microseconds (median of
+(``fz3.step.views.RowViews``: one C++ call for a dozen views, then each weight's ``t``). A
+gather into a new buffer every step makes them again; a step function keeps each unit's
+buffer objects, their storage released at ``free`` and regrown by the next gather, and the
+views of each row in a dict its memory holds (``fz3.step.memory``), and reuses them. Per gather, microseconds (median of
 7 runs of 2000), for the GPT block of ``host_overhead.py`` (hidden 16) and wider ones:
 
-- new: ``torch.empty`` of the row, its views made, both dropped (the views' weak-reference
-  callback included);
-- kept: ``resize_(0)`` and back of the same row's storage, its views found.
+- new: ``torch.empty`` of the row, its views made, both dropped;
+- kept: ``resize_(0)`` and back of the same row's storage, its views found in its dict.
 """
 
 from __future__ import annotations
@@ -51,7 +50,7 @@ def main() -> None:
             if len(shape) == 2:  # each weight's t, as the programs take it (``derive``)
                 views.derive(i, torch.Tensor.t, ())
         numel = sum(torch.Size(s).numel() for s in shapes)
-        kept = torch.empty(numel)
+        kept, made = torch.empty(numel), {}
 
         def new():
             views(torch.empty(numel))
@@ -60,7 +59,7 @@ def main() -> None:
             storage = kept.untyped_storage()
             storage.resize_(0)
             storage.resize_(numel * 4)
-            views(kept)
+            views(kept, made)
 
         print(f"hidden {dim:4d}, row {numel * 4:>10,} B: new {per_call(new):5.1f} us, "
               f"kept {per_call(reuse):4.1f} us per gather")

@@ -319,13 +319,12 @@ def test_python_bindings_only_where_they_dispatch_the_same_op():
     assert torch.equal(grad_row, wl.grad.reshape(-1))
 
 
-def test_a_rows_parameter_views_are_made_once_while_it_lives():
+def test_a_rows_parameter_views_are_made_once_per_keeper():
     """``codegen.RowViews``: a layer's forward, inference and backward share one maker of their
-    row's parameter views; it makes a row's views at the row's first call, hands the same ones
-    back while the row lives, and drops them with it. Every result is eager autograd's, bit
-    for bit."""
-    import gc
-
+    row's parameter views; given a row's ``made`` (its unit's memory holds one per row), it
+    makes the views at the first call, keeps them there and hands the same ones back; with
+    none (a trace's row) it makes them each call. Every result is eager autograd's, bit for
+    bit."""
     from fz3.step import codegen, joint
 
     def layer(row, frozen_row, h):
@@ -346,18 +345,16 @@ def test_a_rows_parameter_views_are_made_once_while_it_lives():
     (maker,) = makers(programs.forward)
     assert makers(programs.backward) == makers(programs.inference) == [maker]
     for _ in range(3):  # a new row each time
-        row = torch.randn(20)
-        out, *residuals = programs.forward(row, h)
-        (again,) = programs.inference(row, h)
-        made = maker.made[id(row)][1]
-        grad_row, grad_h = programs.backward([row, *residuals, g])
-        assert maker(row) is made and len(maker.made) == 1
+        row, made = torch.randn(20), {}
+        out, *residuals = programs.forward(row, h, made=made)
+        (again,) = programs.inference(row, h, made=made)
+        views = made[maker]
+        grad_row, grad_h = programs.backward([row, *residuals, g], made=made)
+        assert maker(row, made) is views and list(made) == [maker]
+        assert maker(row) is not views
         want = eager(row, h, g)
         for got, expected in zip((out, again, grad_row, grad_h), (want[0], *want)):
             assert torch.equal(got, expected)
-        del row, residuals, made
-        gc.collect()
-        assert maker.made == {}  # the row gone, its views too (and with them its memory)
 
 
 def _aten_ops(fn, *args):
@@ -394,15 +391,17 @@ def test_recompute_runs_forward_and_backward_as_one_program():
     (maker,) = [v for v in programs.recompute.__globals__.values()
                 if isinstance(v, codegen.RowViews)]
     assert [op.__name__ for _, op, _ in maker.derived] == ["t"], maker.derived
-    _, residuals = _aten_ops(programs.forward, row, h)
-    split, (grad_row, grad_h) = _aten_ops(programs.backward, [row, *residuals[1:], g])
-    joined, (got_row, got_h) = _aten_ops(programs.recompute, [row, h, g])
+    made = {}  # the row's views, kept (as its unit's memory keeps them)
+    _, residuals = _aten_ops(lambda *a: programs.forward(*a, made=made), row, h)
+    split, (grad_row, grad_h) = _aten_ops(lambda b: programs.backward(b, made=made),
+                                          [row, *residuals[1:], g])
+    joined, (got_row, got_h) = _aten_ops(lambda b: programs.recompute(b, made=made), [row, h, g])
     rl, hl = row.clone().requires_grad_(), h.clone().requires_grad_()
     layer(rl, None, hl).backward(g)
     for got, want in ((got_row, grad_row), (got_h, grad_h), (got_row, rl.grad),
                       (got_h, hl.grad)):
         assert torch.equal(got, want)
-    forward = _aten_ops(programs.forward, row, h)[0]
+    forward = _aten_ops(lambda *a: programs.forward(*a, made=made), row, h)[0]
     assert "sin" in forward and "sin" not in joined, joined
     # the weight's t comes with the row's views (made: a hit); the backward's own t of its
     # gradient is run
@@ -625,13 +624,13 @@ def test_programs_run_below_autograd():
 
     h, g = torch.randn(3, 4), torch.randn(3, 4)
     programs = joint.trace(layer, [torch.randn(20), h], False, [])
-    row, other = torch.randn(20), torch.randn(20)  # apart: a row's views are kept
+    row, other = torch.randn(20), torch.randn(20)  # apart (no views kept: no ``made``)
     out, *residuals = programs.forward(other.copy_(row), h)
     assert any(r._is_view() for r in residuals)  # above autograd
     grad_row, grad_h = programs.backward([other, *residuals, g])
     layers = Layers((programs,), buffers=((),))
     extras = Produced((), [], traced=Extras((), [], (), (), 0))
-    memory = SimpleNamespace(pieces=Pieces(row.view(1, -1), (row,), None),
+    memory = SimpleNamespace(pieces=Pieces(row.view(1, -1), (row,), None, made=({},)),
                              grad_into=lambda: None)  # (no gradient memory: a new tensor)
     (got,), kept = layers.forward(memory, (h, extras))
     assert not any(r._is_view() for r in kept[0])

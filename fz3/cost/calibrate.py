@@ -141,10 +141,10 @@ def _local_rates(probe: Probe, repeats: int) -> list[float]:
     seed = torch.ones_like(h)
 
     def traced_step():  # a new gather's row each step: its parameter views made once
-        r = row.view(-1)
+        r, made = row.view(-1), {}
         with below_autograd():  # as ``Layers`` runs them
-            out = programs.forward(r, h)
-            programs.backward([r, *out[1:], seed])
+            out = programs.forward(r, h, made=made)
+            programs.backward([r, *out[1:], seed], made=made)
 
     traced = _time(lambda: [traced_step() for _ in range(200)], repeats) / 200 / \
         cnt.work["tiny"].ops

@@ -1,9 +1,8 @@
 """Traced graphs as Python programs: each op called through its C++ binding, values dropped
 after their last use (``codegen``), the Python binding eager PyTorch uses where a re-trace shows
 it dispatches the very same ATen op (``fast_ops``), parameter views and a flat gradient made in
-one call each (``one_call_views``: kept while the row lives, ``fz3.step.views``;
-``one_call_flatten``), constant zeros made once (``constant_factories``).
-``fz3.step.joint`` makes the graphs.
+one call each (``one_call_views``, ``fz3.step.views``; ``one_call_flatten``), constant zeros
+made once (``constant_factories``). ``fz3.step.joint`` makes the graphs.
 """
 
 from __future__ import annotations
@@ -27,8 +26,11 @@ def one_call_views(graph: fx.Graph, params: int, shared: dict[int, RowViews]) ->
     """``split_with_sizes(row)`` and a ``view`` of each piece -> one ``RowViews`` call, the
     one in ``shared`` for that row (by position; another program of the layer's made it)
     where its pieces have this split's sizes and those this graph reads its shapes, else a
-    new one, put there."""
-    rows = [n for n in graph.nodes if n.op == "placeholder"][:params]
+    new one, put there. The program takes a keyword more, ``made`` (``RowViews``')."""
+    rows = [n for n in graph.nodes if n.op == "placeholder"]
+    with graph.inserting_after(rows[-1]):
+        kept = graph.placeholder("made", default_value=None)
+    rows = rows[:params]
     split_op, view_op = torch.ops.aten.split_with_sizes.default, torch.ops.aten.view.default
     calls: dict[int, fx.Node] = {}  # row position -> this graph's call of its views
     for split in [n for n in graph.nodes if n.target is split_op and n.args[0] in rows]:
@@ -56,7 +58,7 @@ def one_call_views(graph: fx.Graph, params: int, shared: dict[int, RowViews]) ->
         node = calls.get(position)
         if node is None or node.target is not views:
             with graph.inserting_after(split):
-                node = calls[position] = graph.call_function(views, (split.args[0],))
+                node = calls[position] = graph.call_function(views, (split.args[0], kept))
         made = {}
         for i, old in replaced.items():
             with graph.inserting_after(node):
@@ -101,11 +103,10 @@ CONSTANT_FACTORIES = frozenset({torch.ops.aten.zeros.default, torch.ops.aten.one
 
 
 def _copies_its_inputs(node: fx.Node) -> bool:
-    """Whether ``node`` only reads its tensor inputs and returns new memory (``cat`` always;
-    ``flatten_dense_tensors`` of one tensor returns a view of it)."""
-    if node.target is torch.ops.aten.cat.default:
-        return True
-    return node.target is torch._C._nn.flatten_dense_tensors and len(node.args[0]) > 1
+    """Whether ``node`` only reads its tensor inputs and returns new memory (not
+    ``flatten_dense_tensors`` of one tensor: a view of it)."""
+    return node.target is torch.ops.aten.cat.default or (
+        node.target is torch._C._nn.flatten_dense_tensors and len(node.args[0]) > 1)
 
 
 def constant_factories(graph: fx.Graph) -> None:
@@ -178,11 +179,15 @@ def codegen(graph: fx.Graph, name: str, *, boxed: bool = False,
 
     nodes = list(graph.nodes)
     last_use = {a: i for i, node in enumerate(nodes) for a in node.all_input_nodes}
-    params, lines = [], []
+    params, keywords, lines = [], [], []
     for i, node in enumerate(nodes):
         names[node] = f"v{i}"
         if node.op == "placeholder":
-            params.append(names[node])
+            if node.args:  # ``made`` (``one_call_views``): a keyword, last
+                names[node] = node.name
+                keywords.append(f"{node.name}=None")
+            else:
+                params.append(names[node])
             continue
         if node.op == "output":
             lines.append(f"return {expr(node.args[0])}")
@@ -200,7 +205,8 @@ def codegen(graph: fx.Graph, name: str, *, boxed: bool = False,
     if boxed:
         lines = [f"{', '.join(params)}, = args", "args.clear()", *lines]
         params = ["args"]
-    source = f"def {name}({', '.join(params)}):\n" + "".join(f"    {ln}\n" for ln in lines)
+    source = f"def {name}({', '.join(params + keywords)}):\n" + \
+        "".join(f"    {ln}\n" for ln in lines)
     scope = dict(constants)
     exec(compile(source, f"<fz3 traced {name}>", "exec"), scope)  # noqa: S102 - our own codegen
     return scope[name], source
@@ -264,8 +270,7 @@ def _structure(graph: fx.Graph) -> list:
 
 
 def _retrace(fn: Callable, examples: list, boxed: bool) -> fx.Graph:
-    """The graph ``make_fx`` records for ``fn`` on inputs like ``examples`` (fake: nothing
-    runs)."""
+    """The graph ``make_fx`` records for ``fn`` on inputs like ``examples`` (fake: none runs)."""
     inputs = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
               for v in examples]
     call = (lambda *xs: fn(list(xs))) if boxed else fn

@@ -62,6 +62,9 @@ class Pieces(NamedTuple):
     rows: tuple[torch.Tensor, ...]  # a layer unit's: each layer's trained row, 1-D, as gathered
     frozen: torch.Tensor | None  # its frozen buffer ((k, frozen padded) for layers), or None
     frozen_rows: tuple[torch.Tensor, ...] = ()  # a layer unit's: each layer's frozen row, 1-D
+    # a layer unit's: each layer's parameter views, kept by its programs (``made``,
+    # ``fz3.step.views.RowViews``)
+    made: tuple[dict, ...] = ()
 
 
 class Produced(NamedTuple):
@@ -129,7 +132,7 @@ class AutogradUnit:
         params, rest, out = grads[:n], iter(grads[n:]), []
         for i, x in enumerate(inputs):
             got = tuple(next(rest) for _ in _wrt(x, i))
-            out.append(_zeros_or(got[0], x) if i == 0 and x is not None else got or None)
+            out.append(or_zeros(got[0], x) if i == 0 and x is not None else got or None)
         return params, tuple(out)
 
 
@@ -154,5 +157,5 @@ def _wrt(x: Any, i: int) -> tuple:
     return tuple(x.extras[j] for j in x.positions) if i == 1 else x
 
 
-def _zeros_or(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+def or_zeros(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(like) if g is None else g

@@ -34,7 +34,7 @@ from ..schedule.structure import Role
 from ..schedule.schedule import Schedule, Unit
 from ..sharding import compute
 from ..sharding.model import Params, ShardedModel
-from .memory import UnitMemory, memories
+from .memory import UnitMemory
 from .record import observed
 from .state import (Call, Frame, Gathering, Loss, Reduced, Reducing, Result, Shard, Step,
                     StepState)
@@ -58,8 +58,9 @@ def lower(model: ShardedModel, schedule: Schedule, *, handed_out: bool = False) 
     reading op kinds or the schedule. Local; the same program runs any batch.
     ``handed_out``: its buffers may outlive the step (``step_through``'s frames:
     ``UnitMemory.free``)."""
-    memory = memories(model, schedule.units, all_reduce=schedule.reduce == "all_reduce",
-                      handed_out=handed_out)
+    every = schedule.reduce == "all_reduce"
+    memory = tuple(UnitMemory(model, unit, all_reduce=every, handed_out=handed_out)
+                   for unit in schedule.units)
     return Program(schedule, tuple(STEPS[op.kind](model, schedule, op, index, memory)
                                    for index, op in enumerate(schedule.ops)), memory)
 

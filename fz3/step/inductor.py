@@ -96,15 +96,15 @@ class _Inductor:
         self.owner, self.graph, self.python, self.boxed = owner, graph, python, boxed
         self.name, self.fn, self.native = name, None, False
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, made: dict | None = None) -> Any:
         if self.fn is None:
             example = tuple(args[0]) if self.boxed else args
             self.fn = self.owner.kernel(self.graph, example, self.python, self.name)
             self.native = self.fn is self.python
             del example
         if self.native:  # inductor failed: the Python program, in its own convention (the
-            return self.fn(*args)  # backward's list, emptied as each residual is last used)
-        if self.boxed:  # inductor's convention: the arguments (they live to the end here)
+            return self.fn(*args, made=made)  # backward's list, emptied as each residual is
+        if self.boxed:  # last used); inductor's: the arguments (they live to the end here)
             (box,) = args
             args = tuple(box)
             box.clear()

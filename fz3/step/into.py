@@ -12,12 +12,13 @@ import torch
 from torch import fx
 
 from .codegen import codegen, copy_graph
-from .views import Views
+from .views import RowViews
 
 
 class BackwardInto:
-    """``backward_into(box, row)``: what ``backward(box)`` returns, its flat gradient
-    written into ``row`` (``fz3.step.memory.GradRow``), views of it made once per row."""
+    """``backward_into(box, (row, kept), made)``: what ``backward(box, made=made)`` returns,
+    its flat gradient written into ``row`` (a layer's row of its unit's gradient memory,
+    ``fz3.step.memory``), the views of it made once and kept in ``kept``."""
 
     __slots__ = ("graph", "slow", "run", "views")
 
@@ -31,13 +32,14 @@ class BackwardInto:
         ``constant_factories``) whose flat gradient one flatten makes; None otherwise."""
         return None if _flatten(graph) is None else BackwardInto(graph, slow)
 
-    def __call__(self, box: list, fixed) -> tuple:
+    def __call__(self, box: list, into: tuple, made: dict | None = None) -> tuple:
         if self.run is None:
             graph = copy_graph(self.graph)
-            self.views = Views(flatten_into(graph))
+            self.views = RowViews(flatten_into(graph))
             self.run = codegen(graph, "backward_into", boxed=True, slow=self.slow)[0]
-        box.append(fixed.views(self.views))
-        return self.run(box)
+        row, kept = into
+        box.append((row, self.views(row, kept)))
+        return self.run(box, made=made)
 
 
 def _flatten(graph: fx.Graph) -> fx.Node | None:

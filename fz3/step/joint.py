@@ -41,10 +41,11 @@ class Programs(NamedTuple):
     differentiable extras, in order; one list, emptied by the call); ``inference(*inputs) ->
     (h,)`` for forwards without gradient. A layer with an aux output (``aux``: its shape and
     dtype) returns ``(h, aux, *residuals)`` and ``(h, aux)``, and its backward takes ``g,
-    g_aux`` last. ``inputs`` are ``(row, frozen_row, h,
-    *tensor_extras)``, ``frozen_row`` left out when the layer has none. The graphs are kept
-    for inductor (and identify the programs: compilations are keyed by them); ``source`` is
-    the Python programs' code, for reading (constants appear by name, not value).
+    g_aux`` last. ``inputs`` are ``(row, frozen_row, h, *tensor_extras)``, ``frozen_row``
+    left out when the layer has none. Each takes the keyword ``made``: where its rows' views
+    are kept (``fz3.step.views.RowViews``; None: made each call). The graphs are kept for
+    inductor (and identify the programs: compilations are keyed by them); ``source`` is the
+    Python programs' code, for reading (constants appear by name, not value).
     ``recompute([*inputs, g]) -> what backward returns`` (``g, g_aux`` last with an aux
     output; one list, emptied): the forward and the backward as one program
     (``partition.joined``), for a recompute."""

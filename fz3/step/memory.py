@@ -5,13 +5,13 @@
 [Note: a unit's memory]
 Each unit has one ``UnitMemory``: its gathered trained and frozen flat buffers in the compute
 dtype, their ``(k, padded)`` layer-major form and layer rows (``Pieces``, the same tensor
-objects every step, so the parameter views a program makes of a row are made once), the
-rank-major staging a unit of k > 1 layers gathers into at more than one rank, and a stack unit's
-flat unreduced gradient (with its layer-major staging where the reduce wants rank-major rows or
-another dtype; pre's, between's and post's gradients are autograd's, made by their backward or
-the loss, and a shared unit's is its first reader's, which later readers add into). The
-tensors never change (but for ``handed_out`` and ``hand_over_grad``, below); only their storage
-comes and goes:
+objects every step, so the parameter views a program makes of a row are made once and kept in
+``Pieces.made``, ``fz3.step.views``), the rank-major staging a unit of k > 1 layers gathers into
+at more than one rank, and a stack unit's flat unreduced gradient (with its layer-major staging
+where the reduce wants rank-major rows or another dtype; pre's, between's and post's gradients
+are autograd's, made by their backward or the loss, and a shared unit's is its first reader's,
+which later readers add into). The tensors never change (but for ``handed_out`` and
+``hand_over_grad``, below); only their storage comes and goes:
 - ``gather`` writes into the buffers (their storage regrown first): across ranks the
   collective, at one rank a copy of the shard (as FSDP2 does; with bf16 compute the cast is
   that copy). ``wait`` copies a k-layer unit's staging into layer order and releases it
@@ -71,22 +71,6 @@ def regrow(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-class GradRow:
-    """One layer's row of a unit's gradient staging, as ``fz3.step.into`` writes into it:
-    ``views(make) -> (row, make(row))``, made once per maker."""
-
-    __slots__ = ("row", "made")
-
-    def __init__(self, row: torch.Tensor):
-        self.row, self.made = row, {}
-
-    def views(self, make) -> tuple:
-        got = self.made.get(make)
-        if got is None:
-            got = self.made[make] = (self.row, make(self.row))
-        return got
-
-
 class UnitMemory:
     """One unit's memory (the module's Note)."""
 
@@ -117,7 +101,8 @@ class UnitMemory:
             frozen, frozen_layered, frozen_rows = self._buffers(self.frozen_numel,
                                                                 self.frozen_dtype)
         self.flat = (trained, frozen)  # the flat buffers gathers write into
-        self.pieces = Pieces(layered, rows, frozen_layered, frozen_rows)
+        self.pieces = Pieces(layered, rows, frozen_layered, frozen_rows,
+                             tuple({} for _ in rows))
         self.staged = self.stack and self.k > 1 and self.world > 1
         self.versioned = tuple(b for b in (layered, frozen_layered) if b is not None)
         # (storage, its bytes) of what gathers write, and of every buffer (``free``'s)
@@ -182,12 +167,13 @@ class UnitMemory:
         self.grad_apart = rdt != dtype or (k > 1 and world > 1 and not self.all_reduce)
         self.grad_layered = (torch.empty(k, self.numel // k, dtype=dtype, device=self.device)
                              if self.grad_apart else self.grad.view(k, -1))
-        self.grad_each = tuple(GradRow(r) for r in self.grad_layered.unbind(0))
+        # each layer's row, with the views ``fz3.step.into`` keeps of it
+        self.grad_each = tuple((r, {}) for r in self.grad_layered.unbind(0))
         self.grad_storages = _storages((self.grad, self.grad_layered))
         for storage, _ in self.grad_storages:
             storage.resize_(0)
 
-    def grad_into(self) -> tuple[torch.Tensor, tuple[GradRow, ...]]:
+    def grad_into(self) -> tuple[torch.Tensor, tuple[tuple[torch.Tensor, dict], ...]]:
         """``(rows, each row)``: the ``(k, padded)`` gradient backward writes, storage regrown."""
         if self.grad is None:
             self._make_grad()
@@ -233,9 +219,3 @@ class UnitMemory:
         """The gradient's tensor is someone else's now (``accumulate``'s carry)."""
         self.grad = None
 
-
-def memories(model: ShardedModel, units, *, all_reduce: bool, handed_out: bool
-             ) -> tuple[UnitMemory, ...]:
-    """Each unit's memory, in unit order."""
-    return tuple(UnitMemory(model, unit, all_reduce=all_reduce, handed_out=handed_out)
-                 for unit in units)

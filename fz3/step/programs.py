@@ -62,13 +62,14 @@ class Layers(NamedTuple):
         state = rng.capture(h.device) if self.mode == REPLAY else None
         with below_autograd():
             tensors, frozen, residuals, auxes = produced.traced.tensors, pieces.frozen_rows, [], []
-            buffers = self.buffers
+            buffers, made = self.buffers, pieces.made
             n = 2 if self.aux else 1  # the programs' outputs before their residuals
             for j, (programs, row) in enumerate(zip(self.programs, pieces.rows)):
                 if j and self.h_strides is not None and h.stride() != self.h_strides:
                     h = laid_out(h, self.h_strides)
                 out = (programs.forward if saving else programs.inference)(
-                    *((row, frozen[j]) if frozen else (row,)), h, *tensors, *buffers[j])
+                    *((row, frozen[j]) if frozen else (row,)), h, *tensors, *buffers[j],
+                    made=made[j])
                 h = out[0]
                 if self.aux:
                     auxes.append(out[1])
@@ -92,7 +93,7 @@ class Layers(NamedTuple):
         with below_autograd():
             g, g_aux = cotangents[0], cotangents[1] if len(cotangents) > 1 else None
             pieces, into = memory.pieces, memory.grad_into()
-            rows, frozen, k = pieces.rows, pieces.frozen_rows, len(self.programs)
+            rows, frozen, made, k = pieces.rows, pieces.frozen_rows, pieces.made, len(self.programs)
             if self.aux and g_aux is None:
                 shape, dtype = self.programs[0].aux
                 g_aux = torch.zeros(k, *shape, dtype=dtype, device=g.device)
@@ -115,9 +116,9 @@ class Layers(NamedTuple):
                 else:
                     run, run_into = programs.backward, programs.backward_into
                 if into is None or run_into is None:
-                    out = run(box)
+                    out = run(box, made=made[j])
                 else:
-                    out = run_into(box, into[1][j])
+                    out = run_into(box, into[1][j], made[j])
                     written += 1
                 grads[j], g = out[0], out[1]
                 summed = list(out[2:]) if not summed else [a + b for a, b in zip(summed, out[2:])]
@@ -140,7 +141,7 @@ class Layers(NamedTuple):
                 if joined and j == len(self.programs) - 1:
                     break
                 out = programs.forward(*((row, frozen[j]) if frozen else (row,)), h, *tensors,
-                                       *buffers[j])
+                                       *buffers[j], made=pieces.made[j])
                 h = out[0]
                 residuals.append(out[n:])
                 del out

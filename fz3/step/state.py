@@ -1,21 +1,14 @@
 """``StepState``: everything one step's ops share, by unit, for one call of the executor.
 
-The steps of ``fz3/step/executor.py`` (and the ``unit_io``
-functions they call) read and write it; nothing else does. It answers the two questions
-others ask about a running step: which bytes it owns and moves (for ``Recorder``) and which
-collectives are still in flight (to drain them when a step ends early).
+The steps of ``fz3/step/executor.py`` (and the ``unit_io`` functions they call) read and write
+it; nothing else does. It answers the two questions others ask about a running step: which
+bytes it owns and moves (for ``Recorder``) and which collectives are still in flight (to
+drain them when a step ends early).
 
-Each buffer's lifetime: ``fz3.step.memory``'s [Note: a unit's memory]. The rest, per unit:
-- forward: keeps its engine's residuals (``fz3.step.engine``; recompute's: its inputs and
-  RNG state).
-- reduce: writes this rank's fp32 shard straight into the step's result: the part's whole
-  gradient shard is allocated at the first reduce of any of its units (as activations are
-  freed, like autograd's own ``.grad``), and nothing is copied at the end of the step. A
-  part in ``Schedule.join_grads`` has each unit's rows reduced into a buffer of its own
-  instead, joined into its shard (one copy) once every reduce is waited. A unit of tied
-  parameters (a shared part) gets its flat gradient from its first reader's loss or
-  backward; later readers add into it; it is reduced after the last one.
-- loss: the mean over ranks is all-reduced as soon as it exists and waited at the end.
+Each buffer's lifetime, where a reduce lands (``executor.result_lander``) and a shared unit's
+gradient: ``fz3.step.memory``'s [Note: a unit's memory]. A forward keeps its engine's
+residuals (``fz3.step.engine``); the loss's mean over ranks is all-reduced as soon as it
+exists and waited at the end.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from ..schedule.schedule import Schedule, Unit
 from ..schedule.structure import Role
 from ..sharding import compute
 from ..sharding.model import ShardedModel
-from .engine import INFER, REPLAY, SAVED, AutogradUnit, Produced
+from .engine import INFER, REPLAY, SAVED, AutogradUnit, Produced, or_zeros
 from .state import Call, Frame, Loss, Shard, StepState
 
 
@@ -35,12 +35,12 @@ def unit_memory(schedule: Schedule, op: Op, memories: tuple) -> Any:
 def unit_engine(model: ShardedModel, schedule: Schedule, op: Op, memories: tuple
                 ) -> tuple[Any, Callable[[Call, Any, Any], Any]]:
     """``(memory, find)``: its ``unit_memory`` and ``find(call, h, second) -> its engine``
-    (``fz3.step.engine``'s protocol). A layer unit's: its traced
-    programs (``fz3.step.programs.Layers``, cut by ``op.saves``; ``recompute`` runs
-    ``save``'s), or for layers that cannot be traced and with ``trace=False``, autograd (its
-    predicate ``save`` or run as recompute); on the per-layer path, a dict lookup. Any other
-    unit's: autograd over its and the shared units' memories it reads (the loss's made from
-    the call's loss function)."""
+    (``fz3.step.engine``'s protocol). A layer unit's: its traced programs
+    (``fz3.step.programs.Layers``, cut by ``op.saves``; ``recompute`` runs ``save``'s), or
+    for layers that cannot be traced and with ``trace=False``, autograd (its predicate
+    ``save`` or run as recompute); on the per-layer path, a dict lookup. Any other unit's:
+    autograd over its and the shared units' memories it reads (the loss's made from the
+    call's loss function)."""
     unit, grad, memory = schedule.units[op.unit], schedule.grad, unit_memory(schedule, op,
                                                                              memories)
     if unit.role is Role.STACK:
@@ -204,8 +204,7 @@ def stacked_aux(s: StepState, stacks: list[list[int]]) -> tuple[torch.Tensor, ..
 def apart(tree: Any, s: StepState, units: Sequence[int]) -> Any:
     """``tree``'s tensors, each copied where it views the gathered memory of one of ``units``
     (a layer's aux output or an extra that is a parameter's view, a loss's aux): ``free``
-    releases that memory (``fz3.step.memory``) before the loss, the layers or the caller
-    read them."""
+    releases it before they are read ([Note: a unit's memory])."""
     held = {b.untyped_storage().data_ptr() for v in units
             for b in (s.params[v].buffer, s.params[v].frozen) if b is not None}
     return optree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and
@@ -277,7 +276,3 @@ def frame_of(s: StepState, op: Op, index: int, inputs: Any, outputs: Any,
 def detached(aux: Any) -> Any:
     return optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, aux,
                            none_is_leaf=True)
-
-
-def or_zeros(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(like) if g is None else g
