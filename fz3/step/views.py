@@ -40,7 +40,8 @@ class RowViews(functools.partial):
         """The position among this call's results of ``op(results[source], *args)``, a view
         op on a parameter's view (a weight's ``t``, made again by each program otherwise,
         ~0.7 us a call here): made with the views. The same one asked twice (by a layer's
-        forward and inference) is one."""
+        forward and inference) is one. Asked before any call: ``joint`` rewrites all of a
+        layer's programs before one runs (views kept earlier would lack it)."""
         spec = (source, op, args)
         if spec not in self.derived:
             self.derived.append(spec)
