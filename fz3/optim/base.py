@@ -71,9 +71,10 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
                                       _one(last.per_unit), per_unit_last=last.per_unit_last)
     per_unit = _scaled_first(*transforms) if len(transforms) == 2 else None
     last_ = per_unit is not None
-    if len(transforms) == 2 and last.keeps is not None:
+    if len(transforms) == 2 and last.keeps is not None:  # (a clip first keeps its placement)
         inplace, per_unit = _kept_last(transforms[0], last.keeps)
-        return GradientTransformation(init, update, inplace, per_unit)
+        return GradientTransformation(init, update, inplace, per_unit,
+                                      per_unit_last=transforms[0].per_unit_last)
     if last is None or last.update_inplace is None:
         return GradientTransformation(init, update, None, per_unit, per_unit_last=last_)
 
@@ -152,9 +153,9 @@ def after_scaling(scaling: Callable, state: Any, inner: UnitStep) -> UnitStep:
     def finish() -> tuple[Tree, tuple]:
         order = sorted(kept)
         factor, new = scaling(state, [n for key in order for n in kept[key][2]])
-        for leaf, _ in order:
-            layers, grad, _ = kept.pop((leaf, _))
-            inner.update(leaf, layers, grad * factor.to(grad.dtype))
+        for key in order:
+            layers, grad, _ = kept.pop(key)
+            inner.update(key[0], layers, grad * factor.to(grad.dtype))
         params, inner_state = inner.finish()
         return params, (new, inner_state)
 
